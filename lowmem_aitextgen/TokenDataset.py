@@ -24,7 +24,7 @@ logger = logging.getLogger("lowmem_aitextgen")
 csv.field_size_limit(2**31 - 1)
 
 
-def check_text_file(file_path: Any, argument: str = "file_path") -> None:
+def check_text_file(file_path: Any, argument: str = "file_path", text: bool = True) -> None:
     """Clear errors for the ways a training file can be wrong, before any work."""
     if not isinstance(file_path, (str, os.PathLike)):
         raise TypeError(f"{argument} must be a path to a text file, not {type(file_path).__name__}.")
@@ -34,6 +34,8 @@ def check_text_file(file_path: Any, argument: str = "file_path") -> None:
         raise IsADirectoryError(f"{argument}={str(file_path)!r} is a folder; pass one text file inside it.")
     if os.path.getsize(file_path) == 0:
         raise ValueError(f"{argument}={str(file_path)!r} is empty; there is nothing to train on.")
+    if not text:
+        return
     with open(file_path, "rb") as f:
         head = f.read(1 << 16)
     if b"\x00" in head:
@@ -47,8 +49,8 @@ def _read_texts(file_path: str, line_by_line: bool, header: bool, eos_token: str
     # Bulk text keeps its newlines (newline="\n"); line-by-line uses universal newlines.
     with open(file_path, encoding="utf-8", newline=None if line_by_line else "\n") as f:
         try:
-            if line_by_line and header:
-                f.readline()
+            if is_csv and line_by_line and header:
+                f.readline()  # aitextgen also dropped the first line of plain .txt files
             rows = (row[0] for row in csv.reader(f) if row) if is_csv else f
             for text in rows:
                 yield text + eos_token
@@ -107,7 +109,7 @@ class TokenDataset(_AitextgenTokenDataset):
             raise ValueError("TokenDataset needs texts=[...] or file_path='data.txt'.")
 
         if from_cache:
-            check_text_file(file_path)
+            check_text_file(file_path, text=False)
             open_func = gzip.open if str(file_path).endswith(".gz") else open
             with open_func(file_path, "rb") as f:
                 tokens = np.load(f)

@@ -1,0 +1,46 @@
+"""Shared fixtures: everything offline, on CPU, on text from the standard library."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pydoc_data.topics  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import GPT2Config  # noqa: E402
+
+
+def corpus_text(n_chars: int) -> str:
+    """Real English prose: Python's own documentation topics."""
+    return "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))[:n_chars]
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "input.txt"
+    path.write_text(corpus_text(60_000), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(corpus_file, tmp_path_factory) -> str:
+    from lowmem_aitextgen.tokenizers import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    train_tokenizer(corpus_file, vocab_size=1000, prefix=str(folder / "aitextgen"))
+    return str(folder / "aitextgen.tokenizer.json")
+
+
+def tiny_gpt2_config(vocab_size: int = 1000, n_layer: int = 2, n_positions: int = 32, dropout: float = 0.0,
+                     **kwargs) -> GPT2Config:
+    return GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=64, n_layer=n_layer, n_head=4,
+                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                      bos_token_id=0, eos_token_id=0, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_cwd(tmp_path, monkeypatch):
+    """aitextgen writes relative paths (trained_model/, ATG_*.txt): keep them in tmp."""
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
