@@ -151,27 +151,13 @@ class TrainingDiverged(RuntimeError):
 
 
 class NonFiniteGuard(OptimizerStepCallback):
-    """Keep NaN/inf out of the weights, and stop when the loss stays non-finite.
-
-    With fp16 loss scaling the GradScaler already skips overflowing steps; in
-    fp32/bf16 nothing does, so a step whose gradients are not finite is dropped
-    here (its gradients are cleared before the optimizer sees them).
-    """
+    """Stop when the loss stays NaN/inf (the module already keeps such steps out of the weights)."""
 
     def __init__(self, patience: int = 20) -> None:
         super().__init__()
         self.patience = patience
         self.bad_steps = 0
-        self.skipped_steps = 0
         self.reason: str | None = None
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
-            self.skipped_steps += 1
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    param.grad = None
 
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
         self.bad_steps = 0 if math.isfinite(loss) else self.bad_steps + 1

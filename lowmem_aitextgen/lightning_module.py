@@ -41,9 +41,23 @@ class CausalLMModule(pl.LightningModule):
         super().__init__()
         self.model = model
         self.plan = plan
+        self.skipped_steps = 0
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch, use_cache=False).loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop a step whose gradients are NaN/inf, so they never reach the weights.
+
+        fp16's GradScaler skips such steps itself; in fp32/bf16 nothing would.
+        (Runs after every callback's hook, so it sees their changes too.)
+        """
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+            self.skipped_steps += 1
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,

@@ -32,13 +32,15 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 def disable_gradient_checkpointing(model: nn.Module) -> None:
     """Generation wants the KV cache and no recomputation."""
-    if getattr(model, "is_gradient_checkpointing", False):
+    if is_checkpointing(model):
         model.gradient_checkpointing_disable()
     model.config.use_cache = True
 
 
 def is_checkpointing(model: nn.Module) -> bool:
-    return bool(getattr(model, "is_gradient_checkpointing", False))
+    # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing.
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(flag if flag is not None else getattr(model, "is_gradient_checkpointing", False))
 
 
 def layers_to_freeze(model: nn.Module, num_layers_freeze: int | None) -> list[nn.Parameter]:

