@@ -266,8 +266,9 @@ class aitextgen(_aitextgen):
         if plan.seed is not None:
             set_seed(plan.seed)
         self.model = model  # samples during training come from the model being trained
+        module = CausalLMModule(model, plan)
         try:
-            trainer.fit(CausalLMModule(model, plan), train_dataloaders=loader)
+            trainer.fit(module, train_dataloaders=loader)
         finally:
             memory.set_requires_grad(frozen, True)
             self.model = self._finish(model, original_dtype)
@@ -276,6 +277,8 @@ class aitextgen(_aitextgen):
         if trainer.is_global_zero:
             logger.info(f"Saving trained model to {plan.output_dir}")
             self._save_trained(plan.output_dir, model, original_dtype, plain=self.model)
+        if module.skipped_steps:
+            logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
         if guard.reason:
             raise TrainingDiverged(guard.reason)
 

@@ -8,7 +8,6 @@ asking what the hardware supports.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -73,9 +72,6 @@ class TrainPlan:
             if self.precision.startswith(prefix):
                 return dtype
         return None
-
-    def replace(self, **changes: Any) -> TrainPlan:
-        return dataclasses.replace(self, **changes)
 
     def describe(self, trainable: int, total: int) -> str:
         """The one-line summary logged when training starts."""
