@@ -204,3 +204,16 @@ def test_lora_adapter_folder_loads_and_keeps_training(tokenizer_file, corpus_fil
                                          str(tmp_path / "b" / "lora_adapter"))
     after = {n: p for n, p in reloaded.named_parameters() if "lora_" in n}
     assert any(not torch.equal(after[n], adapter_before[n]) for n in adapter_before)
+
+
+def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, corpus_file, tmp_path):
+    from lowmem_aitextgen.callbacks import TrainingDiverged
+
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    good = ai.model.lm_head.weight.detach().clone()
+    ai.model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+    with pytest.raises(TrainingDiverged, match="NaN/inf for 20 optimizer steps"):
+        ai.train(corpus_file, num_steps=100, save_every=0, generate_every=0, precision="32-true",
+                 output_dir=str(tmp_path / "out"))
+    saved = aitextgen(model_folder=str(tmp_path / "out"))
+    assert torch.equal(saved.model.lm_head.weight, good)  # NaN steps never reached the weights
