@@ -19,7 +19,6 @@ import importlib
 import importlib.util
 import itertools
 import json
-import logging
 import os
 import sys
 import types
@@ -28,8 +27,6 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
-
-logger = logging.getLogger("lowmem_aitextgen")
 
 _installed = False
 
