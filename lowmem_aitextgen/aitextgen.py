@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from . import io, memory
 from .callbacks import NonFiniteGuard, SaveAndSample, StepProgressBar, TrainingDiverged
 from .lightning_module import CausalLMModule
-from .lora import add_lora, check_target_modules, is_lora_model, merged_model
+from .lora import add_lora, is_lora_model, merged_model
 from .plan import LoraSettings, TrainPlan, build_plan
 from .TokenDataset import TokenDataset, check_text_file
 
@@ -204,8 +204,6 @@ class aitextgen(_aitextgen):
             num_workers=num_workers, progress_bar_refresh_rate=progress_bar_refresh_rate,
             avg_loss_smoothing=avg_loss_smoothing,
         )
-        if plan.lora is not None and plan.lora.target_modules and not is_lora_model(self.model):
-            check_target_modules(self.model, plan.lora.target_modules)
         dataset = self._dataset(train_data, kwargs)
         self._fit(plan, dataset, loggers, callbacks or [])
 
@@ -233,11 +231,12 @@ class aitextgen(_aitextgen):
     def _fit(self, plan: TrainPlan, dataset: TokenDataset, loggers: list | None,
              extra_callbacks: list[pl.Callback]) -> None:
         """Prepare the model by the plan, run Lightning, restore for generation, save."""
-        if len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
+        n_embeddings = self.model.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > n_embeddings:
             raise ValueError(
                 f"The tokenizer has {len(self.tokenizer):,} tokens but the model's embeddings only "
-                f"{self.model.get_input_embeddings().num_embeddings:,}; use the tokenizer the model was "
-                "trained with, or a config with a larger vocab_size."
+                f"{n_embeddings:,}; use the tokenizer the model was trained with, or a config with a "
+                "larger vocab_size."
             )
         self.model.config.line_by_line = getattr(dataset, "line_by_line", False)
         original_dtype = next(self.model.parameters()).dtype

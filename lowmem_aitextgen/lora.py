@@ -50,9 +50,8 @@ def default_target_modules(model: nn.Module) -> tuple[str, ...]:
 
 def check_target_modules(model: nn.Module, targets: tuple[str, ...]) -> None:
     """Fail before training with the names that do exist, not deep inside peft."""
-    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t not in leaf_names and not any(
-        name.endswith("." + t) or name == t for name, _ in model.named_modules())]
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
     if missing:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if type(m).__name__ in ("Linear", "Conv1D")})
