@@ -39,8 +39,8 @@ class _Placeholder:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             f"{type(self).__name__} was removed in {self.removed_in}; "
-            "lowmem_aitextgen trains through Lightning 2.x strategies instead "
-            "(pass strategy='deepspeed_stage_2' to train())."
+            "lowmem_aitextgen trains with Lightning 2.x and cuts memory with checkpointing, "
+            "mixed precision and LoRA instead."
         )
 
 

@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 from aitextgen.aitextgen import aitextgen as _aitextgen
 from aitextgen.utils import model_max_length, reset_seed, set_seed
+from pytorch_lightning.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -23,6 +24,7 @@ from .callbacks import NonFiniteGuard, SaveAndSample, StepProgressBar, TrainingD
 from .lightning_module import CausalLMModule
 from .lora import add_lora, is_lora_model, merged_model
 from .plan import LoraSettings, TrainPlan, build_plan
+from .report import RunRecorder, describe_summary, make_loggers
 from .TokenDataset import TokenDataset, check_text_file
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -31,8 +33,8 @@ logger.setLevel(logging.INFO)
 # aitextgen 0.6 arguments that no longer apply, and what happens instead.
 OBSOLETE_TRAIN_ARGUMENTS = {
     "fp16_opt_level": ("O1", "Apex is replaced by native AMP; fp16=True or precision= choose it"),
-    "tpu_cores": (0, "TPUs are not supported; use accelerator devices through n_gpu/strategy"),
-    "use_deepspeed": (False, "pass strategy='deepspeed_stage_2' to use DeepSpeed through Lightning"),
+    "tpu_cores": (0, "TPUs are not supported; n_gpu chooses GPUs or the CPU"),
+    "use_deepspeed": (False, "DeepSpeed is not used; checkpointing, mixed precision and LoRA cut memory instead"),
     "save_gdrive": (False, "copy output_dir to Google Drive yourself; nothing is copied"),
     "benchmark": (True, "GPT-2 has no convolutions, so cudnn.benchmark is not used"),
     "run_id": (None, "run_id only named Google Drive folders; it is ignored"),
@@ -153,7 +155,7 @@ class aitextgen(_aitextgen):
         save_every: int = 1000,
         generate_every: int = 1000,
         n_generate: int = 1,
-        loggers: list | None = None,
+        loggers: list | str | Logger | None = None,
         batch_size: int = 1,
         num_workers: int | None = None,
         benchmark: bool = True,
@@ -172,11 +174,12 @@ class aitextgen(_aitextgen):
         lora_alpha: int = 16,
         lora_dropout: float = 0.05,
         lora_target_modules: Sequence[str] | None = None,
+        chunked_loss: bool = True,
         callbacks: list[pl.Callback] | None = None,
         **kwargs: Any,
     ) -> None:
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
-        precision=, gradient_checkpointing=, lora*= and callbacks= (Lightning callbacks).
+        precision=, gradient_checkpointing=, lora*=, chunked_loss= and callbacks= (Lightning callbacks).
         Extra keyword arguments go to TokenDataset (e.g. line_by_line=True)."""
         given = locals()
         for name, (default, instead) in OBSOLETE_TRAIN_ARGUMENTS.items():
@@ -188,6 +191,7 @@ class aitextgen(_aitextgen):
             check_text_file(train_data, "train_data")
         elif not isinstance(train_data, torch.utils.data.Dataset):
             raise TypeError(f"train_data must be a text file path or a TokenDataset, not {type(train_data).__name__}.")
+        lightning_loggers = make_loggers(loggers, output_dir)
         plan = build_plan(
             self.model,
             output_dir=output_dir, n_gpu=n_gpu, fp16=fp16, precision=precision,
@@ -202,10 +206,10 @@ class aitextgen(_aitextgen):
             freeze_layers=freeze_layers, num_layers_freeze=num_layers_freeze,
             save_every=save_every, generate_every=generate_every, n_generate=n_generate, seed=seed,
             num_workers=num_workers, progress_bar_refresh_rate=progress_bar_refresh_rate,
-            avg_loss_smoothing=avg_loss_smoothing,
+            avg_loss_smoothing=avg_loss_smoothing, chunked_loss=chunked_loss,
         )
         dataset = self._dataset(train_data, kwargs)
-        self._fit(plan, dataset, loggers, callbacks or [])
+        self._fit(plan, dataset, lightning_loggers, callbacks or [])
 
     def _dataset(self, train_data: str | TokenDataset, kwargs: dict) -> TokenDataset:
         """A TokenDataset as given, or encoded from a file in blocks of the model's context
@@ -228,7 +232,7 @@ class aitextgen(_aitextgen):
         dataset.set_block_size(block_size)
         return dataset
 
-    def _fit(self, plan: TrainPlan, dataset: TokenDataset, loggers: list | None,
+    def _fit(self, plan: TrainPlan, dataset: TokenDataset, loggers: list[Logger],
              extra_callbacks: list[pl.Callback]) -> None:
         """Prepare the model by the plan, run Lightning, restore for generation, save."""
         n_embeddings = self.model.get_input_embeddings().num_embeddings
@@ -241,15 +245,27 @@ class aitextgen(_aitextgen):
         self.model.config.line_by_line = getattr(dataset, "line_by_line", False)
         original_dtype = next(self.model.parameters()).dtype
         model, frozen = self._prepare_model(plan)
+        if plan.accelerator == "cpu":
+            memory.pin_mmap_threshold()
         trainable, total = memory.trainable_parameters(model)
-        logger.info(plan.describe(trainable, total))
+        logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
 
-        progress = StepProgressBar(plan.num_steps, plan.progress_bar_refresh_rate,
-                                   plan.avg_loss_smoothing, plan.accelerator)
+        recorder = RunRecorder(plan)
+        progress = StepProgressBar(lambda: recorder.latest, plan.num_steps, plan.progress_bar_refresh_rate,
+                                   plan.accelerator)
         guard = NonFiniteGuard()
+        module = CausalLMModule(model, plan)
+
+        def save(plain: nn.Module | None = None) -> dict:
+            """Weights first, then the summary and plots that describe them."""
+            self._save_trained(plan.output_dir, model, original_dtype, plain=plain)
+            summary = recorder.summary(model, plan.output_dir, skipped_steps=module.skipped_steps,
+                                       stopped_because=guard.reason)
+            recorder.write(plan.output_dir, summary)
+            return summary
+
         sampler = SaveAndSample(
-            plan.save_every, plan.generate_every,
-            save=lambda: self._save_trained(plan.output_dir, model, original_dtype),
+            plan.save_every, plan.generate_every, save=save,
             sample=lambda: self.generate(n=plan.n_generate, return_as_list=True),
             write=progress.write,
         )
@@ -257,7 +273,8 @@ class aitextgen(_aitextgen):
             accelerator=plan.accelerator, devices=plan.devices, precision=plan.precision,
             max_steps=plan.num_steps, max_epochs=-1, accumulate_grad_batches=plan.accumulation,
             gradient_clip_val=plan.max_grad_norm or None, logger=loggers or False,
-            callbacks=[progress, guard, sampler, *extra_callbacks],
+            # the recorder first: the progress bar shows what it recorded
+            callbacks=[recorder, progress, guard, sampler, *extra_callbacks],
             enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
         )
         loader = DataLoader(dataset, batch_size=plan.micro_batch_size, shuffle=True,
@@ -265,7 +282,6 @@ class aitextgen(_aitextgen):
         if plan.seed is not None:
             set_seed(plan.seed)
         self.model = model  # samples during training come from the model being trained
-        module = CausalLMModule(model, plan)
         try:
             trainer.fit(module, train_dataloaders=loader)
         finally:
@@ -275,7 +291,7 @@ class aitextgen(_aitextgen):
                 reset_seed()
         if trainer.is_global_zero:
             logger.info(f"Saving trained model to {plan.output_dir}")
-            self._save_trained(plan.output_dir, model, original_dtype, plain=self.model)
+            logger.info(describe_summary(save(plain=self.model)))
         if module.skipped_steps:
             logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
         if guard.reason:

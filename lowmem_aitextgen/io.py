@@ -50,6 +50,23 @@ def _move_into(staging: str, target: str) -> None:
             os.replace(source, os.path.join(target, name))
 
 
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write one file so that readers see the old or the new content, never a mix."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=".writing-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
 def atomic_save(
     output_dir: str,
     model: nn.Module,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import get_linear_schedule_with_warmup
 
+from .chunked_loss import causal_lm_loss
 from .plan import TrainPlan
 
 
@@ -44,7 +45,7 @@ class CausalLMModule(pl.LightningModule):
         self.skipped_steps = 0
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch, labels=batch, use_cache=False).loss
+        return causal_lm_loss(self.model, batch, self.plan.loss_chunk_tokens)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop a step whose gradients are NaN/inf, so they never reach the weights.

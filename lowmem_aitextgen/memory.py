@@ -7,10 +7,13 @@
 | cast_frozen_weights           | half of every frozen weight (no fp32)   | frozen weights rounded to 16 b |
 | (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
+| (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | the LM head's matmul twice     |
+| pin_mmap_threshold (CPU)      | heap fragmentation in peak RSS          | page faults on large tensors   |
 """
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import sys
 
@@ -77,6 +80,29 @@ def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
     return saved
 
 
+GLIBC_M_MMAP_THRESHOLD = -3  # mallopt parameter number, from glibc's malloc.h
+GLIBC_DEFAULT_MMAP_THRESHOLD = 128 * 1024
+
+
+def pin_mmap_threshold(threshold: int = GLIBC_DEFAULT_MMAP_THRESHOLD) -> bool:
+    """CPU training: hand freed tensor memory back to the OS at once (glibc only; returns whether set).
+
+    glibc serves allocations above 128 KiB with mmap, but each time such a block
+    is freed it raises that threshold (up to 32 MiB) and serves later tensors from
+    its heap, where freed memory stays resident and fragments: the peak RSS of a
+    355M LoRA step grows by ~0.6 GB that way (benchmarks/RESULTS.md).  Setting the
+    threshold explicitly turns the raising off (glibc's documented behaviour).
+    There is no torch or Python API for this, hence ctypes.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl)
+        return False
+    return bool(libc.mallopt(GLIBC_M_MMAP_THRESHOLD, threshold))
+
+
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; tied weights counted once."""
     seen: set[int] = set()
@@ -89,6 +115,17 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
         if param.requires_grad:
             trainable += param.numel()
     return trainable, total
+
+
+def parameter_state_bytes(model: nn.Module) -> int:
+    """Weights + gradients + AdamW's two moments: what training holds before any activation.
+
+    Exact for the parameters as they are now (dtypes included); tied weights once.
+    """
+    unique = {id(p): p for p in model.parameters()}.values()
+    weights = sum(p.numel() * p.element_size() for p in unique)
+    trainable = sum(p.numel() * p.element_size() for p in unique if p.requires_grad)
+    return weights + 3 * trainable  # gradient + exp_avg + exp_avg_sq, each in the parameter's dtype
 
 
 def peak_memory_bytes(accelerator: str) -> int:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .chunked_loss import DEFAULT_CHUNK_TOKENS
+
 # Lightning's precision strings (and the short aliases Lightning also accepts).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -60,6 +62,7 @@ class TrainPlan:
     num_workers: int = 0
     progress_bar_refresh_rate: int = 20
     avg_loss_smoothing: float = 0.01
+    loss_chunk_tokens: int | None = None  # None: the model's own (unchunked) loss
 
     @property
     def effective_batch_size(self) -> int:
@@ -73,14 +76,16 @@ class TrainPlan:
                 return dtype
         return None
 
-    def describe(self, trainable: int, total: int) -> str:
-        """The one-line summary logged when training starts."""
+    def describe(self, trainable: int, total: int, state_bytes: int) -> str:
+        """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
         lora = f"LoRA r={self.lora.r}" if self.lora else "off"
         return (
             f"Training plan: device={self.accelerator}, precision={self.precision}, "
             f"checkpointing={'on' if self.gradient_checkpointing else 'off'}, LoRA={lora}, "
+            f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, "
             f"batch={self.micro_batch_size}x{self.accumulation} (micro-batch x accumulation), "
-            f"trainable parameters={trainable:,} of {total:,}"
+            f"trainable parameters={trainable:,} of {total:,}, "
+            f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"
         )
 
 
@@ -183,6 +188,7 @@ def build_plan(
     num_workers: int | None,
     progress_bar_refresh_rate: int,
     avg_loss_smoothing: float,
+    chunked_loss: bool = True,
 ) -> TrainPlan:
     """Validate train() arguments and decide everything not given explicitly."""
     _check_positive_int("num_steps", num_steps, "it counts optimizer steps, e.g. num_steps=500")
@@ -241,4 +247,5 @@ def build_plan(
         num_workers=num_workers or 0,
         progress_bar_refresh_rate=progress_bar_refresh_rate,
         avg_loss_smoothing=avg_loss_smoothing,
+        loss_chunk_tokens=DEFAULT_CHUNK_TOKENS if chunked_loss else None,
     )

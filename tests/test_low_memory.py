@@ -217,3 +217,22 @@ def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, 
                  output_dir=str(tmp_path / "out"))
     saved = aitextgen(model_folder=str(tmp_path / "out"))
     assert torch.equal(saved.model.lm_head.weight, good)  # NaN steps never reached the weights
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_pinned_mmap_threshold_gives_freed_tensors_back_to_the_os():
+    """Unpinned, glibc raises its mmap threshold when the 16 MiB tensor is freed, serves
+    the 8 MiB one from its heap and keeps that resident after it is freed (measured: 0 MiB
+    returned); pinned, it is returned at once."""
+    assert memory.pin_mmap_threshold()
+    first = torch.ones(16 * 2**20, dtype=torch.uint8)
+    del first
+    second = torch.ones(8 * 2**20, dtype=torch.uint8)
+    with_tensor = resident_bytes()
+    del second
+    assert with_tensor - resident_bytes() >= 7 * 2**20

@@ -1,0 +1,67 @@
+"""The language-model loss computed a chunk of tokens at a time.
+
+GPT-2's head turns every token into 50,257 logits: at block 1024 that is
+206 MB in fp32 per sequence, held several times over by the standard loss
+(16-bit logits, their fp32 copy, log-softmax, and the gradient of each).
+Here each chunk's logits are made, reduced to a loss and dropped; backward
+recomputes them (non-reentrant checkpointing), so only one chunk's logits
+ever exist.  Trade-off: the head's matmul runs twice (about 1/7 of GPT-2
+355M's forward FLOPs at block 1024).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100  # transformers' label value for "no loss here"
+DEFAULT_CHUNK_TOKENS = 256  # 256 x 50,257 fp32 logits = 51 MB per chunk
+
+
+def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The transformer body (ids -> hidden states) and the LM head of a causal LM,
+    or None where the model does not expose them (its own loss is used then)."""
+    get_base_model = getattr(model, "get_base_model", None)  # a peft wrapper
+    lm = get_base_model() if get_base_model is not None else model
+    prefix = getattr(lm, "base_model_prefix", "")
+    body = getattr(lm, prefix, None) if prefix else None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if not isinstance(body, nn.Module) or not isinstance(head, nn.Linear):
+        return None
+    return body, head
+
+
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # the softmax in fp32, as transformers' loss does
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_lm_loss(
+    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> torch.Tensor:
+    """Mean next-token cross-entropy, equal to transformers' causal-LM loss.
+
+    hidden: (batch, seq, dim) final hidden states; labels: (batch, seq) token
+    ids (IGNORE_INDEX where no loss), shifted here as transformers shifts them.
+    """
+    dim = hidden.shape[-1]
+    hidden = hidden[:, :-1].reshape(-1, dim)
+    targets = labels[:, 1:].reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, targets.numel(), chunk_tokens):
+        end = start + chunk_tokens
+        total = total + checkpoint(_chunk_loss_sum, head, hidden[start:end], targets[start:end],
+                                   use_reentrant=False)
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, chunk_tokens: int | None) -> torch.Tensor:
+    """The training loss of `model` on `input_ids` (labels = inputs), chunked if asked and possible."""
+    parts = body_and_head(model) if chunk_tokens else None
+    if parts is None:
+        return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    body, head = parts
+    hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state
+    return chunked_lm_loss(hidden, head, input_ids, chunk_tokens)

@@ -1,0 +1,283 @@
+"""What training did, shown to the user.
+
+`RunRecorder` (a callback) keeps one record per optimizer step — loss, its
+moving average, learning rate, tokens/s, peak memory — and gives the same
+numbers to the Lightning loggers.  From it come the run summary (logged, and
+written as training_summary.json) and, when matplotlib is installed, loss.png
+and memory.png.  All three are rewritten at every save, so an interrupted run
+still has them.
+"""
+
+from __future__ import annotations
+
+import io as _bytes_io
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+
+from .callbacks import OptimizerStepCallback
+from .io import atomic_write_bytes
+from .memory import format_bytes, peak_memory_bytes, trainable_parameters
+from .plan import TrainPlan
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+SUMMARY_FILE = "training_summary.json"
+LOSS_PLOT = "loss.png"
+MEMORY_PLOT = "memory.png"
+PNG_DATA_KEY = "lowmem_aitextgen"  # the plotted numbers, as JSON in a PNG text chunk
+LOGGER_NAMES = ("csv", "tensorboard")
+LOGS_SUBFOLDER = "logs"
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as the user sees it."""
+
+    step: int
+    loss: float
+    avg_loss: float | None
+    learning_rate: float
+    tokens_per_s: float
+    peak_memory_bytes: int
+
+
+def memory_kind(accelerator: str) -> str:
+    return "GPU peak allocated" if accelerator == "gpu" else "CPU peak RSS"
+
+
+def unique_bytes(tensors: Any) -> int:
+    """Bytes of distinct tensors (tied weights once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def measured_breakdown(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak: int) -> dict[str, int]:
+    """Where the peak went: the parts known exactly, and the rest (activations, logits, runtime)."""
+    weights = unique_bytes(model.parameters())
+    gradients = unique_bytes(p for p in model.parameters() if p.requires_grad)
+    states = unique_bytes(v for state in optimizer.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor))
+    return {
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer_states": states,
+        "activations_logits_and_runtime": max(peak - weights - gradients - states, 0),
+    }
+
+
+class RunRecorder(OptimizerStepCallback):
+    """Records every optimizer step and logs it to the Trainer's loggers."""
+
+    def __init__(self, plan: TrainPlan) -> None:
+        super().__init__()
+        self.plan = plan
+        self.records: list[StepRecord] = []
+        self.tokens = 0
+        self.started = time.perf_counter()
+        self.wall_time = 0.0
+        self.learning_rate = float("nan")
+        self.breakdown: dict[str, int] = {}
+        self.optimizer_name = ""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.tokens += batch.numel() * trainer.world_size
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        self.learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        self.optimizer_name = type(optimizer).__name__
+        self._optimizer = optimizer
+
+    def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
+        previous = self.records[-1].avg_loss if self.records else None
+        avg = previous
+        if math.isfinite(loss):
+            smoothing = self.plan.avg_loss_smoothing
+            avg = loss if previous is None else smoothing * loss + (1 - smoothing) * previous
+        self.wall_time = time.perf_counter() - self.started
+        record = StepRecord(trainer.global_step, loss, avg, self.learning_rate,
+                            self.tokens / max(self.wall_time, 1e-9), peak_memory_bytes(self.plan.accelerator))
+        self.records.append(record)
+        self.breakdown = measured_breakdown(pl_module.model, self._optimizer, record.peak_memory_bytes)
+        metrics = {k: v for k, v in asdict(record).items() if k != "step" and v is not None}
+        for lightning_logger in trainer.loggers:
+            lightning_logger.log_metrics(metrics, step=record.step)
+
+    @property
+    def latest(self) -> StepRecord | None:
+        return self.records[-1] if self.records else None
+
+    # --- the summary and the pictures ----------------------------------------
+
+    def summary(self, model: torch.nn.Module, output_dir: str, **extra: Any) -> dict[str, Any]:
+        """Everything the user wants to know about the run, JSON-ready."""
+        plan = self.plan
+        averages = [r.avg_loss for r in self.records if r.avg_loss is not None]
+        trainable, total = trainable_parameters(model)
+        last = self.latest
+        return {
+            "steps": last.step if last else 0,
+            "tokens": self.tokens,
+            "wall_time_s": round(self.wall_time, 3),
+            "tokens_per_s": round(self.tokens / self.wall_time, 2) if self.wall_time else None,
+            "final_loss": last.loss if last else None,
+            "final_avg_loss": averages[-1] if averages else None,
+            "best_avg_loss": min(averages) if averages else None,
+            "peak_memory_bytes": last.peak_memory_bytes if last else peak_memory_bytes(plan.accelerator),
+            "peak_memory_kind": memory_kind(plan.accelerator),
+            "memory_breakdown_bytes": self.breakdown,
+            "plan": {
+                "device": plan.accelerator,
+                "precision": plan.precision,
+                "gradient_checkpointing": plan.gradient_checkpointing,
+                "lora": asdict(plan.lora) if plan.lora else None,
+                "chunked_loss": plan.loss_chunk_tokens is not None,
+                "micro_batch_size": plan.micro_batch_size,
+                "gradient_accumulation_steps": plan.accumulation,
+                "effective_batch_size": plan.effective_batch_size,
+                "optimizer": self.optimizer_name,
+                "trainable_parameters": trainable,
+                "parameters": total,
+            },
+            "output_dir": os.path.abspath(output_dir),
+            **extra,
+        }
+
+    def write(self, output_dir: str, summary: dict[str, Any]) -> list[str]:
+        """training_summary.json, and loss.png/memory.png if matplotlib is installed; returns paths."""
+        path = os.path.join(output_dir, SUMMARY_FILE)
+        atomic_write_bytes(path, json.dumps(summary, indent=2).encode())
+        written = [path]
+        if matplotlib_available() and self.records:
+            written.append(save_png(loss_figure(self.records), os.path.join(output_dir, LOSS_PLOT),
+                                    loss_plot_data(self.records)))
+            data = memory_plot_data(summary)
+            written.append(save_png(memory_figure(data), os.path.join(output_dir, MEMORY_PLOT), data))
+        return written
+
+
+def describe_summary(summary: dict[str, Any]) -> str:
+    """The summary as the few lines logged at the end of train()."""
+    plan = summary["plan"]
+    lora = f"LoRA r={plan['lora']['r']}" if plan["lora"] else "full fine-tune"
+
+    def loss(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    return (
+        f"Training summary: {summary['steps']:,} steps, {summary['tokens']:,} tokens in "
+        f"{summary['wall_time_s']:.0f} s ({summary['tokens_per_s'] or 0:,.0f} tokens/s)\n"
+        f"  loss: final {loss(summary['final_loss'])}, average {loss(summary['final_avg_loss'])}, "
+        f"best average {loss(summary['best_avg_loss'])}\n"
+        f"  memory: {summary['peak_memory_kind']} {format_bytes(summary['peak_memory_bytes'])}\n"
+        f"  plan: {plan['precision']}, checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, "
+        f"{lora}, chunked loss {'on' if plan['chunked_loss'] else 'off'}, batch "
+        f"{plan['micro_batch_size']}x{plan['gradient_accumulation_steps']}, {plan['optimizer']}\n"
+        f"  saved to {summary['output_dir']}"
+    )
+
+
+# --- plots (matplotlib is optional: pip install lowmem_aitextgen[plots]) -------
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def loss_plot_data(records: list[StepRecord]) -> dict[str, list]:
+    return {
+        "step": [r.step for r in records],
+        "loss": [r.loss for r in records],
+        "avg_loss": [r.avg_loss for r in records],
+    }
+
+
+def memory_plot_data(summary: dict[str, Any]) -> dict[str, Any]:
+    parts = summary["memory_breakdown_bytes"]
+    return {"labels": [name.replace("_", " ") for name in parts], "bytes": list(parts.values()),
+            "peak_bytes": summary["peak_memory_bytes"], "peak_kind": summary["peak_memory_kind"]}
+
+
+def _figure():
+    # The object-oriented API with no pyplot: no global state, no GUI backend,
+    # nothing changed in a notebook that imported us.
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(7, 4), dpi=100)
+
+
+def loss_figure(records: list[StepRecord]):
+    data = loss_plot_data(records)
+    figure = _figure()
+    axes = figure.add_subplot()
+    axes.plot(data["step"], data["loss"], alpha=0.35, label="loss per step")
+    axes.plot(data["step"], [math.nan if v is None else v for v in data["avg_loss"]], label="moving average")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss")
+    axes.legend()
+    figure.tight_layout()
+    return figure
+
+
+def memory_figure(data: dict[str, Any]):
+    figure = _figure()
+    axes = figure.add_subplot()
+    gib = [b / 2**30 for b in data["bytes"]]
+    bottom = 0.0
+    for label, value in zip(data["labels"], gib):
+        axes.bar("breakdown", value, bottom=bottom, label=label)
+        bottom += value
+    axes.bar(data["peak_kind"], data["peak_bytes"] / 2**30, color="black", label="measured peak")
+    axes.set_ylabel("GiB")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def save_png(figure, path: str, data: dict[str, Any]) -> str:
+    """Write the figure atomically, with the plotted numbers as JSON in its metadata."""
+    buffer = _bytes_io.BytesIO()
+    figure.savefig(buffer, format="png", metadata={PNG_DATA_KEY: json.dumps(data)})
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+# --- loggers -----------------------------------------------------------------
+
+
+def make_loggers(loggers: Any, output_dir: str) -> list[Logger]:
+    """aitextgen's `loggers=`: Lightning loggers, or "csv"/"tensorboard" (written under output_dir/logs)."""
+    if loggers is None or loggers is False:
+        return []
+    made = []
+    for item in loggers if isinstance(loggers, (list, tuple)) else [loggers]:
+        if isinstance(item, Logger):
+            made.append(item)
+        elif item == "csv":
+            made.append(CSVLogger(output_dir, name=LOGS_SUBFOLDER))
+        elif item == "tensorboard":
+            made.append(TensorBoardLogger(output_dir, name=LOGS_SUBFOLDER))
+        else:
+            raise ValueError(f"loggers={item!r} is not a Lightning logger; use "
+                             f"{' or '.join(map(repr, LOGGER_NAMES))}, or a pytorch_lightning.loggers object.")
+    return made

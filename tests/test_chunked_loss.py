@@ -1,0 +1,86 @@
+"""Chunked LM loss: the standard loss and gradients, without full-sequence logits."""
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import GPT2LMHeadModel
+
+from conftest import tiny_gpt2_config
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.chunked_loss import body_and_head, causal_lm_loss
+
+
+def loss_and_grads(model, batch, chunk_tokens):
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(model, batch, chunk_tokens)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_chunked_loss_equals_the_models_own_loss_and_gradients():
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_positions=128)).train()
+    batch = torch.randint(0, 1000, (3, 100))
+    batch[1, 50:] = 7  # repeated tokens change nothing about the shift, but make rows differ
+    reference, reference_grads = loss_and_grads(model, batch, None)
+    for chunk_tokens in (1, 37, 64, 10_000):  # ragged last chunk, exactly one chunk, fewer tokens than a chunk
+        loss, grads = loss_and_grads(model, batch, chunk_tokens)
+        torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+        assert grads.keys() == reference_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_chunked_loss_reaches_lora_adapters_through_peft():
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                  lora_dropout=0.0, init_lora_weights=False,
+                                                  task_type="CAUSAL_LM")).train()
+    assert body_and_head(peft_model) is not None
+    batch = torch.randint(0, 1000, (2, 32))
+    reference, reference_grads = loss_and_grads(peft_model, batch, None)
+    loss, grads = loss_and_grads(peft_model, batch, 8)
+    torch.testing.assert_close(loss, reference)
+    assert grads and all("lora_" in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], msg=name)
+
+
+def saved_bytes(fn):
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_chunked_loss_saves_at_least_70_percent_of_the_loss_memory_at_block_1024():
+    """GPT-2's vocabulary, block 1024: what the loss keeps for backward (logits, log-softmax)
+    is measured as the model's saved bytes minus its body's."""
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257, n_layer=1, n_positions=1024, n_embd=32,
+                                             n_head=2)).train()
+    batch = torch.randint(0, 50257, (1, 1024))
+    body = saved_bytes(lambda: model.transformer(input_ids=batch))
+    standard = saved_bytes(lambda: causal_lm_loss(model, batch, None)) - body
+    chunked = saved_bytes(lambda: causal_lm_loss(model, batch, 256)) - body
+    assert standard > 1024 * 50257 * 4  # at least the fp32 logits
+    assert chunked <= 0.3 * standard, (chunked, standard)
+
+
+def test_training_uses_the_chunked_loss_by_default_and_can_turn_it_off(tokenizer_file, corpus_file, caplog):
+    """Same seed, same data: the chunked and the model's own loss train to the same weights."""
+    weights = []
+    with caplog.at_level("INFO"):
+        for chunked in (True, False):
+            torch.manual_seed(0)
+            ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+            ai.train(corpus_file, num_steps=3, save_every=0, generate_every=0, precision="32-true", seed=3,
+                     chunked_loss=chunked)
+            weights.append(ai.model.state_dict())
+    plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training plan")]
+    assert "chunked loss=on" in plans[0] and "chunked loss=off" in plans[1]
+    for name, value in weights[0].items():
+        torch.testing.assert_close(value, weights[1][name], rtol=1e-4, atol=1e-6, msg=name)
