@@ -81,16 +81,19 @@ def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 GLIBC_M_MMAP_THRESHOLD = -3  # mallopt parameter number, from glibc's malloc.h
-GLIBC_DEFAULT_MMAP_THRESHOLD = 128 * 1024
+# Measured on a 355M LoRA step at block 512 (2 cores; benchmarks/RESULTS.md): glibc's
+# dynamic threshold 2.22 GB peak RSS / 9.2 s; pinned at 128 KiB 1.47 GB / 15 s (a page
+# fault for every fresh tensor); at 8 MiB 1.97 GB / 8.6 s.  8 MiB: big tensors (logits,
+# attention probabilities, weight casts) go back to the OS, small ones reuse the heap.
+PINNED_MMAP_THRESHOLD = 8 * 2**20
 
 
-def pin_mmap_threshold(threshold: int = GLIBC_DEFAULT_MMAP_THRESHOLD) -> bool:
-    """CPU training: hand freed tensor memory back to the OS at once (glibc only; returns whether set).
+def pin_mmap_threshold(threshold: int = PINNED_MMAP_THRESHOLD) -> bool:
+    """CPU training: hand big freed tensors back to the OS at once (glibc only; returns whether set).
 
-    glibc serves allocations above 128 KiB with mmap, but each time such a block
-    is freed it raises that threshold (up to 32 MiB) and serves later tensors from
-    its heap, where freed memory stays resident and fragments: the peak RSS of a
-    355M LoRA step grows by ~0.6 GB that way (benchmarks/RESULTS.md).  Setting the
+    glibc serves big allocations with mmap, but each time such a block is freed it
+    raises that threshold (up to 32 MiB) and serves later tensors of that size from
+    its heap, where freed memory stays resident and fragments.  Setting the
     threshold explicitly turns the raising off (glibc's documented behaviour).
     There is no torch or Python API for this, hence ctypes.
     """

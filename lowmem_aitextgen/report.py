@@ -89,6 +89,7 @@ class RunRecorder(OptimizerStepCallback):
         self.learning_rate = float("nan")
         self.breakdown: dict[str, int] = {}
         self.optimizer_name = ""
+        self._optimizer: torch.optim.Optimizer | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -114,7 +115,8 @@ class RunRecorder(OptimizerStepCallback):
         record = StepRecord(trainer.global_step, loss, avg, self.learning_rate,
                             self.tokens / max(self.wall_time, 1e-9), peak_memory_bytes(self.plan.accelerator))
         self.records.append(record)
-        self.breakdown = measured_breakdown(pl_module.model, self._optimizer, record.peak_memory_bytes)
+        if self._optimizer is not None:
+            self.breakdown = measured_breakdown(pl_module.model, self._optimizer, record.peak_memory_bytes)
         metrics = {k: v for k, v in asdict(record).items() if k != "step" and v is not None}
         for lightning_logger in trainer.loggers:
             lightning_logger.log_metrics(metrics, step=record.step)
@@ -134,8 +136,8 @@ class RunRecorder(OptimizerStepCallback):
         return {
             "steps": last.step if last else 0,
             "tokens": self.tokens,
-            "wall_time_s": round(self.wall_time, 3),
-            "tokens_per_s": round(self.tokens / self.wall_time, 2) if self.wall_time else None,
+            "wall_time_s": self.wall_time,
+            "tokens_per_s": self.tokens / self.wall_time if self.wall_time else None,
             "final_loss": last.loss if last else None,
             "final_avg_loss": averages[-1] if averages else None,
             "best_avg_loss": min(averages) if averages else None,

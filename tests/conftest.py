@@ -40,6 +40,20 @@ def tiny_gpt2_config(vocab_size: int = 1000, n_layer: int = 2, n_positions: int 
                       resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **kwargs)
 
 
+def saved_bytes(fn):
+    """(bytes autograd keeps for backward while fn runs, fn's result), counted as they are saved."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return total, result
+
+
 @pytest.fixture(autouse=True)
 def _in_tmp_cwd(tmp_path, monkeypatch):
     """aitextgen writes relative paths (trained_model/, ATG_*.txt): keep them in tmp."""
