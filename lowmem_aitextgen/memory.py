@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import resource
 import sys
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -120,14 +121,18 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
+def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct tensors (tied weights once)."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
 def parameter_state_bytes(model: nn.Module) -> int:
     """Weights + gradients + AdamW's two moments: what training holds before any activation.
 
     Exact for the parameters as they are now (dtypes included); tied weights once.
     """
-    unique = {id(p): p for p in model.parameters()}.values()
-    weights = sum(p.numel() * p.element_size() for p in unique)
-    trainable = sum(p.numel() * p.element_size() for p in unique if p.requires_grad)
+    weights = unique_tensor_bytes(model.parameters())
+    trainable = unique_tensor_bytes(p for p in model.parameters() if p.requires_grad)
     return weights + 3 * trainable  # gradient + exp_avg + exp_avg_sq, each in the parameter's dtype
 
 

@@ -25,7 +25,7 @@ from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from .callbacks import OptimizerStepCallback
 from .io import atomic_write_bytes
-from .memory import format_bytes, peak_memory_bytes, trainable_parameters
+from .memory import format_bytes, peak_memory_bytes, trainable_parameters, unique_tensor_bytes
 from .plan import TrainPlan
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -54,25 +54,13 @@ def memory_kind(accelerator: str) -> str:
     return "GPU peak allocated" if accelerator == "gpu" else "CPU peak RSS"
 
 
-def unique_bytes(tensors: Any) -> int:
-    """Bytes of distinct tensors (tied weights once)."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        seen[id(tensor)] = tensor.numel() * tensor.element_size()
-    return sum(seen.values())
-
-
-def measured_breakdown(model: torch.nn.Module, optimizer: torch.optim.Optimizer, peak: int) -> dict[str, int]:
-    """Where the peak went: the parts known exactly, and the rest (activations, logits, runtime)."""
-    weights = unique_bytes(model.parameters())
-    gradients = unique_bytes(p for p in model.parameters() if p.requires_grad)
-    states = unique_bytes(v for state in optimizer.state.values() for v in state.values()
-                          if isinstance(v, torch.Tensor))
+def exact_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The parts of training memory known exactly: weights, gradients, optimizer states."""
     return {
-        "weights": weights,
-        "gradients": gradients,
-        "optimizer_states": states,
-        "activations_logits_and_runtime": max(peak - weights - gradients - states, 0),
+        "weights": unique_tensor_bytes(model.parameters()),
+        "gradients": unique_tensor_bytes(p for p in model.parameters() if p.requires_grad),
+        "optimizer_states": unique_tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                                                if isinstance(v, torch.Tensor)),
     }
 
 
@@ -87,7 +75,7 @@ class RunRecorder(OptimizerStepCallback):
         self.started = time.perf_counter()
         self.wall_time = 0.0
         self.learning_rate = float("nan")
-        self.breakdown: dict[str, int] = {}
+        self.exact_parts: dict[str, int] = {}  # measured once, after the first step created the states
         self.optimizer_name = ""
         self._optimizer: torch.optim.Optimizer | None = None
 
@@ -115,8 +103,8 @@ class RunRecorder(OptimizerStepCallback):
         record = StepRecord(trainer.global_step, loss, avg, self.learning_rate,
                             self.tokens / max(self.wall_time, 1e-9), peak_memory_bytes(self.plan.accelerator))
         self.records.append(record)
-        if self._optimizer is not None:
-            self.breakdown = measured_breakdown(pl_module.model, self._optimizer, record.peak_memory_bytes)
+        if not self.exact_parts and self._optimizer is not None:
+            self.exact_parts = exact_parts(pl_module.model, self._optimizer)
         metrics = {k: v for k, v in asdict(record).items() if k != "step" and v is not None}
         for lightning_logger in trainer.loggers:
             lightning_logger.log_metrics(metrics, step=record.step)
@@ -133,6 +121,11 @@ class RunRecorder(OptimizerStepCallback):
         averages = [r.avg_loss for r in self.records if r.avg_loss is not None]
         trainable, total = trainable_parameters(model)
         last = self.latest
+        peak = last.peak_memory_bytes if last else peak_memory_bytes(plan.accelerator)
+        # where the peak went: the exact parts, and the rest (activations, logits, runtime)
+        breakdown = dict(self.exact_parts)
+        if breakdown:
+            breakdown["activations_logits_and_runtime"] = max(peak - sum(breakdown.values()), 0)
         return {
             "steps": last.step if last else 0,
             "tokens": self.tokens,
@@ -141,9 +134,9 @@ class RunRecorder(OptimizerStepCallback):
             "final_loss": last.loss if last else None,
             "final_avg_loss": averages[-1] if averages else None,
             "best_avg_loss": min(averages) if averages else None,
-            "peak_memory_bytes": last.peak_memory_bytes if last else peak_memory_bytes(plan.accelerator),
+            "peak_memory_bytes": peak,
             "peak_memory_kind": memory_kind(plan.accelerator),
-            "memory_breakdown_bytes": self.breakdown,
+            "memory_breakdown_bytes": breakdown,
             "plan": {
                 "device": plan.accelerator,
                 "precision": plan.precision,
