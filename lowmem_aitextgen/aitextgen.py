@@ -16,15 +16,18 @@ import torch
 from aitextgen.aitextgen import aitextgen as _aitextgen
 from aitextgen.utils import model_max_length, reset_seed, set_seed
 from pytorch_lightning.loggers import Logger
+from pytorch_lightning.strategies import Strategy
+from pytorch_lightning.utilities import rank_zero_only
 from torch import nn
-from torch.utils.data import DataLoader
 
 from . import io, memory
 from .callbacks import NonFiniteGuard, SaveAndSample, StepProgressBar, TrainingDiverged
+from .data import training_loader
 from .lightning_module import CausalLMModule
 from .lora import add_lora, is_lora_model, merged_model
-from .plan import LoraSettings, TrainPlan, build_plan
+from .plan import CHECKPOINT_NAME, LoraSettings, TrainPlan, build_plan
 from .report import RunRecorder, describe_summary, make_loggers
+from .resume import StopOnInterrupt, save_checkpoint
 from .TokenDataset import TokenDataset, check_text_file
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -34,7 +37,7 @@ logger.setLevel(logging.INFO)
 OBSOLETE_TRAIN_ARGUMENTS = {
     "fp16_opt_level": ("O1", "Apex is replaced by native AMP; fp16=True or precision= choose it"),
     "tpu_cores": (0, "TPUs are not supported; n_gpu chooses GPUs or the CPU"),
-    "use_deepspeed": (False, "DeepSpeed is not used; checkpointing, mixed precision and LoRA cut memory instead"),
+    "use_deepspeed": (False, "pass strategy='deepspeed_stage_2' for Lightning's DeepSpeed (needs deepspeed)"),
     "save_gdrive": (False, "copy output_dir to Google Drive yourself; nothing is copied"),
     "benchmark": (True, "GPT-2 has no convolutions, so cudnn.benchmark is not used"),
     "run_id": (None, "run_id only named Google Drive folders; it is ignored"),
@@ -175,11 +178,17 @@ class aitextgen(_aitextgen):
         lora_dropout: float = 0.05,
         lora_target_modules: Sequence[str] | None = None,
         chunked_loss: bool = True,
+        optimizer: str = "adamw",
+        strategy: str | Strategy = "auto",
+        num_nodes: int = 1,
+        devices: int | str | list[int] | None = None,
+        resume: bool | str = False,
         callbacks: list[pl.Callback] | None = None,
         **kwargs: Any,
     ) -> None:
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
-        precision=, gradient_checkpointing=, lora*=, chunked_loss= and callbacks= (Lightning callbacks).
+        precision=, gradient_checkpointing=, lora*=, chunked_loss=, optimizer=, resume= (continue from
+        output_dir's checkpoint), Lightning's strategy=, num_nodes=, devices= and callbacks=.
         Extra keyword arguments go to TokenDataset (e.g. line_by_line=True)."""
         given = locals()
         for name, (default, instead) in OBSOLETE_TRAIN_ARGUMENTS.items():
@@ -206,7 +215,8 @@ class aitextgen(_aitextgen):
             freeze_layers=freeze_layers, num_layers_freeze=num_layers_freeze,
             save_every=save_every, generate_every=generate_every, n_generate=n_generate, seed=seed,
             num_workers=num_workers, progress_bar_refresh_rate=progress_bar_refresh_rate,
-            avg_loss_smoothing=avg_loss_smoothing, chunked_loss=chunked_loss,
+            avg_loss_smoothing=avg_loss_smoothing, chunked_loss=chunked_loss, optimizer=optimizer,
+            strategy=strategy, num_nodes=num_nodes, devices=devices, resume=resume,
         )
         dataset = self._dataset(train_data, kwargs)
         self._fit(plan, dataset, lightning_loggers, callbacks or [])
@@ -244,46 +254,53 @@ class aitextgen(_aitextgen):
             )
         self.model.config.line_by_line = getattr(dataset, "line_by_line", False)
         original_dtype = next(self.model.parameters()).dtype
+        if plan.seed is not None:
+            set_seed(plan.seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
         model, frozen = self._prepare_model(plan)
         if plan.accelerator == "cpu":
             memory.pin_mmap_threshold()
         trainable, total = memory.trainable_parameters(model)
-        logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
+        if rank_zero_only.rank == 0:
+            logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
 
         recorder = RunRecorder(plan)
         progress = StepProgressBar(lambda: recorder.latest, plan.num_steps, plan.progress_bar_refresh_rate,
                                    plan.accelerator)
-        guard = NonFiniteGuard()
+        guard, interrupt = NonFiniteGuard(), StopOnInterrupt()
         module = CausalLMModule(model, plan)
 
         def save(plain: nn.Module | None = None) -> dict:
             """Weights first, then the summary and plots that describe them."""
             self._save_trained(plan.output_dir, model, original_dtype, plain=plain)
             summary = recorder.summary(model, plan.output_dir, skipped_steps=module.skipped_steps,
-                                       stopped_because=guard.reason)
+                                       stopped_because=guard.reason or interrupt.reason)
             recorder.write(plan.output_dir, summary)
             return summary
 
         sampler = SaveAndSample(
-            plan.save_every, plan.generate_every, save=save,
+            plan.save_every, plan.generate_every,
+            checkpoint=lambda trainer: save_checkpoint(trainer, os.path.join(plan.output_dir, CHECKPOINT_NAME)),
+            save=save,
             sample=lambda: self.generate(n=plan.n_generate, return_as_list=True),
             write=progress.write,
         )
+        # a seed for the data order even without plan.seed, so that a resumed run keeps the order
+        loader, data_order = training_loader(dataset, plan, plan.seed if plan.seed is not None
+                                             else int(torch.randint(2**31, ())))
         trainer = pl.Trainer(
-            accelerator=plan.accelerator, devices=plan.devices, precision=plan.precision,
-            max_steps=plan.num_steps, max_epochs=-1, accumulate_grad_batches=plan.accumulation,
+            accelerator=plan.accelerator, devices=plan.devices, strategy=plan.strategy, num_nodes=plan.num_nodes,
+            precision=plan.precision, max_steps=plan.num_steps, max_epochs=-1,
+            accumulate_grad_batches=plan.accumulation,
             gradient_clip_val=plan.max_grad_norm or None, logger=loggers or False,
-            # the recorder first: the progress bar shows what it recorded
-            callbacks=[recorder, progress, guard, sampler, *extra_callbacks],
+            # the recorder first (the progress bar shows what it recorded); the callbacks that
+            # stop training before the one that saves
+            callbacks=[recorder, progress, guard, interrupt, sampler, data_order, *extra_callbacks],
+            use_distributed_sampler=False,  # data.py splits the data between ranks
             enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
         )
-        loader = DataLoader(dataset, batch_size=plan.micro_batch_size, shuffle=True,
-                            num_workers=plan.num_workers, pin_memory=plan.accelerator == "gpu")
-        if plan.seed is not None:
-            set_seed(plan.seed)
         self.model = model  # samples during training come from the model being trained
         try:
-            trainer.fit(module, train_dataloaders=loader)
+            trainer.fit(module, train_dataloaders=loader, ckpt_path=plan.resume_from, weights_only=True)
         finally:
             memory.set_requires_grad(frozen, True)
             self.model = self._finish(model, original_dtype)
@@ -292,8 +309,10 @@ class aitextgen(_aitextgen):
         if trainer.is_global_zero:
             logger.info(f"Saving trained model to {plan.output_dir}")
             logger.info(describe_summary(save(plain=self.model)))
-        if module.skipped_steps:
-            logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
+            if module.skipped_steps:
+                logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
+            if interrupt.reason:
+                logger.warning(f"Training {interrupt.reason}.")
         if guard.reason:
             raise TrainingDiverged(guard.reason)
 

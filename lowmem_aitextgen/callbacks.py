@@ -101,28 +101,39 @@ class StepProgressBar(ProgressBar):
 
 
 class SaveAndSample(OptimizerStepCallback):
-    """Every save_every steps save the model; every generate_every steps print samples."""
+    """Every save_every steps save a checkpoint and the model; every generate_every steps print samples.
+
+    The checkpoint is also written at the last step and when training stops early
+    (Ctrl-C, divergence), so resume=True always continues from the latest state;
+    the model itself is saved then by train(), after Lightning has finished.
+    """
 
     def __init__(
         self,
         save_every: int,
         generate_every: int,
-        save: Callable[[], None],
+        checkpoint: Callable[[pl.Trainer], None],
+        save: Callable[[], Any],
         sample: Callable[[], list[str]],
         write: Callable[[str], None],
     ) -> None:
         super().__init__()
         self.save_every = save_every
         self.generate_every = generate_every
+        self.checkpoint = checkpoint
         self.save = save
         self.sample = sample
         self.write = write
 
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or step >= trainer.max_steps:
-            return  # the final save happens after fit()
-        if self.save_every and step % self.save_every == 0:
+        last = step >= trainer.max_steps or trainer.should_stop
+        periodic = bool(self.save_every) and step % self.save_every == 0
+        if last or periodic:
+            self.checkpoint(trainer)  # on every rank: sharded strategies save together
+        if last or not trainer.is_global_zero:
+            return
+        if periodic:
             self.write(f"\033[1m{step:,} steps reached: saving model.\033[0m")
             self.save()
         if self.generate_every and step % self.generate_every == 0:

@@ -26,6 +26,7 @@ logger = logging.getLogger("lowmem_aitextgen")
 TF_GPT2_HUB_IDS = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ADAPTER_CONFIG = "adapter_config.json"
+STAGING_PREFIX, WRITING_PREFIX = ".saving-", ".writing-"  # names of files not yet complete
 
 
 # --- saving ------------------------------------------------------------------
@@ -50,11 +51,19 @@ def _move_into(staging: str, target: str) -> None:
             os.replace(source, os.path.join(target, name))
 
 
+def remove_leftovers(output_dir: str) -> None:
+    """Half-written files of a save that was killed (only one process saves into output_dir)."""
+    for name in os.listdir(output_dir):
+        if name.startswith((STAGING_PREFIX, WRITING_PREFIX)):
+            path = os.path.join(output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write one file so that readers see the old or the new content, never a mix."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=".writing-", dir=folder)
+    fd, temporary = tempfile.mkstemp(prefix=WRITING_PREFIX, dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -75,7 +84,8 @@ def atomic_save(
 ) -> None:
     """Save model (+ tokenizer, + peft adapter in lora_adapter/) so a crash never corrupts output_dir."""
     os.makedirs(output_dir, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)
+    remove_leftovers(output_dir)
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=output_dir)
     try:
         model.save_pretrained(staging)
         if tokenizer is not None:

@@ -13,6 +13,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from .chunked_loss import causal_lm_loss
 from .plan import TrainPlan
+from .resume import random_states, set_random_states
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -28,8 +29,19 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, plan: TrainPlan) -> torch.optim.Optimizer:
-    """AdamW; the fused kernel (CPU and CUDA) avoids foreach's full-size temporaries."""
+    """The plan's optimizer over the weights that train.
+
+    AdamW uses the fused kernel (CPU and CUDA), which avoids foreach's full-size
+    temporaries. Adafactor keeps factored second moments and no first moment:
+    a few MB of state instead of AdamW's two fp32 copies of the weights, at
+    some cost in how fast the loss falls.
+    """
     groups = parameter_groups(model, plan.weight_decay)
+    if plan.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=plan.learning_rate, eps=(1e-30, 1e-3), scale_parameter=False,
+                         relative_step=False, warmup_init=False)
     device_types = {p.device.type for group in groups for p in group["params"]}
     fused = device_types <= {"cpu", "cuda"}
     return torch.optim.AdamW(groups, lr=plan.learning_rate, eps=plan.adam_epsilon, fused=fused)
@@ -43,6 +55,8 @@ class CausalLMModule(pl.LightningModule):
         self.model = model
         self.plan = plan
         self.skipped_steps = 0
+        # checkpoints hold only what trains (see on_save_checkpoint); on_load_checkpoint checks the keys
+        self.strict_loading = False
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return causal_lm_loss(self.model, batch, self.plan.loss_chunk_tokens)
@@ -69,6 +83,28 @@ class CausalLMModule(pl.LightningModule):
         gradients when this hook runs, so clipping here is exact."""
         if gradient_clip_val:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), gradient_clip_val)
+
+    def _trainable_keys(self) -> set[str]:
+        return {name for name, param in self.named_parameters() if param.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep what training changes: frozen weights (a LoRA base, frozen layers) are the
+        ones the model was built with, so they stay out (a LoRA checkpoint is a few MB)."""
+        trainable = self._trainable_keys()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["random_states"] = random_states()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved, expected = set(checkpoint["state_dict"]), self._trainable_keys()
+        if saved != expected:
+            raise ValueError(
+                f"The checkpoint to resume from holds {len(saved)} trainable tensors, this model "
+                f"{len(expected)} (e.g. {sorted(saved ^ expected)[:3]}); it was written for another model "
+                "or plan. Construct aitextgen and call train() with the same model, lora and "
+                "freeze_layers arguments as the interrupted run, or pass resume=False."
+            )
+        if self.trainer.world_size == 1:  # one process: continue its random numbers exactly
+            set_random_states(checkpoint["random_states"])
 
     def configure_optimizers(self) -> dict:
         optimizer = build_optimizer(self.model, self.plan)

@@ -8,7 +8,10 @@ asking what the hardware supports.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +19,20 @@ import torch
 
 from .chunked_loss import DEFAULT_CHUNK_TOKENS
 
+logger = logging.getLogger("lowmem_aitextgen")
+
 # Lightning's precision strings (and the short aliases Lightning also accepts).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 HALF_DTYPES = {"bf16": torch.bfloat16, "16-": torch.float16}
+
+CHECKPOINT_NAME = "last.ckpt"  # in output_dir, for train(resume=True)
+OPTIMIZERS = ("adamw", "adafactor")
+# Lightning's strategy names are checked here so that a typo fails before any work.
+STRATEGY_NAMES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "fsdp_cpu_offload",
+                  "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+                  "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme",
+                  "single_device")
 
 # aitextgen intended checkpointing for 355M and larger (tf_gpt2 in 355M/774M/1558M).
 CHECKPOINTING_MIN_PARAMS = 300_000_000
@@ -63,6 +76,10 @@ class TrainPlan:
     progress_bar_refresh_rate: int = 20
     avg_loss_smoothing: float = 0.01
     loss_chunk_tokens: int | None = None  # None: the model's own (unchunked) loss
+    strategy: Any = "auto"  # a Lightning strategy name or object
+    num_nodes: int = 1
+    resume_from: str | None = None  # a checkpoint written by an earlier run
+    optimizer: str = "adamw"
 
     @property
     def effective_batch_size(self) -> int:
@@ -79,11 +96,13 @@ class TrainPlan:
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
         lora = f"LoRA r={self.lora.r}" if self.lora else "off"
+        scale_out = self.strategy != "auto" or self.num_nodes > 1 or self.devices not in (1, "auto")
         return (
             f"Training plan: device={self.accelerator}, precision={self.precision}, "
             f"checkpointing={'on' if self.gradient_checkpointing else 'off'}, LoRA={lora}, "
-            f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, "
-            f"batch={self.micro_batch_size}x{self.accumulation} (micro-batch x accumulation), "
+            f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, optimizer={self.optimizer}, "
+            + (f"strategy={self.strategy}, nodes={self.num_nodes}, devices={self.devices}, " if scale_out else "")
+            + f"batch={self.micro_batch_size}x{self.accumulation} (micro-batch x accumulation), "
             f"trainable parameters={trainable:,} of {total:,}, "
             f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"
         )
@@ -99,6 +118,14 @@ def bf16_is_fast(accelerator: str) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def mixed_precision_usable(accelerator: str) -> bool:
+    """Whether any 16-bit autocast works here: bf16 on CPU, fp16 from CUDA capability 5.3 (native half math)."""
+    if accelerator == "gpu":
+        return torch.cuda.is_available() and (
+            torch.cuda.is_bf16_supported() or torch.cuda.get_device_capability() >= (5, 3))
+    return torch.amp.is_autocast_available("cpu")
 
 
 def resolve_precision(fp16: bool | None, precision: str | None, accelerator: str) -> str:
@@ -124,16 +151,53 @@ def resolve_precision(fp16: bool | None, precision: str | None, accelerator: str
         return "32-true"
     if fp16 is None:
         return "bf16-mixed" if bf16_is_fast(accelerator) else "32-true"
+    if not mixed_precision_usable(accelerator):
+        raise ValueError(
+            f"fp16=True asks for mixed precision, but this {accelerator.upper()} can compute in neither bf16 "
+            "nor fp16; use fp16=False (fp32), and lora=True or gradient_checkpointing=True to save memory."
+        )
     if accelerator == "gpu":
         return "bf16-mixed" if bf16_is_fast("gpu") else "16-mixed"
     return "bf16-mixed"  # autocast to bf16 works on every CPU, fp16 loss scaling does not
 
 
-def resolve_accelerator(n_gpu: int) -> tuple[str, int | str]:
-    """aitextgen's n_gpu (-1 = all GPUs, 0 = CPU) as Lightning accelerator/devices."""
-    if n_gpu == 0 or not torch.cuda.is_available():
+def resolve_accelerator(n_gpu: int, devices: int | str | list[int] | None) -> tuple[str, int | str | list[int]]:
+    """aitextgen's n_gpu (-1 = all GPUs, 0 = CPU) as Lightning accelerator/devices;
+    `devices` (Lightning's argument) wins, and on CPU counts processes."""
+    accelerator = "cpu" if n_gpu == 0 or not torch.cuda.is_available() else "gpu"
+    if devices is not None:
+        return accelerator, devices
+    if accelerator == "cpu":
         return "cpu", 1
     return "gpu", "auto" if n_gpu < 0 else n_gpu
+
+
+def check_strategy(strategy: Any) -> None:
+    if isinstance(strategy, str) and strategy not in STRATEGY_NAMES:
+        raise ValueError(
+            f"strategy={strategy!r} is not a Lightning strategy we run; use one of {', '.join(STRATEGY_NAMES)}, "
+            "or pass a pytorch_lightning Strategy object."
+        )
+
+
+def checkpoint_to_resume(resume: bool | str | os.PathLike, output_dir: str) -> str | None:
+    """The checkpoint train(resume=...) names: True means output_dir's, if there is one."""
+    if resume is False or resume is None:
+        return None
+    if resume is True:
+        path = os.path.join(output_dir, CHECKPOINT_NAME)
+        if os.path.exists(path):
+            return path
+        logger.info(f"resume=True but there is no {CHECKPOINT_NAME} in {output_dir}: starting from the beginning.")
+        return None
+    if not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume={resume!r} must be True, False or the path of a {CHECKPOINT_NAME} file.")
+    if not os.path.exists(resume):
+        raise FileNotFoundError(
+            f"resume={str(resume)!r} does not exist; pass resume=True to continue from output_dir's "
+            f"{CHECKPOINT_NAME}, or the path of one."
+        )
+    return os.fspath(resume)
 
 
 def _check_positive_int(name: str, value: Any, fix: str) -> None:
@@ -146,14 +210,33 @@ def _check_non_negative_int(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= 0 (0 turns it off).")
 
 
-def _check_output_dir(output_dir: str) -> None:
+def bytes_to_save(model: torch.nn.Module, lora: bool) -> int:
+    """A lower bound on the disk a run needs: the model, and a checkpoint with the
+    weights that train plus AdamW's two states for each (a LoRA checkpoint is tiny)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    checkpoint = 0 if lora else 3 * sum(p.numel() * 4 for p in model.parameters())
+    return weights + checkpoint
+
+
+def _check_output_dir(output_dir: str, needed_bytes: int) -> None:
     existing = os.path.abspath(output_dir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ValueError(f"output_dir={output_dir!r}: {existing} is a file, not a folder; choose another output_dir.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"output_dir={output_dir!r} is not writable; choose a folder you can write to.")
+    try:  # a nameless file (O_TMPFILE): permission bits do not stop root, read-only disks do
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise PermissionError(
+            f"output_dir={output_dir!r} is not writable ({error.strerror}); choose a folder you can write to."
+        ) from error
+    free = shutil.disk_usage(existing).free
+    if free < needed_bytes:
+        raise OSError(
+            f"output_dir={output_dir!r} is on a disk with {free / 2**30:.2f} GiB free, but saving this model and "
+            f"its resumable checkpoint needs at least {needed_bytes / 2**30:.2f} GiB; free some space or choose "
+            "an output_dir on another disk."
+        )
 
 
 def default_checkpointing(model: torch.nn.Module) -> bool:
@@ -189,6 +272,11 @@ def build_plan(
     progress_bar_refresh_rate: int,
     avg_loss_smoothing: float,
     chunked_loss: bool = True,
+    strategy: Any = "auto",
+    num_nodes: int = 1,
+    devices: int | str | list[int] | None = None,
+    resume: bool | str = False,
+    optimizer: str = "adamw",
 ) -> TrainPlan:
     """Validate train() arguments and decide everything not given explicitly."""
     _check_positive_int("num_steps", num_steps, "it counts optimizer steps, e.g. num_steps=500")
@@ -216,9 +304,14 @@ def build_plan(
         )
     if lora and lora_settings.r < 1:
         raise ValueError(f"lora_r={lora_settings.r!r} must be a positive integer, e.g. 8.")
-    _check_output_dir(output_dir)
+    _check_positive_int("num_nodes", num_nodes, "it counts machines, 1 for this one")
+    check_strategy(strategy)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+    _check_output_dir(output_dir, bytes_to_save(model, lora))
+    resume_from = checkpoint_to_resume(resume, output_dir)
 
-    accelerator, devices = resolve_accelerator(n_gpu)
+    accelerator, devices = resolve_accelerator(n_gpu, devices)
     if gradient_checkpointing is None:
         gradient_checkpointing = default_checkpointing(model)
     return TrainPlan(
@@ -248,4 +341,8 @@ def build_plan(
         progress_bar_refresh_rate=progress_bar_refresh_rate,
         avg_loss_smoothing=avg_loss_smoothing,
         loss_chunk_tokens=DEFAULT_CHUNK_TOKENS if chunked_loss else None,
+        strategy=strategy,
+        num_nodes=num_nodes,
+        resume_from=resume_from,
+        optimizer=optimizer,
     )

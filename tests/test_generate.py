@@ -1,6 +1,5 @@
-"""Generation entry points, before and after reload, and their input checks."""
+"""Generation entry points, before and after reload (their input checks: test_bad_input.py)."""
 
-import os
 
 import pytest
 
@@ -37,14 +36,3 @@ def test_schema_generation(tokenizer_file):
                    schema_tokens=["<|title|>", "<|body|>"])
     out = ai.generate(n=2, prompt="x", max_length=20, schema=True, return_as_list=True, seed=2)
     assert len(out) == 2 and all(set(d) == {"title", "body"} for d in out)
-
-
-def test_prompt_longer_than_context(ai):
-    with pytest.raises(ValueError, match="prompt is .* tokens.*context is 64"):
-        ai.generate(prompt="word " * 200)
-
-
-def test_max_length_above_context(ai):
-    with pytest.raises(ValueError, match="max_length=500.*max_length<=64"):
-        ai.generate(max_length=500)
-    assert not os.path.exists("out.txt")

@@ -65,16 +65,6 @@ def test_constructor_errors(tmp_path, kwargs, error, match):
         aitextgen(cache_dir=str(tmp_path / "empty"), **kwargs)
 
 
-def test_model_folder_missing_files(tmp_path):
-    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "m")
-    os.remove(tmp_path / "m" / "model.safetensors")
-    with pytest.raises(FileNotFoundError, match="no weights"):
-        aitextgen(model_folder=str(tmp_path / "m"))
-    os.remove(tmp_path / "m" / "config.json")
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        aitextgen(model_folder=str(tmp_path / "m"))
-
-
 def test_config_path_and_vocab_merges(tmp_path):
     tiny_gpt2_config(vocab_size=50257).save_pretrained(tmp_path)
     vocab, merges = default_gpt2_vocab_files()

@@ -58,30 +58,6 @@ def test_save_every_writes_during_training(corpus_file, tokenizer_file, monkeypa
     assert len(saved_at) == 3  # steps 2 and 4, then the final save
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_steps=0), "num_steps=0"),
-    (dict(batch_size=-1), "batch_size=-1"),
-    (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps=0"),
-    (dict(learning_rate=5.0), "learning_rate=5.0"),
-    (dict(precision="8-mixed"), "precision='8-mixed'"),
-    (dict(precision="16-mixed", n_gpu=0), "needs a CUDA GPU"),
-    (dict(lora=True, lora_target_modules=["q_proj"]), r"\['q_proj'\] are not in this model"),
-    (dict(freeze_layers=True, num_layers_freeze=2), "num_layers_freeze=2"),
-])
-def test_bad_arguments_fail_before_writing(corpus_file, tokenizer_file, tmp_path, kwargs, match):
-    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
-    with pytest.raises(ValueError, match=match):
-        ai.train(corpus_file, output_dir=str(tmp_path / "out"), **kwargs)
-    assert not (tmp_path / "out").exists()
-
-
-def test_tokenizer_larger_than_embeddings_is_refused(corpus_file, tmp_path):
-    ai = aitextgen(config=tiny_gpt2_config(vocab_size=1000))  # default GPT-2 tokenizer: 50,257 tokens
-    with pytest.raises(ValueError, match="tokenizer has 50,257 tokens"):
-        ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=1)
-    assert not (tmp_path / "out").exists()
-
-
 def test_short_text_trains_on_a_smaller_block(tmp_path, tokenizer_file, caplog):
     (tmp_path / "short.txt").write_text("A short text about lists and tuples.", encoding="utf-8")
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=64))

@@ -1,0 +1,144 @@
+"""Every kind of bad input gets a clear error naming the argument and the fix,
+raised before any file is written or overwritten."""
+
+import os
+import shutil
+
+import pytest
+from transformers import GPT2LMHeadModel
+
+from conftest import tiny_gpt2_config
+from lowmem_aitextgen import aitextgen, plan
+
+CONTEXT = 32
+
+
+def bad_file(content):
+    """A train_data path whose file holds `content` (None: no file, "DIR": a folder)."""
+    def make(tmp):
+        path = os.path.join(tmp, "bad.txt")
+        if content == "DIR":
+            os.mkdir(path)
+        elif content is not None:
+            with open(path, "wb") as f:
+                f.write(content)
+        return path
+    return make
+
+
+def unwritable_dir(tmp):
+    if os.geteuid() == 0:  # permission bits do not stop root; /proc refuses new files to everyone
+        return "/proc/lowmem_aitextgen_out"
+    path = os.path.join(tmp, "read_only")
+    os.mkdir(path, 0o500)
+    return os.path.join(path, "out")
+
+
+def full_disk(monkeypatch):
+    usage = shutil.disk_usage(".")
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+
+
+def model_folder_without(name):
+    def make(tmp):
+        GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(os.path.join(tmp, "m"))
+        os.remove(os.path.join(tmp, "m", name))
+        return os.path.join(tmp, "m")
+    return make
+
+
+def train(data=None, **kwargs):
+    """A train() call on the tiny model; `data` makes train_data from the test's folder."""
+    def call(ai, ctx):
+        args = {"num_steps": 1, "output_dir": ctx["out"], **kwargs}
+        if callable(args["output_dir"]):
+            args["output_dir"] = args["output_dir"](ctx["tmp"])
+        ai.train(data(ctx["tmp"]) if data else ctx["corpus"], **args)
+    return call
+
+
+def construct(**kwargs):
+    def call(ai, ctx):
+        aitextgen(**{k: v(ctx["tmp"]) if callable(v) else v for k, v in kwargs.items()})
+    return call
+
+
+def generate(**kwargs):
+    return lambda ai, ctx: ai.generate(**kwargs)
+
+
+def small_vocab_model(ai, ctx):
+    ai = aitextgen(config=tiny_gpt2_config(vocab_size=1000))  # GPT-2's tokenizer: 50,257 tokens
+    ai.train(ctx["corpus"], output_dir=ctx["out"], num_steps=1)
+
+
+def resume_other_model(ai, ctx):
+    """A checkpoint written by a LoRA run cannot continue a full fine-tune."""
+    ai.train(ctx["corpus"], output_dir=os.path.join(ctx["tmp"], "lora_run"), num_steps=1, lora=True,
+             generate_every=0)
+    ai.train(ctx["corpus"], output_dir=ctx["out"], num_steps=2,
+             resume=os.path.join(ctx["tmp"], "lora_run", "last.ckpt"))
+
+
+CASES = [
+    # (what, action, setup, error, message)
+    ("missing file", train(bad_file(None)), None, FileNotFoundError, "train_data=.* does not exist"),
+    ("directory instead of file", train(bad_file("DIR")), None, IsADirectoryError, "train_data=.* is a folder"),
+    ("empty file", train(bad_file(b"")), None, ValueError, "train_data=.* is empty"),
+    ("binary file", train(bad_file(b"\x00\x01\x02binary")), None, ValueError, "train_data=.* looks binary"),
+    ("non-UTF-8 file", train(bad_file("caf\xe9 au lait".encode("latin-1"))), None, ValueError,
+     "train_data=.* is not UTF-8.*iconv"),
+    ("nothing to learn", train(bad_file(b"x")), None, ValueError, "train_data=.* encodes to 1 token.*Add text"),
+    ("num_steps", train(num_steps=0), None, ValueError, "num_steps=0 must be a positive integer"),
+    ("batch_size", train(batch_size=-1), None, ValueError, "batch_size=-1 must be a positive integer"),
+    ("gradient_accumulation_steps", train(gradient_accumulation_steps=0), None, ValueError,
+     "gradient_accumulation_steps=0 must be a positive integer"),
+    ("learning_rate", train(learning_rate=5.0), None, ValueError, r"learning_rate=5.0 must be in \(0, 1\)"),
+    ("unknown precision", train(precision="8-mixed"), None, ValueError, "precision='8-mixed' is not supported"),
+    ("fp16 precision on CPU", train(precision="16-mixed", n_gpu=0), None, ValueError,
+     "needs a CUDA GPU.*bf16-mixed"),
+    ("unknown strategy", train(strategy="dpp"), None, ValueError, "strategy='dpp' is not a Lightning strategy"),
+    ("unknown optimizer", train(optimizer="sgd"), None, ValueError, "optimizer='sgd' is not supported"),
+    ("LoRA targets not in the model", train(lora=True, lora_target_modules=["q_proj"]), None, ValueError,
+     r"\['q_proj'\] are not in this model"),
+    ("freezing every layer", train(freeze_layers=True, num_layers_freeze=2), None, ValueError,
+     "num_layers_freeze=2 freezes every layer"),
+    ("tokenizer larger than the embeddings", small_vocab_model, None, ValueError,
+     "tokenizer has 50,257 tokens but the model's embeddings only 1,000"),
+    ("fp16 where no half precision works", train(fp16=True),
+     lambda mp: mp.setattr(plan, "mixed_precision_usable", lambda accelerator: False), ValueError,
+     "fp16=True asks for mixed precision.*neither bf16 nor fp16.*fp16=False"),
+    ("output_dir is a file", train(output_dir=bad_file(b"x")), None, ValueError, "output_dir=.* is a file"),
+    ("output_dir not writable", train(output_dir=unwritable_dir), None, PermissionError,
+     "output_dir=.* is not writable"),
+    ("output_dir on a full disk", train(), full_disk, OSError, "output_dir=.* GiB free.*needs at least"),
+    ("resume from a missing checkpoint", train(resume="nope.ckpt"), None, FileNotFoundError,
+     "resume='nope.ckpt' does not exist.*resume=True"),
+    ("resume from another model's checkpoint", resume_other_model, None, ValueError,
+     "written for another model.*same model, lora"),
+    ("model_folder missing", construct(model_folder="missing"), None, FileNotFoundError,
+     "model_folder='missing' does not exist"),
+    ("model_folder without weights", construct(model_folder=model_folder_without("model.safetensors")), None,
+     FileNotFoundError, "model_folder=.* has config.json but no weights"),
+    ("model_folder without config", construct(model_folder=model_folder_without("config.json")), None,
+     FileNotFoundError, "no config.json in model_folder="),
+    ("prompt longer than the context", generate(prompt="word " * 200), None, ValueError,
+     f"prompt is .* tokens.*context is {CONTEXT} tokens; shorten the prompt"),
+    ("max_length above the context", generate(max_length=500), None, ValueError,
+     f"max_length=500 is above the model's context.*max_length<={CONTEXT}"),
+]
+
+
+@pytest.mark.parametrize("what, action, setup, error, match", CASES, ids=[case[0] for case in CASES])
+def test_bad_input_fails_clearly_before_writing(corpus_file, tokenizer_file, tmp_path, monkeypatch,
+                                                what, action, setup, error, match):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"a previous run's weights")
+    before = {p: p.read_bytes() for p in out.rglob("*")}
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=CONTEXT))
+    if setup:
+        setup(monkeypatch)
+    with pytest.raises(error, match=match):
+        action(ai, {"tmp": str(tmp_path), "out": str(out), "corpus": corpus_file})
+    assert {p: p.read_bytes() for p in out.rglob("*")} == before

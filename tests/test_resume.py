@@ -1,0 +1,129 @@
+"""Resume after Ctrl-C and after SIGKILL, and real two-process DDP."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from transformers import GPT2LMHeadModel
+
+from conftest import corpus_text, tiny_gpt2_config
+from lowmem_aitextgen import aitextgen
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    """About 30 blocks of 32 tokens: ten steps of 2x2 blocks wrap around into a second epoch."""
+    path = tmp_path / "small.txt"
+    path.write_text(corpus_text(3_000), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def base_folder(tmp_path):
+    """The starting weights every run loads (dropout off: runs are comparable bit for bit)."""
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "base")
+    return str(tmp_path / "base")
+
+
+class CtrlC(pl.Callback):
+    """Presses Ctrl-C (sends SIGINT to this process) once, after the given optimizer step."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            self.at_step = -1
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_ctrl_c_then_resume_ends_with_the_uninterrupted_weights(small_data, base_folder, tokenizer_file,
+                                                                 lora):
+    def run(output_dir, **kwargs):
+        ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+        ai.train(small_data, output_dir=output_dir, num_steps=10, batch_size=2, gradient_accumulation_steps=2,
+                 learning_rate=1e-2, warmup_steps=2, save_every=0, generate_every=0, seed=1, lora=lora,
+                 **kwargs)
+        return ai
+
+    uninterrupted = run("uninterrupted").model.state_dict()
+
+    stopped = run("interrupted", callbacks=[CtrlC(at_step=4)])  # returns instead of raising
+    with open("interrupted/training_summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 5 and "interrupted (Ctrl-C)" in summary["stopped_because"]
+    reloaded = aitextgen(model_folder="interrupted", tokenizer_file=tokenizer_file)
+    for key, value in stopped.model.state_dict().items():
+        assert torch.equal(reloaded.model.state_dict()[key], value), key
+    checkpoint = torch.load("interrupted/last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 5
+    n_trainable = sum(p.numel() for p in checkpoint["state_dict"].values())
+    assert (n_trainable < 0.1 * sum(v.numel() for v in uninterrupted.values())) == lora  # adapters only
+
+    resumed = run("interrupted", resume=True).model.state_dict()
+    assert uninterrupted.keys() == resumed.keys()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+    assert not torch.equal(resumed["transformer.h.0.mlp.c_fc.weight"],
+                           stopped.model.state_dict()["transformer.h.0.mlp.c_fc.weight"])
+
+
+def test_sigkill_at_any_moment_leaves_a_loadable_model_and_checkpoint(small_data, base_folder, tokenizer_file):
+    """Kill a training run that saves every step, at random moments (most of its time is spent saving),
+    then check the model loads and the checkpoint resumes."""
+    out = "killed"
+    rng = random.Random(0)
+    steps = []
+    for _ in range(4):
+        child = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "train_until_killed.py"), small_data,
+                                  tokenizer_file, base_folder, out],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        first_save = time.monotonic() + 120
+        checkpoint = os.path.join(out, "last.ckpt")
+        previous = os.stat(checkpoint).st_mtime_ns if os.path.exists(checkpoint) else None
+        while not (os.path.exists(checkpoint) and os.stat(checkpoint).st_mtime_ns != previous):
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < first_save, "the child never saved"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.2, 1.5))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+        ai = aitextgen(model_folder=out)
+        assert all(torch.isfinite(p).all() for p in ai.model.parameters())
+        steps.append(torch.load(checkpoint, weights_only=True)["global_step"])
+    assert steps == sorted(steps) and steps[-1] > steps[0]  # each run continued the previous one
+
+    ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+    ai.train(small_data, output_dir=out, num_steps=steps[-1] + 1, generate_every=0, resume=True)
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == steps[-1] + 1
+    assert not [name for name in os.listdir(out) if name.startswith(".")]  # no half-written leftovers
+
+
+def test_ddp_on_two_cpu_processes(corpus_file, base_folder, tokenizer_file, tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "ddp_train.py"), corpus_file, tokenizer_file,
+                             base_folder, "ddp_out", str(record)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    seen = [{tuple(block) for block in json.loads((record / f"seen{rank}.json").read_text())} for rank in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) == 4 * 2 * 2  # steps x accumulation x micro-batch, on each rank
+    assert not seen[0] & seen[1]  # each rank trained on its own share of the data
+
+    rank0, rank1 = (torch.load(record / f"final{rank}.pt", weights_only=True) for rank in (0, 1))
+    saved = aitextgen(model_folder="ddp_out").model.state_dict()
+    for key, value in rank0.items():
+        assert torch.equal(rank1[key], value), key  # gradients were averaged across ranks
+        assert torch.equal(saved[key], value), key
+    assert result.stdout.count("steps reached: generating sample texts") == 1  # rank 0 only, at step 2
