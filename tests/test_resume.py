@@ -110,11 +110,14 @@ def test_sigkill_at_any_moment_leaves_a_loadable_model_and_checkpoint(small_data
     assert not [name for name in os.listdir(out) if name.startswith(".")]  # no half-written leftovers
 
 
-def test_ddp_on_two_cpu_processes(corpus_file, base_folder, tokenizer_file, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_ddp_on_two_cpu_processes(corpus_file, base_folder, tokenizer_file, tmp_path, lora):
+    """With checkpointing, accumulation, the default precision, and LoRA or a full fine-tune."""
     record = tmp_path / "record"
     record.mkdir()
     result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "ddp_train.py"), corpus_file, tokenizer_file,
-                             base_folder, "ddp_out", str(record)], capture_output=True, text=True, timeout=600)
+                             base_folder, "ddp_out", str(record), str(int(lora))],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
     seen = [{tuple(block) for block in json.loads((record / f"seen{rank}.json").read_text())} for rank in (0, 1)]

