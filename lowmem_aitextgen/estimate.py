@@ -1,0 +1,235 @@
+"""How much memory a training plan needs, known before training starts.
+
+Weights, gradients and optimizer states are counted exactly from the model as
+the plan prepares it.  Activations are measured, not guessed from a formula:
+a probe model of the same width with one and with two blocks runs one
+training forward at three short lengths with the plan applied (precision,
+checkpointing, LoRA, chunked loss), and saved_tensors_hooks count every byte
+autograd keeps.  Block bytes (two blocks minus one) and the rest are then
+fitted as c + a*T + b*T^2 per sequence from three lengths (b is the
+attention matrix, zero with fused attention) and scaled to the real depth, length and batch.  The probe
+runs on CPU, so kernels that save differently on a GPU (fused attention with
+dropout) are an approximation there.
+
+Transients of backward are estimated, not measured: the block being
+recomputed under checkpointing, the gradients of one block's activations, and
+one chunk's logits with their gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .chunked_loss import DEFAULT_CHUNK_TOKENS, body_and_head, chunked_lm_loss
+from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
+from .plan import OPTIMIZERS, PRECISIONS, LoraSettings, TrainPlan
+
+# OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
+GPT2_SIZES = {
+    "124M": dict(n_layer=12, n_embd=768, n_head=12),
+    "355M": dict(n_layer=24, n_embd=1024, n_head=16),
+    "774M": dict(n_layer=36, n_embd=1280, n_head=20),
+    "1558M": dict(n_layer=48, n_embd=1600, n_head=25),
+}
+PROBE_LENGTHS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one training step needs at its peak, by what holds them."""
+
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int  # saved for backward by the blocks and embeddings
+    logits_loss: int  # saved for backward by the LM head and the loss
+    overhead: int  # backward's transients: recomputed block, activation gradients, a chunk's logits
+    plan: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.optimizer_states + self.activations
+                + self.logits_loss + self.overhead)
+
+    def parts(self) -> dict[str, int]:
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer states": self.optimizer_states,
+                "activations": self.activations, "logits/loss": self.logits_loss, "overhead": self.overhead}
+
+    def __str__(self) -> str:
+        width = max(len(name) for name in self.parts())
+        plan = ", ".join(f"{k}={v}" for k, v in self.plan.items())
+        rows = [f"Memory estimate ({plan})"]
+        rows += [f"  {name:<{width}}  {format_bytes(value):>10}" for name, value in self.parts().items()]
+        rows.append(f"  {'total':<{width}}  {format_bytes(self.total):>10}")
+        return "\n".join(rows)
+
+
+def model_config(model: nn.Module | object | str) -> object:
+    """The config of a model, a config itself, or a GPT-2 size name."""
+    from transformers import GPT2Config
+
+    if isinstance(model, str):
+        if model not in GPT2_SIZES:
+            raise ValueError(f"model={model!r} is not a GPT-2 size; use one of {', '.join(GPT2_SIZES)}, "
+                             "a config or a model.")
+        return GPT2Config(**GPT2_SIZES[model])
+    return getattr(model, "config", model)
+
+
+def _with_layers(config: object, n_layer: int) -> object:
+    config = copy.deepcopy(config)
+    for name in ("n_layer", "num_hidden_layers"):
+        if hasattr(config, name):
+            setattr(config, name, n_layer)
+    return config
+
+
+def _n_layer(config: object) -> int:
+    return getattr(config, "n_layer", None) or config.num_hidden_layers
+
+
+@contextlib.contextmanager
+def _counting(model: nn.Module, totals: dict[str, int], part: Callable[[], str]) -> Iterator[None]:
+    """Add the bytes of every tensor autograd saves to totals[part()], except the model's weights
+    (counted once, as weights; some ops save them as views, e.g. a transposed LM head)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in weights:
+            totals[part()] = totals.get(part(), 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+
+
+def _autocast(plan: TrainPlan) -> contextlib.AbstractContextManager:
+    if plan.precision.endswith("-mixed"):
+        return torch.autocast("cpu", dtype=plan.half_dtype)
+    return contextlib.nullcontext()
+
+
+def saved_bytes(model: nn.Module, input_ids: torch.Tensor, plan: TrainPlan) -> dict[str, int]:
+    """Bytes autograd saves in one training forward, split into "body" and "loss"."""
+    parts = body_and_head(model)
+    if parts is None:
+        raise ValueError(f"{type(model).__name__} does not expose its body and LM head; it cannot be probed.")
+    body, head = parts
+    totals: dict[str, int] = {}
+    current = ["body"]
+    with _counting(model, totals, lambda: current[0]), _autocast(plan):
+        hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state
+        current[0] = "loss"
+        if plan.loss_chunk_tokens:
+            chunked_lm_loss(hidden, head, input_ids, plan.loss_chunk_tokens)
+        else:
+            logits = head(hidden).float()
+            nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+    return totals
+
+
+def _probe(config: object, n_layer: int, length: int, plan: TrainPlan) -> dict[str, int]:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_with_layers(config, n_layer))
+    if plan.precision.endswith("-true") and plan.half_dtype is not None:
+        model = model.to(plan.half_dtype)
+    model, _ = apply_memory_plan(model, plan)
+    ids = torch.randint(model.config.vocab_size, (1, length))
+    return saved_bytes(model, ids, plan)
+
+
+def _fit_quadratic(values: tuple[int, ...], lengths: tuple[int, ...] = PROBE_LENGTHS) -> Callable[[int], float]:
+    """f(T) = c + a*T + b*T^2 through the measured points (b: attention matrices, zero when fused)."""
+    coefficients = np.polyfit(lengths, values, deg=2)
+    return lambda t: float(np.polyval(coefficients, t))
+
+
+def _per_block_and_rest(config: object, plan: TrainPlan) -> tuple[Callable, Callable, Callable]:
+    """Saved bytes per sequence as functions of its length: one block, everything else in the
+    body (embeddings, final norm, the first block's difference), and the loss."""
+    one, two = ({t: _probe(config, n, t, plan) for t in PROBE_LENGTHS} for n in (1, 2))
+    block = _fit_quadratic(tuple(two[t]["body"] - one[t]["body"] for t in PROBE_LENGTHS))
+    rest = _fit_quadratic(tuple(2 * one[t]["body"] - two[t]["body"] for t in PROBE_LENGTHS))
+    loss = _fit_quadratic(tuple(one[t]["loss"] for t in PROBE_LENGTHS))
+    return block, rest, loss
+
+
+def _optimizer_state_bytes(params: list[nn.Parameter], optimizer: str) -> int:
+    """Exactly what the optimizer allocates for these parameters."""
+    if optimizer == "adafactor":  # transformers' Adafactor, factored, no first moment
+        return sum(((p.shape[-1] + p.shape[-2]) if p.ndim >= 2 else p.numel()) * 4 + 4 for p in params)  # + RMS
+    # torch's fused AdamW: exp_avg, exp_avg_sq in the parameter's dtype, and a float32 step tensor
+    return sum(2 * p.numel() * p.element_size() + 4 for p in params)
+
+
+def memory_plan(precision: str, gradient_checkpointing: bool, lora: LoraSettings | None, batch_size: int,
+                optimizer: str, chunked_loss: bool) -> TrainPlan:
+    """A TrainPlan with just the memory decisions (the schedule fields do not change memory)."""
+    return TrainPlan(
+        output_dir="", accelerator="cpu", devices=1, precision=precision,
+        gradient_checkpointing=gradient_checkpointing, lora=lora, micro_batch_size=batch_size,
+        accumulation=1, num_steps=1, learning_rate=1e-3, weight_decay=0.0, adam_epsilon=1e-8, warmup_steps=0,
+        max_grad_norm=0.0, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS if chunked_loss else None, optimizer=optimizer,
+    )
+
+
+def estimate_memory(
+    model: nn.Module | object | str,
+    block_size: int = 1024,
+    batch_size: int = 1,
+    precision: str = "32-true",
+    gradient_checkpointing: bool = False,
+    lora: bool | LoraSettings = False,
+    optimizer: str = "adamw",
+    chunked_loss: bool = True,
+) -> MemoryEstimate:
+    """Peak memory of one training step, by part, for a model, a config or a GPT-2 size name
+    ("124M", "355M", "774M", "1558M"); nothing is downloaded and no full-size activation is made."""
+    from transformers import AutoModelForCausalLM
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+    config = model_config(model)
+    lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
+    plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss)
+
+    with torch.device("meta"):  # shapes and dtypes only: exact parameter bytes, nothing allocated
+        full = AutoModelForCausalLM.from_config(config)
+    if precision.endswith("-true") and plan.half_dtype is not None:
+        full = full.to(plan.half_dtype)
+    full, _ = apply_memory_plan(full, plan)
+    params = list({id(p): p for p in full.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+
+    block, rest, loss = _per_block_and_rest(config, dataclasses.replace(plan, gradient_checkpointing=False))
+    n_layer, tokens = _n_layer(config), block_size
+    activations = n_layer * block(tokens) + rest(tokens)
+    recompute = 0.0
+    if gradient_checkpointing:  # blocks keep only their inputs; backward recomputes one block at a time
+        kept_block, kept_rest, _ = _per_block_and_rest(config, plan)
+        activations, recompute = n_layer * kept_block(tokens) + kept_rest(tokens), block(tokens)
+    chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
+    logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
+    return MemoryEstimate(
+        weights=unique_tensor_bytes(params),
+        gradients=unique_tensor_bytes(trainable),
+        optimizer_states=_optimizer_state_bytes(trainable, optimizer),
+        activations=max(0, int(batch_size * activations)),
+        logits_loss=max(0, int(batch_size * loss(tokens))),
+        overhead=int(batch_size * (recompute + block(tokens)) + logits_transient),
+        plan={"block_size": block_size, "batch_size": batch_size, "precision": precision,
+              "gradient_checkpointing": gradient_checkpointing, "lora": bool(lora_settings),
+              "optimizer": optimizer, "chunked_loss": chunked_loss},
+    )
