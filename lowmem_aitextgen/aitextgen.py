@@ -21,6 +21,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from torch import nn
 
 from . import io, memory
+from .budget import default_budget, fit_plan, parse_bytes
 from .callbacks import NonFiniteGuard, SaveAndSample, StepProgressBar, TrainingDiverged
 from .data import training_loader
 from .lightning_module import CausalLMModule
@@ -43,6 +44,8 @@ OBSOLETE_TRAIN_ARGUMENTS = {
     "run_id": (None, "run_id only named Google Drive folders; it is ignored"),
 }
 GENERATION_DEFAULT_MAX_LENGTH = 256
+# train() arguments the memory planner may change only when the user left them at these defaults.
+FITTED_ARGUMENT_DEFAULTS = {"gradient_checkpointing": None, "fp16": None, "precision": None, "chunked_loss": True}
 
 
 def _quiet_transformers(verbose: bool) -> None:
@@ -172,7 +175,7 @@ class aitextgen(_aitextgen):
         *,
         precision: str | None = None,
         gradient_checkpointing: bool | None = None,
-        lora: bool = False,
+        lora: bool | str = False,
         lora_r: int = 8,
         lora_alpha: int = 16,
         lora_dropout: float = 0.05,
@@ -183,12 +186,14 @@ class aitextgen(_aitextgen):
         num_nodes: int = 1,
         devices: int | str | list[int] | None = None,
         resume: bool | str = False,
+        max_memory: int | str | None = None,
         callbacks: list[pl.Callback] | None = None,
         **kwargs: Any,
     ) -> None:
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
-        precision=, gradient_checkpointing=, lora*=, chunked_loss=, optimizer=, resume= (continue from
-        output_dir's checkpoint), Lightning's strategy=, num_nodes=, devices= and callbacks=.
+        precision=, gradient_checkpointing=, lora*= (lora="auto": only if the memory budget needs it),
+        chunked_loss=, optimizer=, resume= (continue from output_dir's checkpoint), max_memory= (fit the
+        plan to a budget), Lightning's strategy=, num_nodes=, devices= and callbacks=.
         Extra keyword arguments go to TokenDataset (e.g. line_by_line=True)."""
         given = locals()
         for name, (default, instead) in OBSOLETE_TRAIN_ARGUMENTS.items():
@@ -200,13 +205,16 @@ class aitextgen(_aitextgen):
             check_text_file(train_data, "train_data")
         elif not isinstance(train_data, torch.utils.data.Dataset):
             raise TypeError(f"train_data must be a text file path or a TokenDataset, not {type(train_data).__name__}.")
+        if lora not in (True, False, "auto"):
+            raise ValueError(f"lora={lora!r} must be True, False or 'auto' (LoRA only if max_memory needs it).")
+        budget = None if max_memory is None else parse_bytes(max_memory)
         lightning_loggers = make_loggers(loggers, output_dir)
         plan = build_plan(
             self.model,
             output_dir=output_dir, n_gpu=n_gpu, fp16=fp16, precision=precision,
             gradient_checkpointing=self.gradient_checkpointing if gradient_checkpointing is None
             else gradient_checkpointing,
-            lora=lora or is_lora_model(self.model),  # an adapter loaded from a folder keeps training
+            lora=lora is True or is_lora_model(self.model),  # an adapter loaded from a folder keeps training
             lora_settings=LoraSettings(lora_r, lora_alpha, lora_dropout,
                                        tuple(lora_target_modules) if lora_target_modules else None),
             batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
@@ -219,6 +227,13 @@ class aitextgen(_aitextgen):
             strategy=strategy, num_nodes=num_nodes, devices=devices, resume=resume,
         )
         dataset = self._dataset(train_data, kwargs)
+        budget = budget or default_budget(plan.accelerator)
+        if budget is not None:
+            block_size = getattr(dataset, "block_size", None) or model_max_length(self.model.config)
+            explicit = {name for name, default in FITTED_ARGUMENT_DEFAULTS.items() if given[name] != default}
+            if self.gradient_checkpointing is not None:
+                explicit.add("gradient_checkpointing")
+            plan, _ = fit_plan(self.model.config, plan, block_size, budget, explicit, allow_lora=lora == "auto")
         self._fit(plan, dataset, lightning_loggers, callbacks or [])
 
     def _dataset(self, train_data: str | TokenDataset, kwargs: dict) -> TokenDataset:

@@ -21,12 +21,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
+from transformers import AutoConfig
 
 from .chunked_loss import DEFAULT_CHUNK_TOKENS, body_and_head, chunked_lm_loss
 from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
@@ -136,7 +139,8 @@ def saved_bytes(model: nn.Module, input_ids: torch.Tensor, plan: TrainPlan) -> d
     return totals
 
 
-def _probe(config: object, n_layer: int, length: int, plan: TrainPlan) -> dict[str, int]:
+def _probe(config: object, n_layer: int, plan: TrainPlan) -> dict[int, dict[str, int]]:
+    """Saved bytes of a probe model with n_layer blocks, at each probe length."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -144,8 +148,7 @@ def _probe(config: object, n_layer: int, length: int, plan: TrainPlan) -> dict[s
     if plan.precision.endswith("-true") and plan.half_dtype is not None:
         model = model.to(plan.half_dtype)
     model, _ = apply_memory_plan(model, plan)
-    ids = torch.randint(model.config.vocab_size, (1, length))
-    return saved_bytes(model, ids, plan)
+    return {t: saved_bytes(model, torch.randint(model.config.vocab_size, (1, t)), plan) for t in PROBE_LENGTHS}
 
 
 def _fit_quadratic(values: tuple[int, ...], lengths: tuple[int, ...] = PROBE_LENGTHS) -> Callable[[int], float]:
@@ -154,10 +157,13 @@ def _fit_quadratic(values: tuple[int, ...], lengths: tuple[int, ...] = PROBE_LEN
     return lambda t: float(np.polyval(coefficients, t))
 
 
-def _per_block_and_rest(config: object, plan: TrainPlan) -> tuple[Callable, Callable, Callable]:
+@functools.lru_cache(maxsize=32)
+def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Callable, Callable]:
     """Saved bytes per sequence as functions of its length: one block, everything else in the
-    body (embeddings, final norm, the first block's difference), and the loss."""
-    one, two = ({t: _probe(config, n, t, plan) for t in PROBE_LENGTHS} for n in (1, 2))
+    body (embeddings, final norm, the first block's difference), and the loss.
+    Cached: a planner asks for the same probes with other batch sizes and optimizers."""
+    config = AutoConfig.for_model(**json.loads(config_json))
+    one, two = (_probe(config, n, plan) for n in (1, 2))
     block = _fit_quadratic(tuple(two[t]["body"] - one[t]["body"] for t in PROBE_LENGTHS))
     rest = _fit_quadratic(tuple(2 * one[t]["body"] - two[t]["body"] for t in PROBE_LENGTHS))
     loss = _fit_quadratic(tuple(one[t]["loss"] for t in PROBE_LENGTHS))
@@ -213,12 +219,14 @@ def estimate_memory(
     params = list({id(p): p for p in full.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
 
-    block, rest, loss = _per_block_and_rest(config, dataclasses.replace(plan, gradient_checkpointing=False))
+    probed = dataclasses.replace(plan, micro_batch_size=1, optimizer="adamw")  # probes do not depend on these
+    config_json = config.to_json_string()
+    block, rest, loss = _per_block_and_rest(config_json, dataclasses.replace(probed, gradient_checkpointing=False))
     n_layer, tokens = _n_layer(config), block_size
     activations = n_layer * block(tokens) + rest(tokens)
     recompute = 0.0
     if gradient_checkpointing:  # blocks keep only their inputs; backward recomputes one block at a time
-        kept_block, kept_rest, _ = _per_block_and_rest(config, plan)
+        kept_block, kept_rest, _ = _per_block_and_rest(config_json, probed)
         activations, recompute = n_layer * kept_block(tokens) + kept_rest(tokens), block(tokens)
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
