@@ -51,14 +51,21 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     Non-reentrant checkpointing works with frozen embeddings and LoRA without
     ``enable_input_require_grads``.
     """
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers renamed gradient_checkpointing_* to activation_checkpointing_* during 5.x (the old
+    # names warn); 5.0, our oldest supported, has only the old ones.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
 
 
 def disable_gradient_checkpointing(model: nn.Module) -> None:
     """Generation wants the KV cache and no recomputation."""
     if is_checkpointing(model):
-        model.gradient_checkpointing_disable()
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
     model.config.use_cache = True
 
 
