@@ -4,12 +4,13 @@ import inspect
 import logging
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from aitextgen import aitextgen as Original
 from transformers import GPT2Config
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen import TokenDataset, aitextgen
 
 
 def test_signature_is_a_superset_of_aitextgen():
@@ -77,3 +78,25 @@ def test_one_step_of_the_real_355m_architecture(tmp_path):
              output_dir=str(tmp_path / "out"))
     assert not torch.equal(ai.model.transformer.h[23].mlp.c_proj.weight, before)
     assert torch.isfinite(ai.model.transformer.h[23].mlp.c_proj.weight).all()
+
+
+def test_adafactor_trains_with_little_optimizer_state(corpus_file, tokenizer_file):
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    states = []
+
+    class OptimizerState(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            states.append((type(optimizer).__name__, sum(v.numel() for s in optimizer.state.values()
+                                                          for v in s.values() if torch.is_tensor(v))))
+
+    data = TokenDataset(corpus_file, tokenizer_file=tokenizer_file, block_size=32)
+    batch = torch.stack([data[i] for i in range(0, len(data), max(1, len(data) // 32))])
+    before = ai.model(input_ids=batch, labels=batch).loss.item()
+    ai.train(data, num_steps=30, learning_rate=1e-2, batch_size=8, save_every=0, generate_every=0,
+             optimizer="adafactor", callbacks=[OptimizerState()])
+    with torch.no_grad():
+        after = ai.model(input_ids=batch, labels=batch).loss.item()
+    assert after < before - 0.5
+    name, state_numel = states[0]
+    assert name == "Adafactor" and state_numel < 0.1 * sum(p.numel() for p in ai.model.parameters())
