@@ -58,6 +58,8 @@ def _unavailable_module(name: str, why: str) -> types.ModuleType:
     module = types.ModuleType(name)
 
     def __getattr__(attr: str) -> Any:
+        if attr.startswith("__"):  # introspection (inspect.getmodule probes __file__) must see a plain miss
+            raise AttributeError(attr)
         raise ImportError(f"{name}.{attr} is not available: {why}")
 
     module.__getattr__ = __getattr__  # type: ignore[method-assign]

@@ -45,7 +45,8 @@ OBSOLETE_TRAIN_ARGUMENTS = {
 }
 GENERATION_DEFAULT_MAX_LENGTH = 256
 # train() arguments the memory planner may change only when the user left them at these defaults.
-FITTED_ARGUMENT_DEFAULTS = {"gradient_checkpointing": None, "fp16": None, "precision": None, "chunked_loss": True}
+FITTED_ARGUMENT_DEFAULTS = {"gradient_checkpointing": None, "fp16": None, "precision": None, "chunked_loss": True,
+                            "optimizer": None}
 
 
 def _quiet_transformers(verbose: bool) -> None:
@@ -181,7 +182,7 @@ class aitextgen(_aitextgen):
         lora_dropout: float = 0.05,
         lora_target_modules: Sequence[str] | None = None,
         chunked_loss: bool = True,
-        optimizer: str = "adamw",
+        optimizer: str | None = None,
         strategy: str | Strategy = "auto",
         num_nodes: int = 1,
         devices: int | str | list[int] | None = None,
@@ -192,8 +193,9 @@ class aitextgen(_aitextgen):
     ) -> None:
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
         precision=, gradient_checkpointing=, lora*= (lora="auto": only if the memory budget needs it),
-        chunked_loss=, optimizer=, resume= (continue from output_dir's checkpoint), max_memory= (fit the
-        plan to a budget), Lightning's strategy=, num_nodes=, devices= and callbacks=.
+        chunked_loss=, optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
+        from output_dir's checkpoint), max_memory= (fit the plan to a budget), Lightning's strategy=,
+        num_nodes=, devices= and callbacks=.
         Extra keyword arguments go to TokenDataset (e.g. line_by_line=True)."""
         given = locals()
         for name, (default, instead) in OBSOLETE_TRAIN_ARGUMENTS.items():
@@ -223,7 +225,7 @@ class aitextgen(_aitextgen):
             freeze_layers=freeze_layers, num_layers_freeze=num_layers_freeze,
             save_every=save_every, generate_every=generate_every, n_generate=n_generate, seed=seed,
             num_workers=num_workers, progress_bar_refresh_rate=progress_bar_refresh_rate,
-            avg_loss_smoothing=avg_loss_smoothing, chunked_loss=chunked_loss, optimizer=optimizer,
+            avg_loss_smoothing=avg_loss_smoothing, chunked_loss=chunked_loss, optimizer=optimizer or "adamw",
             strategy=strategy, num_nodes=num_nodes, devices=devices, resume=resume,
         )
         dataset = self._dataset(train_data, kwargs)

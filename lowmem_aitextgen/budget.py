@@ -10,9 +10,9 @@ The ladder, from the user's own plan:
   1. gradient checkpointing          (recompute each block in backward: ~1/3 more compute)
   2. mixed precision                 (bf16 where the device has it, else fp16 with loss scaling)
   3. chunked loss                    (the LM head's matmul twice)
-  4. smaller micro-batch, more accumulation (down to 1: the same gradients, less parallelism)
-  5. LoRA, only with lora="auto"     (trains adapters instead of every weight)
-(An 8-bit optimizer belongs between 3 and 4 once optimizer="adamw8bit" exists.)
+  4. 8-bit AdamW                     (block-quantized states; skipped without torchao)
+  5. smaller micro-batch, more accumulation (down to 1: the same gradients, less parallelism)
+  6. LoRA, only with lora="auto"     (trains adapters instead of every weight)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from .chunked_loss import DEFAULT_CHUNK_TOKENS
 from .estimate import MemoryEstimate, estimate_memory
 from .memory import format_bytes
+from .optimizers import eight_bit_available
 from .plan import LoraSettings, TrainPlan, resolve_precision
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -78,6 +79,9 @@ def ladder(plan: TrainPlan, explicit: set[str], allow_lora: bool) -> Iterator[tu
     if "chunked_loss" not in explicit and not plan.loss_chunk_tokens:
         plan = dataclasses.replace(plan, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS)
         yield "chunked loss", plan
+    if "optimizer" not in explicit and plan.optimizer == "adamw" and eight_bit_available():
+        plan = dataclasses.replace(plan, optimizer="adamw8bit")
+        yield "8-bit AdamW", plan
     while (smaller := _smaller_micro_batch(plan)) is not None:  # batch_size is part of the effective batch
         plan = smaller
         yield f"micro-batch {plan.micro_batch_size} x {plan.accumulation} accumulation", plan

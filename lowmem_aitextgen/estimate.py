@@ -33,7 +33,8 @@ from transformers import AutoConfig
 
 from .chunked_loss import DEFAULT_CHUNK_TOKENS, body_and_head, chunked_lm_loss
 from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
-from .plan import OPTIMIZERS, PRECISIONS, LoraSettings, TrainPlan
+from .optimizers import OPTIMIZERS, optimizer_state_bytes
+from .plan import PRECISIONS, LoraSettings, TrainPlan
 
 # OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
 GPT2_SIZES = {
@@ -170,14 +171,6 @@ def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Ca
     return block, rest, loss
 
 
-def _optimizer_state_bytes(params: list[nn.Parameter], optimizer: str) -> int:
-    """Exactly what the optimizer allocates for these parameters."""
-    if optimizer == "adafactor":  # transformers' Adafactor, factored, no first moment
-        return sum(((p.shape[-1] + p.shape[-2]) if p.ndim >= 2 else p.numel()) * 4 + 4 for p in params)  # + RMS
-    # torch's fused AdamW: exp_avg, exp_avg_sq in the parameter's dtype, and a float32 step tensor
-    return sum(2 * p.numel() * p.element_size() + 4 for p in params)
-
-
 def memory_plan(precision: str, gradient_checkpointing: bool, lora: LoraSettings | None, batch_size: int,
                 optimizer: str, chunked_loss: bool) -> TrainPlan:
     """A TrainPlan with just the memory decisions (the schedule fields do not change memory)."""
@@ -205,7 +198,7 @@ def estimate_memory(
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
-    if optimizer not in OPTIMIZERS:
+    if optimizer not in OPTIMIZERS:  # the estimate needs no torchao, so no check_optimizer
         raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
     config = model_config(model)
     lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
@@ -233,7 +226,7 @@ def estimate_memory(
     return MemoryEstimate(
         weights=unique_tensor_bytes(params),
         gradients=unique_tensor_bytes(trainable),
-        optimizer_states=_optimizer_state_bytes(trainable, optimizer),
+        optimizer_states=optimizer_state_bytes(trainable, optimizer),
         activations=max(0, int(batch_size * activations)),
         logits_loss=max(0, int(batch_size * loss(tokens))),
         overhead=int(batch_size * (recompute + block(tokens)) + logits_transient),

@@ -12,39 +12,9 @@ from torch import nn
 from transformers import get_linear_schedule_with_warmup
 
 from .chunked_loss import causal_lm_loss
+from .optimizers import build_optimizer, portable_optimizer_states, restore_optimizer_states
 from .plan import TrainPlan
 from .resume import random_states, set_random_states
-
-
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: decaying biases and LayerNorm gains just hurts."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def build_optimizer(model: nn.Module, plan: TrainPlan) -> torch.optim.Optimizer:
-    """The plan's optimizer over the weights that train.
-
-    AdamW uses the fused kernel (CPU and CUDA), which avoids foreach's full-size
-    temporaries. Adafactor keeps factored second moments and no first moment:
-    a few MB of state instead of AdamW's two fp32 copies of the weights, at
-    some cost in how fast the loss falls.
-    """
-    groups = parameter_groups(model, plan.weight_decay)
-    if plan.optimizer == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(groups, lr=plan.learning_rate, eps=(1e-30, 1e-3), scale_parameter=False,
-                         relative_step=False, warmup_init=False)
-    device_types = {p.device.type for group in groups for p in group["params"]}
-    fused = device_types <= {"cpu", "cuda"}
-    return torch.optim.AdamW(groups, lr=plan.learning_rate, eps=plan.adam_epsilon, fused=fused)
 
 
 class CausalLMModule(pl.LightningModule):
@@ -93,6 +63,8 @@ class CausalLMModule(pl.LightningModule):
         trainable = self._trainable_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["random_states"] = random_states()
+        if "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = portable_optimizer_states(checkpoint["optimizer_states"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved, expected = set(checkpoint["state_dict"]), self._trainable_keys()
@@ -103,11 +75,14 @@ class CausalLMModule(pl.LightningModule):
                 "or plan. Construct aitextgen and call train() with the same model, lora and "
                 "freeze_layers arguments as the interrupted run, or pass resume=False."
             )
+        if "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = restore_optimizer_states(checkpoint["optimizer_states"])
         if self.trainer.world_size == 1:  # one process: continue its random numbers exactly
             set_random_states(checkpoint["random_states"])
 
     def configure_optimizers(self) -> dict:
-        optimizer = build_optimizer(self.model, self.plan)
+        optimizer = build_optimizer(self.model, self.plan.weight_decay, self.plan.learning_rate,
+                                    self.plan.adam_epsilon, self.plan.optimizer)
         scheduler = get_linear_schedule_with_warmup(
             optimizer, num_warmup_steps=self.plan.warmup_steps, num_training_steps=self.plan.num_steps
         )

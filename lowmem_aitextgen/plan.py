@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .chunked_loss import DEFAULT_CHUNK_TOKENS
+from .optimizers import check_optimizer
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -27,7 +28,6 @@ PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 HALF_DTYPES = {"bf16": torch.bfloat16, "16-": torch.float16}
 
 CHECKPOINT_NAME = "last.ckpt"  # in output_dir, for train(resume=True)
-OPTIMIZERS = ("adamw", "adafactor")
 # Lightning's strategy names are checked here so that a typo fails before any work.
 STRATEGY_NAMES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "fsdp_cpu_offload",
                   "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
@@ -306,8 +306,7 @@ def build_plan(
         raise ValueError(f"lora_r={lora_settings.r!r} must be a positive integer, e.g. 8.")
     _check_positive_int("num_nodes", num_nodes, "it counts machines, 1 for this one")
     check_strategy(strategy)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+    check_optimizer(optimizer)
     _check_output_dir(output_dir, bytes_to_save(model, lora))
     resume_from = checkpoint_to_resume(resume, output_dir)
 

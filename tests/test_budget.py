@@ -34,21 +34,23 @@ def test_parse_bytes_refuses_what_is_not_an_amount(text):
         parse_bytes(text)
 
 
-# (budget: just above the estimate of this rung, expected plan: (checkpointing, precision, chunked, micro, lora))
+# (budget: just above the estimate of this rung,
+#  expected plan: (checkpointing, precision, chunked, optimizer, micro, lora))
 RUNGS = [
-    (False, "32-true", False, 4, False),  # the plan as given
-    (True, "32-true", False, 4, False),  # + gradient checkpointing
-    (True, "bf16-mixed", False, 4, False),  # + mixed precision
-    (True, "bf16-mixed", True, 4, False),  # + chunked loss
-    (True, "bf16-mixed", True, 2, False),  # + micro-batch 2 x 4
-    (True, "bf16-mixed", True, 1, False),  # + micro-batch 1 x 8
-    (True, "bf16-mixed", True, 1, True),  # + LoRA (lora="auto")
+    (False, "32-true", False, "adamw", 4, False),  # the plan as given
+    (True, "32-true", False, "adamw", 4, False),  # + gradient checkpointing
+    (True, "bf16-mixed", False, "adamw", 4, False),  # + mixed precision
+    (True, "bf16-mixed", True, "adamw", 4, False),  # + chunked loss
+    (True, "bf16-mixed", True, "adamw8bit", 4, False),  # + 8-bit AdamW (torchao is a test dependency)
+    (True, "bf16-mixed", True, "adamw8bit", 2, False),  # + micro-batch 2 x 4
+    (True, "bf16-mixed", True, "adamw8bit", 1, False),  # + micro-batch 1 x 8
+    (True, "bf16-mixed", True, "adamw8bit", 1, True),  # + LoRA (lora="auto")
 ]
 
 
 def describe(plan):
-    return (plan.gradient_checkpointing, plan.precision, bool(plan.loss_chunk_tokens), plan.micro_batch_size,
-            plan.lora is not None)
+    return (plan.gradient_checkpointing, plan.precision, bool(plan.loss_chunk_tokens), plan.optimizer,
+            plan.micro_batch_size, plan.lora is not None)
 
 
 def test_each_budget_gets_the_documented_rung_with_the_same_effective_batch():
@@ -66,9 +68,10 @@ def test_each_budget_gets_the_documented_rung_with_the_same_effective_batch():
 
 def test_explicit_arguments_are_kept_and_lora_needs_auto():
     plan = user_plan()
-    rungs = [describe(p) for _, p in ladder(plan, explicit={"gradient_checkpointing", "precision"},
+    rungs = [describe(p) for _, p in ladder(plan, explicit={"gradient_checkpointing", "precision", "optimizer"},
                                             allow_lora=False)]
-    assert all(not ckpt and precision == "32-true" and not lora for ckpt, precision, _, _, lora in rungs)
+    assert all(not ckpt and precision == "32-true" and optimizer == "adamw" and not lora
+               for ckpt, precision, _, optimizer, _, lora in rungs)
     smallest = estimate_plan(CONFIG, [p for _, p in ladder(plan, set(), allow_lora=False)][-1], BLOCK).total
     with pytest.raises(MemoryError, match=r"(?s)No plan fits max_memory=.*the smallest one needs.*total.*lora='auto'"):
         fit_plan(CONFIG, plan, BLOCK, smallest - 1, explicit=set(), allow_lora=False)

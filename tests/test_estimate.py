@@ -12,7 +12,7 @@ from conftest import tiny_gpt2_config
 from lowmem_aitextgen import estimate_memory
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.estimate import memory_plan
-from lowmem_aitextgen.lightning_module import build_optimizer
+from lowmem_aitextgen.optimizers import build_optimizer
 from lowmem_aitextgen.memory import apply_memory_plan
 from lowmem_aitextgen.plan import LoraSettings
 
@@ -39,16 +39,24 @@ def measured(config, block_size, batch_size, precision, checkpointing, lora, opt
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         loss = causal_lm_loss(model, ids, plan.loss_chunk_tokens)
     loss.backward()
-    optimizer_ = build_optimizer(model, plan)
+    optimizer_ = build_optimizer(model, plan.weight_decay, plan.learning_rate, plan.adam_epsilon, plan.optimizer)
     optimizer_.step()
     params = {id(p): p for p in model.parameters()}.values()
     return {
         "saved": saved,
         "weights": sum(p.numel() * p.element_size() for p in params),
         "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-        "optimizer_states": sum(v.numel() * v.element_size() for state in optimizer_.state.values()
+        "optimizer_states": sum(allocated_bytes(v) for state in optimizer_.state.values()
                                 for v in state.values() if torch.is_tensor(v)),
     }
+
+
+def allocated_bytes(tensor: torch.Tensor) -> int:
+    """What a tensor really holds; a tensor subclass (torchao's 8-bit states) by its inner tensors."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(allocated_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
 @pytest.mark.parametrize("config, block_size, batch_size, precision, checkpointing, lora, optimizer, chunked", [
@@ -56,9 +64,10 @@ def measured(config, block_size, batch_size, precision, checkpointing, lora, opt
     (SMALL, 512, 1, "32-true", True, False, "adamw", False),
     (SMALL, 384, 2, "bf16-mixed", True, True, "adamw", True),
     (SMALL, 256, 1, "bf16-mixed", False, False, "adafactor", True),
+    (SMALL, 256, 1, "32-true", True, False, "adamw8bit", True),
     (MEDIUM, 1024, 1, "32-true", True, False, "adamw", True),
     (MEDIUM, 512, 2, "bf16-mixed", False, True, "adamw", False),
-], ids=["small-fp32", "small-ckpt-unchunked", "small-lora-bf16", "small-adafactor", "medium-ckpt-1024",
+], ids=["small-fp32", "small-ckpt-unchunked", "small-lora-bf16", "small-adafactor", "small-adamw8bit", "medium-ckpt-1024",
         "medium-lora-unchunked"])
 def test_estimate_matches_measurement(config, block_size, batch_size, precision, checkpointing, lora, optimizer,
                                       chunked):

@@ -46,14 +46,14 @@ class CtrlC(pl.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("lora, optimizer", [(False, "adamw"), (True, "adamw"), (False, "adamw8bit")])
 def test_ctrl_c_then_resume_ends_with_the_uninterrupted_weights(small_data, base_folder, tokenizer_file,
-                                                                 lora):
+                                                                 lora, optimizer):
     def run(output_dir, **kwargs):
         ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
         ai.train(small_data, output_dir=output_dir, num_steps=10, batch_size=2, gradient_accumulation_steps=2,
                  learning_rate=1e-2, warmup_steps=2, save_every=0, generate_every=0, seed=1, lora=lora,
-                 **kwargs)
+                 optimizer=optimizer, **kwargs)
         return ai
 
     uninterrupted = run("uninterrupted").model.state_dict()

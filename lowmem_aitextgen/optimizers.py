@@ -1,0 +1,143 @@
+"""The optimizers a plan can name, and exactly how much state each keeps.
+
+| optimizer   | state per trained parameter                 | trade-off                                  |
+|-------------|---------------------------------------------|--------------------------------------------|
+| "adamw"     | two copies in the parameter's dtype (fp32)  | the reference; torch's fused kernel        |
+| "adamw8bit" | two 8-bit copies + one fp32 scale per 256   | ~1/4 of AdamW's state; loss curves close;  |
+|             | (tensors under 4096 values stay full size)  | needs torchao, compiles its step once      |
+| "adafactor" | factored second moment, no first moment     | a few MB of state; loss falls more slowly  |
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+
+# torchao's AdamW8bit quantizes a state tensor in blocks of 256 values with one fp32 scale each and
+# a 256-entry fp32 code book, and only tensors of at least 4096 values whose size is a multiple of
+# the block (as bitsandbytes does).
+EIGHT_BIT_BLOCK = 256
+EIGHT_BIT_MIN_VALUES = 4096
+EIGHT_BIT_CODE_BOOK_BYTES = 256 * 4
+
+INSTALL_8BIT = "pip install 'lowmem_aitextgen[8bit]' (torchao)"
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: decaying biases and LayerNorm gains just hurts."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def check_optimizer(optimizer: str) -> None:
+    """A clear error before training for an unknown optimizer or a missing optional package."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+    if optimizer == "adamw8bit" and not eight_bit_available():
+        raise ImportError(f"optimizer='adamw8bit' needs torchao: {INSTALL_8BIT}, or use optimizer='adamw'.")
+
+
+def eight_bit_available() -> bool:
+    try:
+        from torchao.optim import AdamW8bit  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, adam_epsilon: float,
+                    optimizer: str) -> torch.optim.Optimizer:
+    """The named optimizer over the weights that train.
+
+    AdamW uses the fused kernel (CPU and CUDA), which avoids foreach's full-size
+    temporaries. The 8-bit AdamW is torchao's: unlike bitsandbytes' it runs on CPU
+    as well as CUDA (its update is torch.compile'd, so the first step is slow).
+    """
+    check_optimizer(optimizer)
+    groups = parameter_groups(model, weight_decay)
+    if optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=learning_rate, eps=(1e-30, 1e-3), scale_parameter=False,
+                         relative_step=False, warmup_init=False)
+    if optimizer == "adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(groups, lr=learning_rate, eps=adam_epsilon, block_size=EIGHT_BIT_BLOCK)
+    device_types = {p.device.type for group in groups for p in group["params"]}
+    fused = device_types <= {"cpu", "cuda"}
+    return torch.optim.AdamW(groups, lr=learning_rate, eps=adam_epsilon, fused=fused)
+
+
+def optimizer_state_bytes(params: list[nn.Parameter], optimizer: str) -> int:
+    """Exactly what the optimizer allocates for these parameters."""
+    if optimizer == "adafactor":  # transformers' Adafactor, factored, no first moment
+        return sum(((p.shape[-1] + p.shape[-2]) if p.ndim >= 2 else p.numel()) * 4 + 4 for p in params)  # + RMS
+    if optimizer == "adamw8bit":
+        return sum(_eight_bit_state_bytes(p) for p in params)
+    # torch's fused AdamW: exp_avg, exp_avg_sq in the parameter's dtype, and a float32 step tensor
+    return sum(2 * p.numel() * p.element_size() + 4 for p in params)
+
+
+def _eight_bit_state_bytes(param: nn.Parameter) -> int:
+    """Two states (codes + block scales + code book, or full-size zeros) and a float32 step."""
+    n = param.numel()
+    if n >= EIGHT_BIT_MIN_VALUES and n % EIGHT_BIT_BLOCK == 0:
+        per_state = n + (n // EIGHT_BIT_BLOCK) * 4 + EIGHT_BIT_CODE_BOOK_BYTES
+    else:
+        per_state = n * param.element_size()
+    return 2 * per_state + 4
+
+
+# Optimizer-state tensor subclasses a checkpoint may rebuild; nothing else is imported from a file.
+PORTABLE_STATE_CLASSES = frozenset({"torchao.optim.subclass_8bit.OptimState8bit"})
+SUBCLASS_KEY = "tensor_subclass"
+
+
+def portable_optimizer_states(states: list[dict]) -> list[dict]:
+    """The optimizers' state dicts with tensor subclasses (torchao's 8-bit states) stored as
+    their plain inner tensors: Lightning loads checkpoints with torch.load(weights_only=True)
+    and a callable map_location, which cannot rebuild a wrapper subclass (torch 2.13).
+    New dicts: an optimizer's state_dict() shares its per-parameter dicts with the optimizer."""
+    return [{**state, "state": {index: {key: _flatten(value) for key, value in per_param.items()}
+                                for index, per_param in state["state"].items()}}
+            for state in states]
+
+
+def restore_optimizer_states(states: list[dict]) -> list[dict]:
+    """The inverse of portable_optimizer_states, for classes in PORTABLE_STATE_CLASSES only."""
+    return [{**state, "state": {index: {key: _unflatten(value) for key, value in per_param.items()}
+                                for index, per_param in state["state"].items()}}
+            for state in states]
+
+
+def _flatten(value: object) -> object:
+    if not hasattr(value, "__tensor_flatten__"):
+        return value
+    names, context = value.__tensor_flatten__()
+    return {SUBCLASS_KEY: f"{type(value).__module__}.{type(value).__qualname__}",
+            "inner": {name: getattr(value, name) for name in names}, "context": context,
+            "size": tuple(value.size()), "stride": tuple(value.stride())}
+
+
+def _unflatten(value: object) -> object:
+    if not (isinstance(value, dict) and SUBCLASS_KEY in value):
+        return value
+    name = value[SUBCLASS_KEY]
+    if name not in PORTABLE_STATE_CLASSES:
+        raise ValueError(f"The checkpoint's optimizer state holds a {name}, which lowmem_aitextgen does not "
+                         "load; resume=False starts afresh.")
+    module, _, cls = name.rpartition(".")
+    subclass = getattr(importlib.import_module(module), cls)
+    return subclass.__tensor_unflatten__(value["inner"], value["context"], torch.Size(value["size"]),
+                                         value["stride"])
