@@ -67,7 +67,8 @@ def allocated_bytes(tensor: torch.Tensor) -> int:
     (SMALL, 256, 1, "32-true", True, False, "adamw8bit", True),
     (MEDIUM, 1024, 1, "32-true", True, False, "adamw", True),
     (MEDIUM, 512, 2, "bf16-mixed", False, True, "adamw", False),
-], ids=["small-fp32", "small-ckpt-unchunked", "small-lora-bf16", "small-adafactor", "small-adamw8bit", "medium-ckpt-1024",
+], ids=["small-fp32", "small-ckpt-unchunked", "small-lora-bf16", "small-adafactor", "small-adamw8bit",
+        "medium-ckpt-1024",
         "medium-lora-unchunked"])
 def test_estimate_matches_measurement(config, block_size, batch_size, precision, checkpointing, lora, optimizer,
                                       chunked):
