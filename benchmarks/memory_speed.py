@@ -2,7 +2,8 @@
 
     python benchmarks/memory_speed.py                 # CPU, block 512, every configuration
     python benchmarks/memory_speed.py --device gpu    # GPU, block 1024
-    python benchmarks/memory_speed.py --only lora     # one configuration
+    python benchmarks/memory_speed.py --only ours_lora   # one configuration
+    python benchmarks/memory_speed.py --device gpu --peers  # + transformers' Trainer beside ours
 
 Each configuration runs in a fresh subprocess (so peaks do not mix), trains
 `--steps` optimizer steps at batch 1 on Python's documentation text with the
@@ -12,8 +13,13 @@ GPT-2 tokenizer, and reports:
                 GPU: torch.cuda.max_memory_allocated over training
   peak_process — CPU: whole-process peak RSS, model construction included
   tokens_per_s — over the steps after the first (warm-up) step
+  estimate_bytes — for our rows, estimate_memory() of the plan train() chose
 The baseline is aitextgen 0.6.0's recipe written as a plain PyTorch loop:
 fp32, eager attention, no checkpointing, full fine-tune, torch's default AdamW.
+The peers (--peers) are transformers' Trainer at its best memory settings on the
+same model, data, block and batch: bf16, gradient checkpointing, SDPA, and
+optim="adamw_torch" / "adamw_torch_8bit" (torchao's, as ours) / a peft LoRA
+model with our rank, alpha, dropout and targets on a bf16 base.
 """
 
 from __future__ import annotations
@@ -37,7 +43,18 @@ CONFIGS = {
                    "eager"),
     "ours_full": ("lowmem defaults, full fine-tune", dict(), "sdpa"),
     "ours_lora": ("lowmem defaults, lora=True", dict(lora=True), "sdpa"),
+    "ours_full_8bit": ("lowmem defaults, optimizer='adamw8bit'", dict(optimizer="adamw8bit"), "sdpa"),
+    "ours_max_4gib": ("lowmem, max_memory='4GiB' (full fine-tune)", dict(max_memory="4GiB"), "sdpa"),
+    "ours_fp16": ("lowmem, precision='16-mixed' (loss scaling)", dict(precision="16-mixed"), "sdpa"),
 }
+PEERS = {
+    # name: (description, Trainer optim, LoRA), each matched with one of ours
+    "trainer_full": ("Trainer: bf16, gradient_checkpointing, adamw_torch", "adamw_torch", False),
+    "trainer_full_8bit": ("Trainer: bf16, gradient_checkpointing, adamw_torch_8bit", "adamw_torch_8bit", False),
+    "trainer_lora": ("Trainer: peft LoRA r=8 on a bf16 base, gradient_checkpointing", "adamw_torch", True),
+}
+MATCHED = {"trainer_full": "ours_full", "trainer_full_8bit": "ours_full_8bit", "trainer_lora": "ours_lora"}
+GPU_ONLY = {"ours_fp16"}
 
 
 def reset_peak_rss() -> None:
@@ -102,7 +119,8 @@ def build_model(attention: str):
 
     from lowmem_aitextgen import aitextgen
 
-    config = GPT2Config(n_layer=24, n_embd=1024, n_head=16)
+    # BENCH_N_LAYER: a quicker smoke test of this script (the results are for 24 layers)
+    config = GPT2Config(n_layer=int(os.environ.get("BENCH_N_LAYER", 24)), n_embd=1024, n_head=16)
     config._attn_implementation = attention
     return aitextgen(config=config)
 
@@ -126,14 +144,21 @@ def run_baseline(ai, data, steps: int, probe: Probe, gpu: bool) -> None:
     probe.finish()
 
 
-def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> None:
+def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> dict:
+    """Our train(); returns the plan it chose and that plan's estimate."""
     import pytorch_lightning as pl
+
+    from lowmem_aitextgen.budget import estimate_plan
+
+    chosen = {}
 
     class LightningProbe(pl.Callback):
         def on_train_start(self, trainer, pl_module):
+            chosen["plan"] = pl_module.plan
             probe.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            chosen["last_loss"] = float(outputs["loss"])
             probe.step()
 
         def on_train_end(self, trainer, pl_module):
@@ -142,20 +167,69 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
     with tempfile.TemporaryDirectory() as out:
         ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, save_every=0, generate_every=0,
                  n_gpu=1 if gpu else 0, callbacks=[LightningProbe()], progress_bar_refresh_rate=1, **kwargs)
+    plan = chosen["plan"]
+    return {"last_loss": chosen["last_loss"], "plan": {"precision": plan.precision, "checkpointing": plan.gradient_checkpointing,
+                     "lora": plan.lora is not None, "chunked_loss": bool(plan.loss_chunk_tokens),
+                     "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}"},
+            "estimate_bytes": estimate_plan(ai.model.config, plan, data.block_size).total}
+
+
+def run_trainer(ai, data, steps: int, probe: Probe, optim: str, lora: bool, gpu: bool) -> None:
+    """transformers' Trainer on the same model and data, at its best memory settings."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model = ai.model
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model.to(torch.bfloat16), LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["c_attn", "c_proj", "c_fc"],
+            fan_in_fan_out=True, task_type="CAUSAL_LM"))
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return {"input_ids": data[i], "labels": data[i]}
+
+    class TrainerProbe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            probe.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            probe.step()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            probe.finish()
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, max_steps=steps, per_device_train_batch_size=1, learning_rate=1e-4,
+            weight_decay=0.05, max_grad_norm=0.5, bf16=True, gradient_checkpointing=True, optim=optim,
+            save_strategy="no", report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0,
+            use_cpu=not gpu)
+        Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[TrainerProbe()]).train()
 
 
 def run_one(name: str, device: str, block: int, steps: int) -> dict:
     import torch
 
     gpu = device == "gpu"
-    description, kwargs, attention = CONFIGS[name]
     data = dataset(block)
-    ai = build_model(attention)
     probe = Probe(gpu)
-    if kwargs is None:
-        run_baseline(ai, data, steps, probe, gpu)
+    extra: dict = {}
+    if name in PEERS:
+        description, optim, lora = PEERS[name]
+        run_trainer(build_model("sdpa"), data, steps, probe, optim, lora, gpu)
     else:
-        run_library(ai, data, steps, probe, kwargs, gpu)
+        description, kwargs, attention = CONFIGS[name]
+        ai = build_model(attention)
+        if kwargs is None:
+            run_baseline(ai, data, steps, probe, gpu)
+        else:
+            extra = run_library(ai, data, steps, probe, kwargs, gpu)
     timed = probe.times[2:]  # the first step is warm-up
     tokens_per_s = block * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else float("nan")
     return {
@@ -167,20 +241,32 @@ def run_one(name: str, device: str, block: int, steps: int) -> dict:
         "peak_train_bytes": probe.peak,
         "peak_process_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "tokens_per_s": tokens_per_s,
+        **extra,
     }
 
 
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["config"] == "baseline"), None)
-    lines = ["| configuration | peak (train) GiB | vs baseline | peak (process) GiB | tokens/s | vs baseline |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| configuration | peak (train) GiB | vs baseline | estimate GiB | peak (process) GiB | tokens/s "
+             "| vs baseline |", "|---|---|---|---|---|---|---|"]
     for r in results:
         mem_ratio = r["peak_train_bytes"] / base["peak_train_bytes"] if base else float("nan")
         speed_ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        estimate = f"{r['estimate_bytes'] / 2**30:.2f}" if "estimate_bytes" in r else "–"
         lines.append(
-            f"| {r['description']} | {r['peak_train_bytes'] / 2**30:.2f} | {mem_ratio:.2f}x | "
+            f"| {r['description']} | {r['peak_train_bytes'] / 2**30:.2f} | {mem_ratio:.2f}x | {estimate} | "
             f"{r['peak_process_bytes'] / 2**30:.2f} | {r['tokens_per_s']:.0f} | {speed_ratio:.2f}x |"
         )
+    by_name = {r["config"]: r for r in results}
+    pairs = [(peer, ours) for peer, ours in MATCHED.items() if peer in by_name and ours in by_name]
+    if pairs:
+        lines += ["", "| peer | peak GiB | ours | peak GiB | peer's peak / ours | peer's tokens/s / ours |",
+                  "|---|---|---|---|---|---|"]
+        for peer, ours in pairs:
+            p, o = by_name[peer], by_name[ours]
+            lines.append(f"| {p['description']} | {p['peak_train_bytes'] / 2**30:.2f} | {o['description']} | "
+                         f"{o['peak_train_bytes'] / 2**30:.2f} | {p['peak_train_bytes'] / o['peak_train_bytes']:.2f}x | "
+                         f"{p['tokens_per_s'] / o['tokens_per_s']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -189,7 +275,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--block", type=int, default=None, help="default: 512 on CPU, 1024 on GPU")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--only", choices=list(CONFIGS), action="append")
+    parser.add_argument("--only", choices=[*CONFIGS, *PEERS], action="append")
+    parser.add_argument("--peers", action="store_true", help="also run transformers' Trainer (needs a GPU: bf16 AMP)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write results as JSON lines here")
     args = parser.parse_args()
@@ -199,7 +286,10 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.child, args.device, block, args.steps)), flush=True)
         return
     results = []
-    for name in args.only or list(CONFIGS):
+    names = args.only or [n for n in CONFIGS if args.device == "gpu" or n not in GPU_ONLY]
+    if args.peers and not args.only:
+        names += list(PEERS)
+    for name in names:
         command = [sys.executable, __file__, "--child", name, "--device", args.device, "--block", str(block),
                    "--steps", str(args.steps)]
         proc = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
