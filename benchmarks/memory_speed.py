@@ -164,7 +164,8 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
         def on_train_end(self, trainer, pl_module):
             probe.finish()
 
-    with tempfile.TemporaryDirectory() as out:
+    # the final save to memory on GPU machines: it is not what is measured, and disks there are slow
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if gpu and os.path.isdir("/dev/shm") else None) as out:
         ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, save_every=0, generate_every=0,
                  n_gpu=1 if gpu else 0, callbacks=[LightningProbe()], progress_bar_refresh_rate=1, **kwargs)
     plan = chosen["plan"]

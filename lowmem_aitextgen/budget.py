@@ -94,7 +94,8 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
     return estimate_memory(config, block_size=block_size, batch_size=plan.micro_batch_size,
                            precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing,
                            lora=plan.lora or False, optimizer=plan.optimizer,
-                           chunked_loss=bool(plan.loss_chunk_tokens))
+                           chunked_loss=bool(plan.loss_chunk_tokens),
+                           device="cuda" if plan.accelerator == "gpu" else "cpu")
 
 
 def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int, explicit: set[str],

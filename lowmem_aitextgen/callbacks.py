@@ -103,9 +103,9 @@ class StepProgressBar(ProgressBar):
 class SaveAndSample(OptimizerStepCallback):
     """Every save_every steps save a checkpoint and the model; every generate_every steps print samples.
 
-    The checkpoint is also written at the last step and when training stops early
-    (Ctrl-C, divergence), so resume=True always continues from the latest state;
-    the model itself is saved then by train(), after Lightning has finished.
+    The checkpoint is also written when training stops early (Ctrl-C, divergence),
+    so resume=True continues from the latest state; a run that reaches num_steps needs
+    none (train() saves the model then, after Lightning has finished).
     """
 
     def __init__(
@@ -127,11 +127,11 @@ class SaveAndSample(OptimizerStepCallback):
 
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
         step = trainer.global_step
-        last = step >= trainer.max_steps or trainer.should_stop
-        periodic = bool(self.save_every) and step % self.save_every == 0
-        if last or periodic:
+        finished = step >= trainer.max_steps
+        periodic = bool(self.save_every) and step % self.save_every == 0 and not finished
+        if periodic or trainer.should_stop:
             self.checkpoint(trainer)  # on every rank: sharded strategies save together
-        if last or not trainer.is_global_zero:
+        if finished or trainer.should_stop or not trainer.is_global_zero:
             return
         if periodic:
             self.write(f"\033[1m{step:,} steps reached: saving model.\033[0m")

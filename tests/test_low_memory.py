@@ -159,7 +159,7 @@ def test_lora_trains_only_adapters_and_saves_adapter_and_merged(tokenizer_file, 
     assert counts["adapter"] == 2 * 4 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64))
     assert counts["base_dtype"] == torch.bfloat16  # frozen base held in 16 bits, no fp32 copy
 
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "last.ckpt", "lora_adapter", "loss.png",
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "lora_adapter", "loss.png",
                                        "memory.png", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                                        "training_summary.json"]
     merged = aitextgen(model_folder=out)

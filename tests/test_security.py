@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import tiny_gpt2_config
+from conftest import CtrlC, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.TokenDataset import TokenDataset
 
@@ -41,7 +41,7 @@ def test_legacy_bin_with_code_is_refused_not_run(tmp_path):
 
 def test_resume_checkpoint_with_code_is_refused_not_run(tmp_path, corpus_file, tokenizer_file):
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
-    ai.train(corpus_file, output_dir="out", num_steps=1, generate_every=0)
+    ai.train(corpus_file, output_dir="out", num_steps=3, generate_every=0, callbacks=[CtrlC(at_step=1)])
     checkpoint = torch.load("out/last.ckpt", weights_only=True)
     marker = tmp_path / "ran.txt"
     checkpoint["payload"] = Payload(str(marker))
