@@ -45,6 +45,7 @@ CONFIGS = {
     "ours_lora": ("lowmem defaults, lora=True", dict(lora=True), "sdpa"),
     "ours_full_8bit": ("lowmem defaults, optimizer='adamw8bit'", dict(optimizer="adamw8bit"), "sdpa"),
     "ours_max_4gib": ("lowmem, max_memory='4GiB' (full fine-tune)", dict(max_memory="4GiB"), "sdpa"),
+    "ours_full_unchunked": ("lowmem defaults, chunked_loss=False", dict(chunked_loss=False), "sdpa"),
     "ours_fp16": ("lowmem, precision='16-mixed' (loss scaling)", dict(precision="16-mixed"), "sdpa"),
 }
 PEERS = {
