@@ -170,9 +170,10 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
         ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, save_every=0, generate_every=0,
                  n_gpu=1 if gpu else 0, callbacks=[LightningProbe()], progress_bar_refresh_rate=1, **kwargs)
     plan = chosen["plan"]
-    return {"last_loss": chosen["last_loss"], "plan": {"precision": plan.precision, "checkpointing": plan.gradient_checkpointing,
-                     "lora": plan.lora is not None, "chunked_loss": bool(plan.loss_chunk_tokens),
-                     "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}"},
+    described = {"precision": plan.precision, "checkpointing": plan.gradient_checkpointing,
+                 "lora": plan.lora is not None, "chunked_loss": bool(plan.loss_chunk_tokens),
+                 "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}"}
+    return {"last_loss": chosen["last_loss"], "plan": described,
             "estimate_bytes": estimate_plan(ai.model.config, plan, data.block_size).total}
 
 
@@ -267,7 +268,8 @@ def table(results: list[dict]) -> str:
         for peer, ours in pairs:
             p, o = by_name[peer], by_name[ours]
             lines.append(f"| {p['description']} | {p['peak_train_bytes'] / 2**30:.2f} | {o['description']} | "
-                         f"{o['peak_train_bytes'] / 2**30:.2f} | {p['peak_train_bytes'] / o['peak_train_bytes']:.2f}x | "
+                         f"{o['peak_train_bytes'] / 2**30:.2f} | "
+                         f"{p['peak_train_bytes'] / o['peak_train_bytes']:.2f}x | "
                          f"{p['tokens_per_s'] / o['tokens_per_s']:.2f}x |")
     return "\n".join(lines)
 

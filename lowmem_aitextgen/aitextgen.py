@@ -28,6 +28,7 @@ from .lightning_module import CausalLMModule
 from .lora import is_lora_model, merged_model
 from .plan import CHECKPOINT_NAME, LoraSettings, TrainPlan, build_plan
 from .report import RunRecorder, describe_summary, make_loggers
+from .oom import OutOfMemoryRecovery
 from .resume import StopOnInterrupt, discard_checkpoint, save_checkpoint
 from .TokenDataset import TokenDataset, check_text_file
 
@@ -230,13 +231,13 @@ class aitextgen(_aitextgen):
         )
         dataset = self._dataset(train_data, kwargs)
         budget = budget or default_budget(plan.accelerator)
+        explicit = {name for name, default in FITTED_ARGUMENT_DEFAULTS.items() if given[name] != default}
+        if self.gradient_checkpointing is not None:
+            explicit.add("gradient_checkpointing")
         if budget is not None:
             block_size = getattr(dataset, "block_size", None) or model_max_length(self.model.config)
-            explicit = {name for name, default in FITTED_ARGUMENT_DEFAULTS.items() if given[name] != default}
-            if self.gradient_checkpointing is not None:
-                explicit.add("gradient_checkpointing")
             plan, _ = fit_plan(self.model.config, plan, block_size, budget, explicit, allow_lora=lora == "auto")
-        self._fit(plan, dataset, lightning_loggers, callbacks or [])
+        self._fit(plan, dataset, lightning_loggers, callbacks or [], explicit)
 
     def _dataset(self, train_data: str | TokenDataset, kwargs: dict) -> TokenDataset:
         """A TokenDataset as given, or encoded from a file in blocks of the model's context
@@ -260,8 +261,9 @@ class aitextgen(_aitextgen):
         return dataset
 
     def _fit(self, plan: TrainPlan, dataset: TokenDataset, loggers: list[Logger],
-             extra_callbacks: list[pl.Callback]) -> None:
-        """Prepare the model by the plan, run Lightning, restore for generation, save."""
+             extra_callbacks: list[pl.Callback], explicit: set[str]) -> None:
+        """Prepare the model by the plan, run Lightning (again with a cheaper plan after running
+        out of memory), restore for generation, save."""
         n_embeddings = self.model.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > n_embeddings:
             raise ValueError(
@@ -284,7 +286,6 @@ class aitextgen(_aitextgen):
         progress = StepProgressBar(lambda: recorder.latest, plan.num_steps, plan.progress_bar_refresh_rate,
                                    plan.accelerator)
         guard, interrupt = NonFiniteGuard(), StopOnInterrupt()
-        module = CausalLMModule(model, plan)
 
         def save(plain: nn.Module | None = None) -> dict:
             """Weights first, then the summary and plots that describe them."""
@@ -294,30 +295,42 @@ class aitextgen(_aitextgen):
             recorder.write(plan.output_dir, summary)
             return summary
 
+        checkpoint_path = os.path.join(plan.output_dir, CHECKPOINT_NAME)
         sampler = SaveAndSample(
             plan.save_every, plan.generate_every,
-            checkpoint=lambda trainer: save_checkpoint(trainer, os.path.join(plan.output_dir, CHECKPOINT_NAME)),
+            checkpoint=lambda trainer: save_checkpoint(trainer, checkpoint_path),
             save=save,
             sample=lambda: self.generate(n=plan.n_generate, return_as_list=True),
             write=progress.write,
         )
         # a seed for the data order even without plan.seed, so that a resumed run keeps the order
-        loader, data_order = training_loader(dataset, plan, plan.seed if plan.seed is not None
-                                             else int(torch.randint(2**31, ())))
-        trainer = pl.Trainer(
-            accelerator=plan.accelerator, devices=plan.devices, strategy=plan.strategy, num_nodes=plan.num_nodes,
-            precision=plan.precision, max_steps=plan.num_steps, max_epochs=-1,
-            accumulate_grad_batches=plan.accumulation,
-            gradient_clip_val=plan.max_grad_norm or None, logger=loggers or False,
-            # the recorder first (the progress bar shows what it recorded); the callbacks that
-            # stop training before the one that saves
-            callbacks=[recorder, progress, guard, interrupt, sampler, data_order, *extra_callbacks],
-            use_distributed_sampler=False,  # data.py splits the data between ranks
-            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-        )
+        data_seed = plan.seed if plan.seed is not None else int(torch.randint(2**31, ()))
         self.model = model  # samples during training come from the model being trained
+        resume_from, out_of_memory = plan.resume_from, None
         try:
-            trainer.fit(module, train_dataloaders=loader, ckpt_path=plan.resume_from, weights_only=True)
+            while True:
+                recovery = OutOfMemoryRecovery(plan, explicit, sampler.checkpoint)
+                module = CausalLMModule(model, plan)
+                loader, data_order = training_loader(dataset, plan, data_seed)
+                # the recorder first (the progress bar shows what it recorded); the callbacks that
+                # stop training before the one that saves
+                trainer = self._trainer(plan, loggers, [recorder, progress, guard, interrupt, sampler, data_order,
+                                                        recovery, *extra_callbacks])
+                try:
+                    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_from, weights_only=True)
+                    break
+                except Exception as error:
+                    if recovery.out_of_memory_at is None:
+                        raise
+                    if recovery.retry is None:
+                        out_of_memory = error
+                        break
+                    change, plan = recovery.retry
+                    recorder.plan = plan
+                    logger.warning(f"Out of memory in step {recovery.out_of_memory_at}: continuing from the "
+                                   f"step before with {change} (the same effective batch and data).")
+                    model, _ = memory.apply_memory_plan(model, plan)
+                    resume_from = checkpoint_path
         finally:
             memory.set_requires_grad(frozen, True)
             self.model = self._finish(model, original_dtype)
@@ -326,14 +339,33 @@ class aitextgen(_aitextgen):
         if trainer.is_global_zero:
             logger.info(f"Saving trained model to {plan.output_dir}")
             logger.info(describe_summary(save(plain=self.model)))
-            if trainer.global_step >= plan.num_steps and not (interrupt.reason or guard.reason):
-                discard_checkpoint(os.path.join(plan.output_dir, CHECKPOINT_NAME))
             if module.skipped_steps:
                 logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
             if interrupt.reason:
                 logger.warning(f"Training {interrupt.reason}.")
+            finished = trainer.global_step >= plan.num_steps
+            if finished and not (interrupt.reason or guard.reason or out_of_memory):
+                discard_checkpoint(checkpoint_path)
         if guard.reason:
             raise TrainingDiverged(guard.reason)
+        if out_of_memory is not None:
+            raise MemoryError(
+                f"Out of memory in step {recovery.out_of_memory_at} with the smallest plan left "
+                f"(micro-batch 1, precision={plan.precision}, checkpointing={plan.gradient_checkpointing}, "
+                f"chunked loss={bool(plan.loss_chunk_tokens)}). The weights after step {trainer.global_step} are "
+                f"saved in {plan.output_dir} with a checkpoint (resume=True). Use a smaller block_size, "
+                "lora=True, or optimizer='adamw8bit'."
+            ) from out_of_memory
+
+    def _trainer(self, plan: TrainPlan, loggers: list[Logger], callbacks: list[pl.Callback]) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator=plan.accelerator, devices=plan.devices, strategy=plan.strategy, num_nodes=plan.num_nodes,
+            precision=plan.precision, max_steps=plan.num_steps, max_epochs=-1,
+            accumulate_grad_batches=plan.accumulation,
+            gradient_clip_val=plan.max_grad_norm or None, logger=loggers or False, callbacks=callbacks,
+            use_distributed_sampler=False,  # data.py splits the data between ranks
+            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+        )
 
     def _finish(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
         """The trained model as a plain transformers model, ready to generate."""

@@ -58,7 +58,7 @@ def default_budget(accelerator: str) -> int | None:
     return int(free - max(GPU_MARGIN_MIN, GPU_MARGIN_FRACTION * total))
 
 
-def _smaller_micro_batch(plan: TrainPlan) -> TrainPlan | None:
+def smaller_micro_batch(plan: TrainPlan) -> TrainPlan | None:
     """The next smaller micro-batch that divides the effective batch, with accumulation to match."""
     effective = plan.effective_batch_size
     smaller = max((d for d in range(1, plan.micro_batch_size) if effective % d == 0), default=None)
@@ -82,7 +82,7 @@ def ladder(plan: TrainPlan, explicit: set[str], allow_lora: bool) -> Iterator[tu
     if "optimizer" not in explicit and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
         yield "8-bit AdamW", plan
-    while (smaller := _smaller_micro_batch(plan)) is not None:  # batch_size is part of the effective batch
+    while (smaller := smaller_micro_batch(plan)) is not None:  # batch_size is part of the effective batch
         plan = smaller
         yield f"micro-batch {plan.micro_batch_size} x {plan.accumulation} accumulation", plan
     if allow_lora and plan.lora is None:

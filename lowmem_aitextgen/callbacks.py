@@ -99,6 +99,9 @@ class StepProgressBar(ProgressBar):
         if self.bar is not None:
             self.bar.close()
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)  # a run continued after out-of-memory opens a new bar
+
 
 class SaveAndSample(OptimizerStepCallback):
     """Every save_every steps save a checkpoint and the model; every generate_every steps print samples.

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import get_linear_schedule_with_warmup
 
 from .chunked_loss import causal_lm_loss
+from .oom import align_to_step
 from .optimizers import build_optimizer, portable_optimizer_states, restore_optimizer_states
 from .plan import TrainPlan
 from .resume import random_states, set_random_states
@@ -77,6 +78,8 @@ class CausalLMModule(pl.LightningModule):
             )
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = restore_optimizer_states(checkpoint["optimizer_states"])
+        if "loops" in checkpoint:  # continue at a step boundary, also with another micro-batch
+            align_to_step(checkpoint["loops"], checkpoint["global_step"], self.plan.accumulation)
         if self.trainer.world_size == 1:  # one process: continue its random numbers exactly
             set_random_states(checkpoint["random_states"])
 

@@ -11,7 +11,7 @@ import pydoc_data.topics  # noqa: E402
 import pytest  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
-from transformers import GPT2Config  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 
 class CtrlC(pl.Callback):
@@ -74,3 +74,18 @@ def _in_tmp_cwd(tmp_path, monkeypatch):
     """aitextgen writes relative paths (trained_model/, ATG_*.txt): keep them in tmp."""
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    """About 30 blocks of 32 tokens: ten steps of 2x2 blocks wrap around into a second epoch."""
+    path = tmp_path / "small.txt"
+    path.write_text(corpus_text(3_000), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def base_folder(tmp_path):
+    """The starting weights every run loads (dropout off: runs are comparable bit for bit)."""
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "base")
+    return str(tmp_path / "base")

@@ -10,27 +10,11 @@ import time
 
 import pytest
 import torch
-from transformers import GPT2LMHeadModel
 
-from conftest import CtrlC, corpus_text, tiny_gpt2_config
+from conftest import CtrlC
 from lowmem_aitextgen import aitextgen
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-
-
-@pytest.fixture
-def small_data(tmp_path):
-    """About 30 blocks of 32 tokens: ten steps of 2x2 blocks wrap around into a second epoch."""
-    path = tmp_path / "small.txt"
-    path.write_text(corpus_text(3_000), encoding="utf-8")
-    return str(path)
-
-
-@pytest.fixture
-def base_folder(tmp_path):
-    """The starting weights every run loads (dropout off: runs are comparable bit for bit)."""
-    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "base")
-    return str(tmp_path / "base")
 
 
 @pytest.mark.parametrize("lora, optimizer", [(False, "adamw"), (True, "adamw"), (False, "adamw8bit")])

@@ -1,0 +1,100 @@
+"""Recovering from out-of-memory during training, instead of losing the run.
+
+When a step runs out of memory, OutOfMemoryRecovery (a callback: Lightning calls
+it before tearing the run down) frees the step's gradients and writes the
+resumable checkpoint of the last finished step.  train() then continues from
+that checkpoint with a cheaper plan, exactly as resume=True would:
+
+  1. half the micro-batch (the next smaller divisor of the effective batch),
+     twice the accumulation: the same effective batch, the same data;
+  2. at micro-batch 1, the next memory technique of the max_memory ladder that
+     keeps the checkpoint loadable (checkpointing, mixed precision without LoRA,
+     chunked loss; not LoRA or another optimizer, whose state would not match);
+  3. when nothing is left, a MemoryError, with the last good weights saved.
+
+One process only: under several processes a rank's failure is not every rank's,
+so there the error stops training as before.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+
+import pytorch_lightning as pl
+import torch
+
+from .budget import ladder, smaller_micro_batch
+from .plan import TrainPlan
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+# Messages of allocators that fail with a plain RuntimeError (CPU, MPS) instead of torch.OutOfMemoryError.
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
+
+
+def is_out_of_memory(exception: BaseException) -> bool:
+    if isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exception, RuntimeError) and any(m in str(exception).lower() for m in OOM_MESSAGES)
+
+
+def cheaper_plan(plan: TrainPlan, explicit: set[str]) -> tuple[str, TrainPlan] | None:
+    """The plan to retry with after an out-of-memory step, and what changed; None if none is left."""
+    smaller = smaller_micro_batch(plan)
+    if smaller is not None:
+        return f"micro-batch {smaller.micro_batch_size} x {smaller.accumulation} accumulation", smaller
+    for change, candidate in ladder(plan, explicit, allow_lora=False):
+        same_state = candidate.optimizer == plan.optimizer and candidate.lora == plan.lora
+        precision_ok = candidate.precision == plan.precision or plan.lora is None
+        if candidate != plan and same_state and precision_ok and candidate.micro_batch_size == 1:
+            return change, candidate
+    return None
+
+
+def free_memory(trainer: pl.Trainer) -> None:
+    """What the failed step held: gradients, then the allocator's cached blocks."""
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def align_to_step(loops: dict, global_step: int, accumulation: int) -> None:
+    """Rewrite Lightning's loop progress in a checkpoint as if it had been written at the end of
+    optimizer step `global_step` with this accumulation: a checkpoint from the middle of a step
+    (out of memory), or a resumed run with another micro-batch, would otherwise count micro-batches
+    in the old unit and misplace the accumulation boundaries (Lightning's loop-state format, 2.x)."""
+    fit_loop = loops.get("fit_loop", {})
+    batches = global_step * accumulation
+    for scope in ("total", "current"):
+        counters = fit_loop.get("epoch_loop.batch_progress", {}).get(scope)
+        if counters:
+            counters.update(ready=batches, started=batches, processed=batches, completed=max(0, batches - 1))
+        step = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
+        if step and scope in step:
+            step[scope].update(ready=global_step, completed=global_step)
+    if "epoch_loop.state_dict" in fit_loop:
+        fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
+
+
+class OutOfMemoryRecovery(pl.Callback):
+    """On an out-of-memory error: free the step, checkpoint the last finished step, pick the
+    cheaper plan (read by train() once Lightning has re-raised the error)."""
+
+    def __init__(self, plan: TrainPlan, explicit: set[str], checkpoint: Callable[[pl.Trainer], None]) -> None:
+        self.plan = plan
+        self.explicit = explicit
+        self.checkpoint = checkpoint
+        self.retry: tuple[str, TrainPlan] | None = None
+        self.out_of_memory_at: int | None = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not is_out_of_memory(exception) or trainer.world_size > 1:
+            return
+        free_memory(trainer)
+        self.out_of_memory_at = trainer.global_step + 1
+        self.retry = cheaper_plan(self.plan, self.explicit)
+        self.checkpoint(trainer)

@@ -1,0 +1,98 @@
+"""Out-of-memory recovery: the step is redone with half the micro-batch and twice the accumulation."""
+
+import json
+import os
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from conftest import CtrlC
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.oom import cheaper_plan, is_out_of_memory
+from lowmem_aitextgen.estimate import memory_plan
+
+COMMON = dict(num_steps=6, learning_rate=1e-2, warmup_steps=2, save_every=0, generate_every=0, seed=1)
+
+
+class SeenData(pl.Callback):
+    """The sequences of the micro-batches that finished, in order."""
+
+    def __init__(self) -> None:
+        self.sequences: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.sequences.extend(batch.tolist())
+
+    def per_step(self, effective_batch: int = 4) -> list[list[list[int]]]:
+        return [self.sequences[i:i + effective_batch] for i in range(0, len(self.sequences), effective_batch)]
+
+
+def fails_above(model, max_batch: int, after_calls: int):
+    """Make the model run out of memory for micro-batches above max_batch, after a number of
+    forward calls (as a GPU would once a longer or later batch needs more than it has)."""
+    calls = [0]
+
+    def hook(module, args, kwargs):
+        calls[0] += 1
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if calls[0] > after_calls and input_ids.shape[0] > max_batch:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    return model.base_model.register_forward_pre_hook(hook, with_kwargs=True)  # the chunked loss calls the body
+
+
+def test_out_of_memory_redoes_the_step_with_a_smaller_micro_batch(small_data, base_folder, tokenizer_file,
+                                                                  caplog):
+    """Out of memory in step 3 at micro-batch 4: training continues from step 2 at micro-batch 2 x 2
+    and ends with exactly the weights of a run that switched to micro-batch 2 after step 2."""
+    ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+    fails_above(ai.model, max_batch=2, after_calls=2)
+    seen_recovered = SeenData()
+    ai.train(small_data, output_dir="recovered", batch_size=4, callbacks=[seen_recovered], **COMMON)
+    assert any("Out of memory in step 3" in r.message and "micro-batch 2 x 2" in r.message for r in caplog.records)
+    with open("recovered/training_summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 6
+    assert summary["plan"]["micro_batch_size"] == 2 and summary["plan"]["gradient_accumulation_steps"] == 2
+
+    switched = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+    switched.train(small_data, output_dir="switched", batch_size=4, callbacks=[CtrlC(at_step=1)], **COMMON)
+    switched.train(small_data, output_dir="switched", batch_size=2, gradient_accumulation_steps=2, resume=True,
+                   **COMMON)
+    for key, value in switched.model.state_dict().items():
+        assert torch.equal(ai.model.state_dict()[key], value), key
+    assert not os.path.exists("recovered/last.ckpt")
+    # the data, split into optimizer steps, is that of a run at micro-batch 2 x 2 throughout (weights are
+    # not compared with that run: Adam turns the rounding of 4 vs 2 + 2 sequences into visible changes)
+    throughout = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+    seen_throughout = SeenData()
+    throughout.train(small_data, output_dir="throughout", batch_size=2, gradient_accumulation_steps=2,
+                     callbacks=[seen_throughout], **COMMON)
+    assert seen_recovered.per_step() == seen_throughout.per_step()
+    assert len(seen_recovered.per_step()) == 6
+
+
+def test_out_of_memory_with_nothing_left_stops_with_the_last_good_weights(small_data, base_folder,
+                                                                           tokenizer_file):
+    ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+    fails_above(ai.model, max_batch=0, after_calls=2)  # even one sequence is too many from step 3 on
+    with pytest.raises(MemoryError, match=r"Out of memory in step 3 with the smallest plan left.*after step 2"):
+        ai.train(small_data, output_dir="out", batch_size=1, gradient_checkpointing=True, **COMMON)
+    saved = aitextgen(model_folder="out")
+    for key, value in saved.model.state_dict().items():
+        assert torch.equal(ai.model.state_dict()[key], value), key
+    assert torch.load("out/last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_cheaper_plan_order():
+    plan = memory_plan("32-true", False, None, 4, "adamw", chunked_loss=False)
+    changes = []
+    while (step := cheaper_plan(plan, explicit=set())) is not None:
+        change, plan = step
+        changes.append(change)
+    assert changes[:2] == ["micro-batch 2 x 2 accumulation", "micro-batch 1 x 4 accumulation"]
+    assert changes[2:4] == ["gradient checkpointing", "mixed precision"]
+    assert plan.optimizer == "adamw" and plan.lora is None  # never a change the checkpoint cannot follow
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
