@@ -222,6 +222,7 @@ def estimate_memory(
 
     with torch.device("meta"):  # shapes and dtypes only: exact parameter bytes, nothing allocated
         full = AutoModelForCausalLM.from_config(config)
+    full.tie_weights()  # transformers 5.0 leaves a meta-device model untied
     if precision.endswith("-true") and plan.half_dtype is not None:
         full = full.to(plan.half_dtype)
     full, _ = apply_memory_plan(full, plan)
