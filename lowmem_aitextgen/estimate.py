@@ -34,7 +34,7 @@ from transformers import AutoConfig
 
 from .chunked_loss import DEFAULT_CHUNK_TOKENS, body_and_head, chunked_lm_loss
 from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
-from .optimizers import OPTIMIZERS, optimizer_state_bytes
+from .optimizers import check_optimizer_name, optimizer_state_bytes
 from .plan import PRECISIONS, LoraSettings, TrainPlan
 
 # OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
@@ -212,8 +212,7 @@ def estimate_memory(
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
-    if optimizer not in OPTIMIZERS:  # the estimate needs no torchao, so no check_optimizer
-        raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+    check_optimizer_name(optimizer)  # an estimate needs no torchao installed
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'.")
     config = model_config(model)

@@ -45,12 +45,12 @@ def cheaper_plan(plan: TrainPlan, explicit: set[str]) -> tuple[str, TrainPlan] |
     smaller = smaller_micro_batch(plan)
     if smaller is not None:
         return f"micro-batch {smaller.micro_batch_size} x {smaller.accumulation} accumulation", smaller
-    for change, candidate in ladder(plan, explicit, allow_lora=False):
-        same_state = candidate.optimizer == plan.optimizer and candidate.lora == plan.lora
-        precision_ok = candidate.precision == plan.precision or plan.lora is None
-        if candidate != plan and same_state and precision_ok and candidate.micro_batch_size == 1:
-            return change, candidate
-    return None
+    # micro-batch 1 now: the next rung whose checkpoint still loads (the same optimizer state and,
+    # with LoRA, the same dtype of the frozen base), as if the user had fixed the others
+    fixed = explicit | {"optimizer"} | ({"precision"} if plan.lora is not None else set())
+    rungs = ladder(plan, fixed, allow_lora=False)
+    next(rungs)  # the plan as given
+    return next(rungs, None)
 
 
 def free_memory(trainer: pl.Trainer) -> None:
@@ -69,11 +69,11 @@ def align_to_step(loops: dict, global_step: int, accumulation: int) -> None:
     in the old unit and misplace the accumulation boundaries (Lightning's loop-state format, 2.x)."""
     fit_loop = loops.get("fit_loop", {})
     batches = global_step * accumulation
+    step = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
     for scope in ("total", "current"):
         counters = fit_loop.get("epoch_loop.batch_progress", {}).get(scope)
         if counters:
             counters.update(ready=batches, started=batches, processed=batches, completed=max(0, batches - 1))
-        step = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
         if step and scope in step:
             step[scope].update(ready=global_step, completed=global_step)
     if "epoch_loop.state_dict" in fit_loop:

@@ -39,10 +39,14 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def check_optimizer(optimizer: str) -> None:
-    """A clear error before training for an unknown optimizer or a missing optional package."""
+def check_optimizer_name(optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
+
+
+def check_optimizer(optimizer: str) -> None:
+    """A clear error before training for an unknown optimizer or a missing optional package."""
+    check_optimizer_name(optimizer)
     if optimizer == "adamw8bit" and not eight_bit_available():
         raise ImportError(f"optimizer='adamw8bit' needs torchao: {INSTALL_8BIT}, or use optimizer='adamw'.")
 
