@@ -47,6 +47,8 @@ CONFIGS = {
     "ours_max_4gib": ("lowmem, max_memory='4GiB' (full fine-tune)", dict(max_memory="4GiB"), "sdpa"),
     "ours_full_unchunked": ("lowmem defaults, chunked_loss=False", dict(chunked_loss=False), "sdpa"),
     "ours_fp16": ("lowmem, precision='16-mixed' (loss scaling)", dict(precision="16-mixed"), "sdpa"),
+    "ours_full_keep_heap": ("lowmem defaults, full fine-tune, heap not released", dict(), "sdpa"),
+    "ours_lora_keep_heap": ("lowmem defaults, lora=True, heap not released", dict(lora=True), "sdpa"),
 }
 PEERS = {
     # name: (description, Trainer optim, LoRA), each matched with one of ours
@@ -56,6 +58,7 @@ PEERS = {
 }
 MATCHED = {"trainer_full": "ours_full", "trainer_full_8bit": "ours_full_8bit", "trainer_lora": "ours_lora"}
 GPU_ONLY = {"ours_fp16"}
+KEEP_HEAP = {"ours_full_keep_heap", "ours_lora_keep_heap"}  # CPU: the price of memory.release_freed_heap
 
 
 def reset_peak_rss() -> None:
@@ -229,6 +232,13 @@ def run_one(name: str, device: str, block: int, steps: int) -> dict:
     else:
         description, kwargs, attention = CONFIGS[name]
         ai = build_model(attention)
+        if name in KEEP_HEAP:
+            import importlib
+
+            import pytorch_lightning as pl
+
+            # the module (the package's attribute of that name is the class); a callback doing nothing
+            importlib.import_module("lowmem_aitextgen.aitextgen").ReleaseFreedHeap = pl.Callback
         if kwargs is None:
             run_baseline(ai, data, steps, probe, gpu)
         else:

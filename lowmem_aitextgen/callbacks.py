@@ -17,7 +17,7 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.callbacks.progress import ProgressBar
 from tqdm.auto import tqdm
 
-from .memory import format_bytes
+from .memory import format_bytes, release_freed_heap, release_heap_between_blocks
 
 
 class OptimizerStepCallback(Callback):
@@ -173,3 +173,30 @@ class NonFiniteGuard(OptimizerStepCallback):
                 "Lower learning_rate, or use precision='bf16-mixed' instead of fp16."
             )
             trainer.should_stop = True
+
+
+class ReleaseFreedHeap(Callback):
+    """CPU: give freed heap memory back to the OS every few blocks and after every micro-batch
+    (memory.release_freed_heap has the trade-off); the model loses its hooks after training."""
+
+    def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
+        self.release = release
+        self.handles: list = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.handles = release_heap_between_blocks(pl_module.model, self.release)
+        self.release()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.release()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

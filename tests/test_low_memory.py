@@ -242,3 +242,88 @@ def test_pinned_mmap_threshold_gives_freed_tensors_back_to_the_os():
     probe = subprocess.run([sys.executable, "-c", PINNED_THRESHOLD_PROBE], capture_output=True,
                            text=True, check=True)
     assert int(probe.stdout.split()[-1]) >= 11 * 2**20
+
+
+FRAGMENTED_HEAP_PROBE = """
+import os, torch
+from lowmem_aitextgen import memory
+
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+assert memory.pin_mmap_threshold()
+blocks = [torch.ones(2**20, dtype=torch.uint8) for _ in range(128)]  # 1 MiB each: under the threshold
+del blocks[::2]  # 64 MiB of holes between live tensors, none at the heap's top
+kept = resident_bytes()
+memory.release_freed_heap()
+print(kept - resident_bytes())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_release_freed_heap_gives_the_holes_between_live_tensors_back():
+    """Freed tensors under the mmap threshold stay resident until released (fresh process: a
+    clean heap)."""
+    probe = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP_PROBE], capture_output=True,
+                           text=True, check=True)
+    assert int(probe.stdout.split()[-1]) >= 56 * 2**20
+
+
+def test_heap_is_released_between_blocks_in_forward_and_backward():
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=8))
+    memory.enable_gradient_checkpointing(model)
+    calls = []
+    handles = memory.release_heap_between_blocks(model, lambda: calls.append(1), every=4)
+    ids = torch.randint(1000, (1, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    assert len(calls) == 2  # before blocks 0 and 4
+    loss.backward()
+    # when backward reaches blocks 4 and 0 (transformers 5.0 also runs the block's hooks in its recompute)
+    assert len(calls) >= 4
+    after_backward = len(calls)
+    with torch.no_grad():  # generation is left alone
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) == after_backward
+
+
+class BlockHookCounter(pl.Callback):
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.counts.append(block_hooks(pl_module.model))
+
+
+def block_hooks(model) -> int:
+    return sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in memory.transformer_blocks(model))
+
+
+def test_cpu_training_releases_heap_between_blocks_and_removes_its_hooks(tokenizer_file, corpus_file):
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_layer=8))
+    before = block_hooks(ai.model)
+    counter = BlockHookCounter()
+    ai.train(corpus_file, num_steps=2, save_every=0, generate_every=0, callbacks=[counter])
+    assert counter.counts == [before + 4, before + 4]  # a pre- and a post-hook on blocks 0 and 4
+    assert block_hooks(ai.model) == before
+
+
+class GradientsAtBatchStart(pl.Callback):
+    def __init__(self) -> None:
+        self.held: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.held.append(any(p.grad is not None for p in pl_module.model.parameters()))
+
+
+def test_gradients_are_freed_after_each_optimizer_step(tokenizer_file, corpus_file):
+    """Lightning zeroes gradients only after the next forward; ours are gone before it, and
+    still add up within an accumulation window."""
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    seen = GradientsAtBatchStart()
+    ai.train(corpus_file, num_steps=2, batch_size=1, gradient_accumulation_steps=2, save_every=0,
+             generate_every=0, callbacks=[seen])
+    assert seen.held == [False, True, False, True]
