@@ -157,9 +157,9 @@ def _glibc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
-# Measured on the 355M LoRA step at block 512 (2 cores): releasing before every block
-# took peak RSS from ~1.7 to ~1.4 GiB but cost ~25% of the speed (it releases pages the
-# next block needs again); every 4th block kept ~1.45 GiB at a cost within the noise.
+# Measured on the 355M LoRA step at block 512 (2 cores; benchmarks/RESULTS.md): releasing before
+# every block took peak RSS from ~1.8 to ~1.4 GiB but cost ~25% of the speed (it releases pages the
+# next block needs again); every 2nd block ~1.45 GiB at 10-15%; every 4th ~1.5 GiB at 0-10%.
 RELEASE_HEAP_EVERY_BLOCKS = 4
 
 
