@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.callbacks.progress import ProgressBar
+from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
 
 from .memory import format_bytes, release_freed_heap, release_heap_between_blocks
@@ -181,7 +182,7 @@ class ReleaseFreedHeap(Callback):
 
     def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
         self.release = release
-        self.handles: list = []
+        self.handles: list[RemovableHandle] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.handles = release_heap_between_blocks(pl_module.model, self.release)

@@ -43,9 +43,7 @@ class CausalLMModule(pl.LightningModule):
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
             self.skipped_steps += 1
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    param.grad = None
+            optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer,
                        optimizer_closure: Callable[[], object] | None = None) -> None:
