@@ -49,6 +49,8 @@ CONFIGS = {
     "ours_fp16": ("lowmem, precision='16-mixed' (loss scaling)", dict(precision="16-mixed"), "sdpa"),
     "ours_full_keep_heap": ("lowmem defaults, full fine-tune, heap not released", dict(), "sdpa"),
     "ours_lora_keep_heap": ("lowmem defaults, lora=True, heap not released", dict(lora=True), "sdpa"),
+    "ours_full_no_cpu_speedups": ("lowmem defaults, full fine-tune, no cpu_speed swaps", dict(), "sdpa"),
+    "ours_lora_no_cpu_speedups": ("lowmem defaults, lora=True, no cpu_speed swaps", dict(lora=True), "sdpa"),
 }
 PEERS = {
     # name: (description, Trainer optim, LoRA), each matched with one of ours
@@ -58,7 +60,9 @@ PEERS = {
 }
 MATCHED = {"trainer_full": "ours_full", "trainer_full_8bit": "ours_full_8bit", "trainer_lora": "ours_lora"}
 GPU_ONLY = {"ours_fp16"}
-KEEP_HEAP = {"ours_full_keep_heap", "ours_lora_keep_heap"}  # CPU: the price of memory.release_freed_heap
+# CPU A/B rows: the callback of aitextgen.py replaced by one that does nothing
+TURNED_OFF = {"ours_full_keep_heap": "ReleaseFreedHeap", "ours_lora_keep_heap": "ReleaseFreedHeap",
+              "ours_full_no_cpu_speedups": "CpuSpeedups", "ours_lora_no_cpu_speedups": "CpuSpeedups"}
 
 
 def reset_peak_rss() -> None:
@@ -232,13 +236,13 @@ def run_one(name: str, device: str, block: int, steps: int) -> dict:
     else:
         description, kwargs, attention = CONFIGS[name]
         ai = build_model(attention)
-        if name in KEEP_HEAP:
+        if name in TURNED_OFF:
             import importlib
 
             import pytorch_lightning as pl
 
             # the module (the package's attribute of that name is the class); a callback doing nothing
-            importlib.import_module("lowmem_aitextgen.aitextgen").ReleaseFreedHeap = pl.Callback
+            setattr(importlib.import_module("lowmem_aitextgen.aitextgen"), TURNED_OFF[name], pl.Callback)
         if kwargs is None:
             run_baseline(ai, data, steps, probe, gpu)
         else:
@@ -300,7 +304,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.child, args.device, block, args.steps)), flush=True)
         return
     results = []
-    names = args.only or [n for n in CONFIGS if args.device == "gpu" or n not in GPU_ONLY]
+    skip = set(TURNED_OFF) if args.device == "gpu" else GPU_ONLY  # the A/B rows turn off CPU-only callbacks
+    names = args.only or [n for n in CONFIGS if n not in skip]
     if args.peers and not args.only:
         names += list(PEERS)
     for name in names:

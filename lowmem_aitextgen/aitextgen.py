@@ -22,7 +22,7 @@ from torch import nn
 
 from . import io, memory
 from .budget import default_budget, fit_plan, parse_bytes
-from .callbacks import NonFiniteGuard, ReleaseFreedHeap, SaveAndSample, StepProgressBar, TrainingDiverged
+from .callbacks import CpuSpeedups, NonFiniteGuard, ReleaseFreedHeap, SaveAndSample, StepProgressBar, TrainingDiverged
 from .data import training_loader
 from .lightning_module import CausalLMModule
 from .lora import is_lora_model, merged_model
@@ -276,7 +276,8 @@ class aitextgen(_aitextgen):
         if plan.seed is not None:
             set_seed(plan.seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
         model, frozen = memory.apply_memory_plan(self.model, plan)
-        heap = [ReleaseFreedHeap()] if plan.accelerator == "cpu" and memory.pin_mmap_threshold() else []
+        heap = [ReleaseFreedHeap()] if memory.pin_mmap_threshold() else []
+        cpu_only = [CpuSpeedups(), *heap] if plan.accelerator == "cpu" else []
         trainable, total = memory.trainable_parameters(model)
         if rank_zero_only.rank == 0:
             logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
@@ -314,7 +315,7 @@ class aitextgen(_aitextgen):
                 # the recorder first (the progress bar shows what it recorded); the callbacks that
                 # stop training before the one that saves
                 trainer = self._trainer(plan, loggers, [recorder, progress, guard, interrupt, sampler, data_order,
-                                                        recovery, *heap, *extra_callbacks])
+                                                        recovery, *cpu_only, *extra_callbacks])
                 try:
                     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_from, weights_only=True)
                     break

@@ -18,6 +18,7 @@ from pytorch_lightning.callbacks.progress import ProgressBar
 from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
 
+from .cpu_speed import use_cpu_speedups
 from .memory import format_bytes, release_freed_heap, release_heap_between_blocks
 
 
@@ -201,3 +202,25 @@ class ReleaseFreedHeap(Callback):
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+class CpuSpeedups(Callback):
+    """CPU: cpu_speed's swaps (cheap dropout masks, one-kernel GELU, no adapter upcast) while
+    training; the model is back as it was after training."""
+
+    def __init__(self) -> None:
+        self.undo: Callable[[], None] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.undo = use_cpu_speedups(pl_module.model)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self.undo is not None:
+            self.undo()
+            self.undo = None

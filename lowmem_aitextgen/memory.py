@@ -118,7 +118,11 @@ GLIBC_M_MMAP_THRESHOLD = -3  # mallopt parameter number, from glibc's malloc.h
 # dynamic threshold 2.22 GB peak RSS / 9.2 s; pinned at 128 KiB 1.47 GB / 15 s (a page
 # fault for every fresh tensor); at 8 MiB 1.97 GB / 8.6 s.  8 MiB: big tensors (logits,
 # attention probabilities, weight casts) go back to the OS, small ones reuse the heap.
-PINNED_MMAP_THRESHOLD = 8 * 2**20
+# One page above 8 MiB: tensors of exactly 8 MiB are common at block 512 (512x4096 fp32,
+# 16x512x512 bf16, a 1024x4096 weight cast to bf16), and from the heap they are reused
+# instead of page-faulting fresh memory (~0.8 us a page here): per 355M step 2.3M -> 1.4M
+# faults full fine-tune, ~0.9M -> 0.53M LoRA, 10-15% faster, peak RSS +0.04-0.05 GiB.
+PINNED_MMAP_THRESHOLD = 8 * 2**20 + 4096
 
 
 def pin_mmap_threshold(threshold: int = PINNED_MMAP_THRESHOLD) -> bool:

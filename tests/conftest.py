@@ -27,6 +27,17 @@ class CtrlC(pl.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+class AtBatchStart(pl.Callback):
+    """Records read(model) at the start of every micro-batch."""
+
+    def __init__(self, read) -> None:
+        self.read = read
+        self.seen: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(self.read(pl_module.model))
+
+
 def corpus_text(n_chars: int) -> str:
     """Real English prose: Python's own documentation topics."""
     return "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))[:n_chars]

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import saved_bytes, tiny_gpt2_config
+from conftest import AtBatchStart, saved_bytes, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, memory, plan
 from lowmem_aitextgen.TokenDataset import TokenDataset
 
@@ -23,17 +23,6 @@ class GradientRecorder(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()
                            if p.grad is not None})
-
-
-class AtBatchStart(pl.Callback):
-    """Records read(model) at the start of every micro-batch."""
-
-    def __init__(self, read) -> None:
-        self.read = read
-        self.seen: list = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.seen.append(self.read(pl_module.model))
 
 
 def recorded_gradients(tokenizer_file, corpus_file, **train_kwargs):
