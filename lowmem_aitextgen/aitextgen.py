@@ -276,8 +276,9 @@ class aitextgen(_aitextgen):
         if plan.seed is not None:
             set_seed(plan.seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
         model, frozen = memory.apply_memory_plan(self.model, plan)
-        heap = [ReleaseFreedHeap()] if memory.pin_mmap_threshold() else []
-        cpu_only = [CpuSpeedups(), *heap] if plan.accelerator == "cpu" else []
+        cpu_only: list[pl.Callback] = []
+        if plan.accelerator == "cpu":
+            cpu_only = [CpuSpeedups(), *([ReleaseFreedHeap()] if memory.pin_mmap_threshold() else [])]
         trainable, total = memory.trainable_parameters(model)
         if rank_zero_only.rank == 0:
             logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))

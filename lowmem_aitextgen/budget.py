@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .chunked_loss import DEFAULT_CHUNK_TOKENS
+from .chunked_loss import default_chunk_tokens
 from .estimate import MemoryEstimate, estimate_memory
 from .memory import format_bytes
 from .optimizers import eight_bit_available
@@ -77,7 +77,7 @@ def ladder(plan: TrainPlan, explicit: set[str], allow_lora: bool) -> Iterator[tu
         plan = dataclasses.replace(plan, precision=resolve_precision(True, None, plan.accelerator))
         yield "mixed precision", plan
     if "chunked_loss" not in explicit and not plan.loss_chunk_tokens:
-        plan = dataclasses.replace(plan, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS)
+        plan = dataclasses.replace(plan, loss_chunk_tokens=default_chunk_tokens(plan.accelerator))
         yield "chunked loss", plan
     if "optimizer" not in explicit and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")

@@ -18,6 +18,14 @@ from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # transformers' label value for "no loss here"
 DEFAULT_CHUNK_TOKENS = 256  # 256 x 50,257 fp32 logits = 51 MB per chunk
+# On CPU the loss's backward was the peak RSS of a 355M LoRA step at block 512; 128 took 0.05 GiB
+# off it (benchmarks/RESULTS.md).  GPUs keep 256: fewer, larger matmuls, and what was measured there.
+CPU_CHUNK_TOKENS = 128
+
+
+def default_chunk_tokens(device: str) -> int:
+    """Tokens per loss chunk on `device` ("cpu", or "gpu"/"cuda")."""
+    return CPU_CHUNK_TOKENS if device == "cpu" else DEFAULT_CHUNK_TOKENS
 
 
 def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:

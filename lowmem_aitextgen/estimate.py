@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from .chunked_loss import DEFAULT_CHUNK_TOKENS, body_and_head, chunked_lm_loss
+from .chunked_loss import body_and_head, chunked_lm_loss, default_chunk_tokens
 from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
 from .plan import PRECISIONS, LoraSettings, TrainPlan
@@ -184,13 +184,14 @@ def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Ca
 
 
 def memory_plan(precision: str, gradient_checkpointing: bool, lora: LoraSettings | None, batch_size: int,
-                optimizer: str, chunked_loss: bool) -> TrainPlan:
+                optimizer: str, chunked_loss: bool, device: str = "cpu") -> TrainPlan:
     """A TrainPlan with just the memory decisions (the schedule fields do not change memory)."""
     return TrainPlan(
         output_dir="", accelerator="cpu", devices=1, precision=precision,
         gradient_checkpointing=gradient_checkpointing, lora=lora, micro_batch_size=batch_size,
         accumulation=1, num_steps=1, learning_rate=1e-3, weight_decay=0.0, adam_epsilon=1e-8, warmup_steps=0,
-        max_grad_norm=0.0, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS if chunked_loss else None, optimizer=optimizer,
+        max_grad_norm=0.0, loss_chunk_tokens=default_chunk_tokens(device) if chunked_loss else None,
+        optimizer=optimizer,
     )
 
 
@@ -217,7 +218,7 @@ def estimate_memory(
         raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'.")
     config = model_config(model)
     lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
-    plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss)
+    plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss, device)
 
     with torch.device("meta"):  # shapes and dtypes only: exact parameter bytes, nothing allocated
         full = AutoModelForCausalLM.from_config(config)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .chunked_loss import DEFAULT_CHUNK_TOKENS
+from .chunked_loss import default_chunk_tokens
 from .optimizers import check_optimizer
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -339,7 +339,7 @@ def build_plan(
         num_workers=num_workers or 0,
         progress_bar_refresh_rate=progress_bar_refresh_rate,
         avg_loss_smoothing=avg_loss_smoothing,
-        loss_chunk_tokens=DEFAULT_CHUNK_TOKENS if chunked_loss else None,
+        loss_chunk_tokens=default_chunk_tokens(accelerator) if chunked_loss else None,
         strategy=strategy,
         num_nodes=num_nodes,
         resume_from=resume_from,

@@ -1,6 +1,7 @@
 """The memory estimator against measurement: activations within 15% of the bytes autograd keeps in a real
 training forward; weights, gradients and optimizer states exact."""
 
+import re
 import subprocess
 import sys
 
@@ -94,7 +95,7 @@ def test_size_names_offline_and_the_techniques_each_cut_memory():
     unchunked = estimate_memory("355M", block_size=512, chunked_loss=False)
     assert unchunked.logits_loss > 512 * 50257 * 4 > fp32.logits_loss
     text = str(lora)
-    assert "activations" in text and "total" in text and "GiB" in text
+    assert "activations" in text and re.search(r"total +[0-9.]+ [MG]iB", text)
     with pytest.raises(ValueError, match="'3B' is not a GPT-2 size"):
         estimate_memory("3B")
 
