@@ -64,7 +64,7 @@ def _scale_kept(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tens
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> tuple[torch.Tensor, float]:
     """A 0/1 uint8 mask keeping each element with probability 1 - p (p rounded to 2^-16), and 1/(1 - p)."""
-    dropped_levels = round(p * MASK_LEVELS)
+    dropped_levels = min(round(p * MASK_LEVELS), MASK_LEVELS - 1)  # p just under 1 keeps 1 level in 2^16
     numel = shape.numel()
     # random_(from, to) over (almost) all of int64: every 16-bit lane uniform on the int16 range
     bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1)
@@ -146,8 +146,9 @@ def use_cpu_speedups(model: nn.Module) -> Callable[[], None]:
         module.cast_input_dtype_enabled = UpcastOutsideAutocast()
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
-    gpt2 = getattr(config, "model_type", None) == "gpt2" and not getattr(config, "reorder_and_upcast_attn", False)
-    if gpt2 and config.attn_pdrop > 0:
+    switch_attention = (getattr(config, "model_type", None) == "gpt2" and config.attn_pdrop > 0
+                        and not getattr(config, "reorder_and_upcast_attn", False))
+    if switch_attention:
         config._attn_implementation = ATTENTION
 
     def undo() -> None:
@@ -155,7 +156,7 @@ def use_cpu_speedups(model: nn.Module) -> Callable[[], None]:
             model.set_submodule(name, original)
         for module, flag in upcasting:
             module.cast_input_dtype_enabled = flag
-        if gpt2 and config.attn_pdrop > 0:
+        if switch_attention:
             config._attn_implementation = attention
 
     return undo

@@ -35,6 +35,11 @@ def test_fast_dropout_is_seeded_and_its_gradient_uses_the_same_mask():
     assert not torch.equal(fast_dropout(torch.ones(64, 33), 0.3), y.detach())
 
 
+def test_fast_dropout_near_one_keeps_a_level_and_stays_finite():
+    y = fast_dropout(torch.ones(100_000), 0.999999)
+    assert torch.isfinite(y).all() and (y == 0).float().mean() > 0.999
+
+
 def test_fast_dropout_keeps_16_bit_dtypes_and_leaves_eval_alone():
     x = torch.randn(100, 100, dtype=torch.bfloat16)
     y = fast_dropout(x, 0.1)
