@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.callbacks.progress import ProgressBar
-from torch.utils.hooks import RemovableHandle
+from torch import nn
 from tqdm.auto import tqdm
 
 from .cpu_speed import use_cpu_speedups
@@ -177,42 +177,16 @@ class NonFiniteGuard(OptimizerStepCallback):
             trainer.should_stop = True
 
 
-class ReleaseFreedHeap(Callback):
-    """CPU: give freed heap memory back to the OS every few blocks and after every micro-batch
-    (memory.release_freed_heap has the trade-off); the model loses its hooks after training."""
+class WhileTraining(Callback):
+    """Changes the model for the length of training: `install(model)` makes the change and returns
+    its undo, which runs when training ends or fails."""
 
-    def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
-        self.release = release
-        self.handles: list[RemovableHandle] = []
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.handles = release_heap_between_blocks(pl_module.model, self.release)
-        self.release()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.release()
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._remove_hooks()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
-class CpuSpeedups(Callback):
-    """CPU: cpu_speed's swaps (cheap dropout masks, one-kernel GELU, no adapter upcast) while
-    training; the model is back as it was after training."""
-
-    def __init__(self) -> None:
+    def __init__(self, install: Callable[[nn.Module], Callable[[], None]]) -> None:
+        self.install = install
         self.undo: Callable[[], None] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.undo = use_cpu_speedups(pl_module.model)
+        self.undo = self.install(pl_module.model)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
@@ -224,3 +198,33 @@ class CpuSpeedups(Callback):
         if self.undo is not None:
             self.undo()
             self.undo = None
+
+
+class ReleaseFreedHeap(WhileTraining):
+    """CPU: give freed heap memory back to the OS every few blocks and after every micro-batch
+    (memory.release_freed_heap has the trade-off); the model loses its hooks after training."""
+
+    def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
+        super().__init__(self._hook_blocks)
+        self.release = release
+
+    def _hook_blocks(self, model: nn.Module) -> Callable[[], None]:
+        handles = release_heap_between_blocks(model, self.release)
+        self.release()
+
+        def remove_hooks() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return remove_hooks
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.release()
+
+
+class CpuSpeedups(WhileTraining):
+    """CPU: cpu_speed's swaps (cheap dropout masks, one-kernel GELU, no adapter upcast) while
+    training; the model is back as it was after training."""
+
+    def __init__(self) -> None:
+        super().__init__(use_cpu_speedups)
