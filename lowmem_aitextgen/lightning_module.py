@@ -28,6 +28,7 @@ class CausalLMModule(pl.LightningModule):
         self.model = model
         self.plan = plan
         self.skipped_steps = 0
+        self.gradient_norm: torch.Tensor | None = None  # this step's, for clipping (on_before_optimizer_step)
         # checkpoints hold only what trains (see on_save_checkpoint); on_load_checkpoint checks the keys
         self.strict_loading = False
 
@@ -38,11 +39,15 @@ class CausalLMModule(pl.LightningModule):
         """Drop a step whose gradients are NaN/inf, so they never reach the weights.
 
         fp16's GradScaler skips such steps itself; in fp32/bf16 nothing would.
-        (Runs after every callback's hook, so it sees their changes too.)
+        (Runs after every callback's hook, so it sees their changes too, and after fp16's
+        unscaling.)  The norm is kept for clipping, which Lightning calls next: one pass over
+        the gradients instead of two (1.4 GB of them in a 355M full fine-tune).
         """
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+        grads = [p.grad for p in _parameters(optimizer) if p.grad is not None]
+        self.gradient_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if self.gradient_norm is not None and not torch.isfinite(self.gradient_norm):
             self.skipped_steps += 1
+            self.gradient_norm = None
             optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer,
@@ -62,9 +67,10 @@ class CausalLMModule(pl.LightningModule):
     ) -> None:
         """Clip by global norm ourselves: Lightning's AMP plugin refuses any fused
         optimizer (it might unscale internally), yet it has already unscaled the
-        gradients when this hook runs, so clipping here is exact."""
-        if gradient_clip_val:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), gradient_clip_val)
+        gradients when this hook runs, so clipping here is exact.  The norm is the one
+        on_before_optimizer_step took of these same gradients (None: nothing to clip)."""
+        if gradient_clip_val and self.gradient_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(_parameters(optimizer), gradient_clip_val, self.gradient_norm)
 
     def _trainable_keys(self) -> set[str]:
         return {name for name, param in self.named_parameters() if param.requires_grad}
@@ -101,3 +107,7 @@ class CausalLMModule(pl.LightningModule):
             optimizer, num_warmup_steps=self.plan.warmup_steps, num_training_steps=self.plan.num_steps
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -2,6 +2,7 @@
 
 import torch
 from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2LMHeadModel
 
 from conftest import saved_bytes, tiny_gpt2_config
@@ -27,6 +28,45 @@ def test_chunked_loss_equals_the_models_own_loss_and_gradients():
         assert grads.keys() == reference_grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+class CastsOf(TorchDispatchMode):
+    """Counts dtype casts (aten._to_copy) of tensors shaped like `shape`: autocast's casts included."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = torch.Size(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].shape == self.shape:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_autocast_the_head_is_cast_once_for_all_chunks():
+    """Not once per chunk and again per chunk's recompute, with a gradient upcast per chunk:
+    one cast of the weight in forward, one upcast of its summed gradient in backward."""
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_positions=128)).train()
+    batch = torch.randint(0, 1000, (2, 100))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model(input_ids=batch, labels=batch).loss
+    reference.backward()
+    reference_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    with CastsOf(model.lm_head.weight.shape) as casts:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss(model, batch, 16)  # 13 chunks
+        loss.backward()
+    assert casts.count == 2
+    torch.testing.assert_close(loss, reference, rtol=1e-2, atol=1e-2)
+    # bf16 gradients summed over 13 chunks, against one bf16 matmul over the whole sequence
+    assert (model.lm_head.weight.grad - reference_grad).norm() < 0.02 * reference_grad.norm()
+    # a hooked head is called as a module (the hook sees every chunk), not bypassed
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, inputs, output: calls.append(output.shape))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        causal_lm_loss(model, batch, 16)
+    assert len(calls) == 13
 
 
 def test_chunked_loss_reaches_lora_adapters_through_peft():

@@ -57,7 +57,7 @@ def test_gpt2_attention_drops_the_attention_probabilities():
     causal = torch.full((16, 16), torch.finfo(torch.float32).min).triu(1)[None, None]
     probabilities = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5 + causal, dim=-1)
     torch.manual_seed(7)
-    keep, scale = keep_mask(probabilities.shape, 0.2, probabilities.device)
+    keep, scale = keep_mask(probabilities, 0.2)
     expected = (probabilities * keep * scale) @ v
     torch.manual_seed(7)
     output, _ = gpt2_attention(module, q, k, v, causal, dropout=0.2)
@@ -65,6 +65,27 @@ def test_gpt2_attention_drops_the_attention_probabilities():
     # nothing dropped: SDPA
     no_dropout, _ = gpt2_attention(module, q, k, v, causal, dropout=0.0)
     assert torch.allclose(no_dropout, (probabilities @ v).transpose(1, 2), atol=1e-5)
+
+
+def test_gpt2_attention_under_autocast_stays_in_bf16():
+    """A full fine-tune's mask is fp32: the scores, probabilities and mask stay bf16 anyway (nothing
+    (heads x seq x seq) in fp32 is made or saved for backward), and the result is the fp32 math's."""
+    module = GPT2LMHeadModel(tiny_gpt2_config(dropout=0.2)).transformer.h[0].attn.train()
+    q, k, v = (torch.randn(1, 4, 16, 8, requires_grad=True) for _ in range(3))
+    causal = torch.full((16, 16), torch.finfo(torch.float32).min).triu(1)[None, None]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(7)
+            output, probabilities = gpt2_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), causal,
+                                                   dropout=0.2)
+    assert output.dtype == probabilities.dtype == torch.bfloat16
+    assert {t.dtype for t in saved if t.shape[-2:] == (16, 16)} == {torch.bfloat16}
+    torch.manual_seed(7)
+    expected, _ = gpt2_attention(module, q, k, v, causal, dropout=0.2)  # fp32, no autocast: the same mask
+    torch.testing.assert_close(output.float(), expected, rtol=0.05, atol=0.05)
+    output.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0 for t in (q, k, v))
 
 
 def test_checkpointing_recomputes_the_same_masks():

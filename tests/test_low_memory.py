@@ -132,6 +132,34 @@ def test_nonfinite_gradients_are_dropped(tokenizer_file, corpus_file):
     assert all(torch.isfinite(p).all() for p in ai.model.parameters())
 
 
+class GradientNormAtStep(pl.Callback):
+    """The global gradient norm the optimizer stepped with (after clipping; the closure that makes the
+    gradients runs inside step(), so a pre-hook would see none)."""
+
+    def __init__(self):
+        self.norms = []
+
+    def on_train_start(self, trainer, pl_module):
+        def record(optimizer, args, kwargs):
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self.norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+        trainer.optimizers[0].register_step_post_hook(record)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e6])
+def test_max_grad_norm_clips_the_global_norm(tokenizer_file, corpus_file, max_grad_norm):
+    norms = GradientNormAtStep()
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    ai.train(corpus_file, num_steps=2, save_every=0, generate_every=0, precision="32-true",
+             max_grad_norm=max_grad_norm, callbacks=[norms])
+    assert len(norms.norms) == 2
+    if max_grad_norm < 1:  # a fresh model's gradients are far larger: clipped to the limit
+        assert norms.norms == pytest.approx([max_grad_norm] * 2, rel=1e-3)
+    else:
+        assert all(1e-3 < norm < max_grad_norm for norm in norms.norms)
+
+
 def test_lora_trains_only_adapters_and_saves_adapter_and_merged(tokenizer_file, corpus_file, tmp_path):
     from peft import PeftModel
 
