@@ -3,6 +3,8 @@
 | swap                              | saves                                  | differs by                 |
 |-----------------------------------|----------------------------------------|----------------------------|
 | CpuDropout, gpt2_attention        | torch's slow CPU dropout masks         | p rounded to 2^-16         |
+| gpt2_attention in autocast's dtype| fp32 copies of every attention matrix  | the last bit of some bf16  |
+|                                   | and their casts, forward and backward  | probabilities              |
 | gelu_new -> one-kernel tanh GELU  | five elementwise ops and their backward| float rounding only        |
 | peft's adapter input upcast, off  | two casts of every adapter input       | nothing (autocast is bf16) |
 |   (only under autocast)           |                                        |                            |
