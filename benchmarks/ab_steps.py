@@ -1,0 +1,134 @@
+"""A/B of one change inside one training run: the two variants alternate step by step.
+
+    python benchmarks/ab_steps.py attention --mode full --steps 12
+    python benchmarks/ab_steps.py plain_top_blocks --blocks 8 --mode full --steps 12
+
+On the shared 2-core machines here, whole runs of the same code differ by ±15%; the steps of one
+run see the same machine, so alternating A and B step by step separates changes of 5-10%.
+355M GPT-2 at block 512 on CPU through `ai.train(...)` (our defaults, or `lora=True` with
+--mode lora); prints each variant's median step time over the steps after the first two, and
+the peak RSS sampled during its steps.
+
+Experiments:
+  attention         GPT-2's attention as `cpu_speed.gpt2_attention` (compute dtype throughout)
+                    against the same math as transformers' eager attention under autocast
+                    (the mask's dtype promotes the scores, softmax in fp32, cast back)
+  plain_top_blocks  all blocks checkpointed against the top --blocks blocks not checkpointed
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memory_speed import build_model, dataset  # noqa: E402
+
+from lowmem_aitextgen import cpu_speed  # noqa: E402
+from lowmem_aitextgen.memory import transformer_blocks  # noqa: E402
+
+EAGER_IN_AUTOCAST = "ab_eager_in_autocast"
+
+
+def eager_in_autocast(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention before the compute-dtype change: transformers' eager steps, autocast left on."""
+    scaling = cpu_speed._gpt2_scaling(module, query) if scaling is None else scaling
+    if dropout == 0.0 or attention_mask is None:
+        return cpu_speed.gpt2_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling + attention_mask
+    probabilities = nn.functional.softmax(scores, dim=-1).type(value.dtype)
+    probabilities = cpu_speed.fast_dropout(probabilities, dropout, module.training)
+    return torch.matmul(probabilities, value).transpose(1, 2), probabilities
+
+
+def attention_variants(model: nn.Module, args: argparse.Namespace) -> dict:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(EAGER_IN_AUTOCAST, eager_in_autocast)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EAGER_IN_AUTOCAST, eager_mask)
+
+    def use(name: str):
+        return lambda: setattr(model.config, "_attn_implementation", name)
+
+    return {"compute dtype": use(cpu_speed.ATTENTION), "eager in autocast": use(EAGER_IN_AUTOCAST)}
+
+
+def plain_top_blocks_variants(model: nn.Module, args: argparse.Namespace) -> dict:
+    planned: dict[nn.Module, bool] = {}  # what the plan set (checkpointing is on for 355M and up)
+
+    def plain_top(top: int):
+        def apply() -> None:
+            blocks = transformer_blocks(model)
+            for index, block in enumerate(blocks):
+                planned.setdefault(block, block.gradient_checkpointing)
+                block.gradient_checkpointing = planned[block] and index < len(blocks) - top
+        return apply
+
+    return {"all checkpointed": plain_top(0), f"top {args.blocks} plain": plain_top(args.blocks)}
+
+
+EXPERIMENTS = {"attention": attention_variants, "plain_top_blocks": plain_top_blocks_variants}
+
+
+class Alternate(pl.Callback):
+    """Applies variant i % 2 before step i; times each step and samples its peak RSS."""
+
+    def __init__(self, variants: dict) -> None:
+        self.variants = variants
+        self.times: dict[str, list[float]] = {name: [] for name in variants}
+        self.peaks: dict[str, int] = {name: 0 for name in variants}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.name = list(self.variants)[batch_idx % 2]
+        self.variants[self.name]()
+        self.peak, self.sampling = 0, True
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        elapsed = time.perf_counter() - self.start
+        self.sampling = False
+        self.sampler.join()
+        if batch_idx >= 2:  # warm-up
+            self.times[self.name].append(elapsed)
+            self.peaks[self.name] = max(self.peaks[self.name], self.peak)
+
+    def _sample(self) -> None:
+        while self.sampling:
+            self.peak = max(self.peak, int(Path("/proc/self/statm").read_text().split()[1]) * 4096)
+            time.sleep(0.005)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", choices=EXPERIMENTS)
+    parser.add_argument("--mode", choices=["full", "lora"], default="full")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--blocks", type=int, default=8, help="plain_top_blocks: how many top blocks")
+    args = parser.parse_args()
+    ai = build_model("sdpa")
+    alternate = Alternate(EXPERIMENTS[args.experiment](ai.model, args))
+    with tempfile.TemporaryDirectory() as out:
+        ai.train(dataset(512), output_dir=out, num_steps=args.steps, learning_rate=1e-4, save_every=0,
+                 generate_every=0, n_gpu=0, callbacks=[alternate], progress_bar_refresh_rate=100,
+                 lora=args.mode == "lora")
+    for name, times in alternate.times.items():
+        print(f"{name}: median step {statistics.median(times):.2f} s, peak RSS "
+              f"{alternate.peaks[name] / 2**30:.2f} GiB; steps: {' '.join(f'{t:.2f}' for t in times)}")
+
+
+if __name__ == "__main__":
+    main()
