@@ -7,7 +7,7 @@ On the shared 2-core machines here, whole runs of the same code differ by ±15%;
 run see the same machine, so alternating A and B step by step separates changes of 5-10%.
 355M GPT-2 at block 512 on CPU through `ai.train(...)` (our defaults, or `lora=True` with
 --mode lora); prints each variant's median step time over the steps after the first two, and
-the peak RSS sampled during its steps.
+the peak RSS of its steps (the kernel's high-water mark, reset before each step).
 
 Experiments:
   attention         GPT-2's attention as `cpu_speed.gpt2_attention` (compute dtype throughout)
@@ -22,7 +22,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory_speed import build_model, dataset  # noqa: E402
+from memory_speed import build_model, dataset, reset_peak_rss, vm_hwm_bytes  # noqa: E402
 
 from lowmem_aitextgen import cpu_speed  # noqa: E402
 from lowmem_aitextgen.memory import transformer_blocks  # noqa: E402
@@ -83,7 +82,7 @@ EXPERIMENTS = {"attention": attention_variants, "plain_top_blocks": plain_top_bl
 
 
 class Alternate(pl.Callback):
-    """Applies variant i % 2 before step i; times each step and samples its peak RSS."""
+    """Applies variant i % 2 before step i; times each step and takes its peak RSS."""
 
     def __init__(self, variants: dict) -> None:
         self.variants = variants
@@ -93,23 +92,14 @@ class Alternate(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.name = list(self.variants)[batch_idx % 2]
         self.variants[self.name]()
-        self.peak, self.sampling = 0, True
-        self.sampler = threading.Thread(target=self._sample, daemon=True)
-        self.sampler.start()
+        reset_peak_rss()
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         elapsed = time.perf_counter() - self.start
-        self.sampling = False
-        self.sampler.join()
         if batch_idx >= 2:  # warm-up
             self.times[self.name].append(elapsed)
-            self.peaks[self.name] = max(self.peaks[self.name], self.peak)
-
-    def _sample(self) -> None:
-        while self.sampling:
-            self.peak = max(self.peak, int(Path("/proc/self/statm").read_text().split()[1]) * 4096)
-            time.sleep(0.005)
+            self.peaks[self.name] = max(self.peaks[self.name], vm_hwm_bytes())
 
 
 def main() -> None:
