@@ -14,11 +14,17 @@ Experiments:
                     against the same math as transformers' eager attention under autocast
                     (the mask's dtype promotes the scores, softmax in fp32, cast back)
   plain_top_blocks  all blocks checkpointed against the top --blocks blocks not checkpointed
+  saved_matmuls     plain checkpointing against selective checkpointing (torch's
+                    create_selective_checkpoint_contexts) keeping the blocks' addmm outputs
+                    (--save all, or only the widening c_attn and c_fc: --save wide)
+  held_heap         glibc handing the freed top of its heap back at every free against holding
+                    it until the release before the optimizer step (memory.hold_freed_heap)
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import tempfile
@@ -32,7 +38,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_speed import build_model, dataset, reset_peak_rss, vm_hwm_bytes  # noqa: E402
 
-from lowmem_aitextgen import cpu_speed  # noqa: E402
+from lowmem_aitextgen import cpu_speed, memory  # noqa: E402
 from lowmem_aitextgen.memory import transformer_blocks  # noqa: E402
 
 EAGER_IN_AUTOCAST = "ab_eager_in_autocast"
@@ -78,27 +84,60 @@ def plain_top_blocks_variants(model: nn.Module, args: argparse.Namespace) -> dic
     return {"all checkpointed": plain_top(0), f"top {args.blocks} plain": plain_top(args.blocks)}
 
 
-EXPERIMENTS = {"attention": attention_variants, "plain_top_blocks": plain_top_blocks_variants}
+def saved_matmuls_variants(model: nn.Module, args: argparse.Namespace) -> dict:
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *op_args, **op_kwargs):
+        if op is torch.ops.aten.addmm.default:
+            weight = op_args[2]
+            if args.save == "all" or weight.shape[1] > weight.shape[0]:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    plain = functools.partial(checkpoint, use_reentrant=False)
+    selective = functools.partial(checkpoint, use_reentrant=False,
+                                  context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+    def use(function):
+        def apply() -> None:
+            for block in transformer_blocks(model):
+                block._gradient_checkpointing_func = function
+        return apply
+
+    return {"recompute all": use(plain), f"save {args.save} matmuls": use(selective)}
+
+
+def held_heap_variants(model: nn.Module, args: argparse.Namespace) -> dict:
+    return {"heap not held": lambda: memory.hold_freed_heap(False), "heap held": lambda: memory.hold_freed_heap(True)}
+
+
+EXPERIMENTS = {"attention": attention_variants, "plain_top_blocks": plain_top_blocks_variants,
+               "saved_matmuls": saved_matmuls_variants, "held_heap": held_heap_variants}
 
 
 class Alternate(pl.Callback):
-    """Applies variant i % 2 before step i; times each step and takes its peak RSS."""
+    """Applies variant i % 2 before step i; times each step and takes its peak RSS and page faults."""
 
     def __init__(self, variants: dict) -> None:
         self.variants = variants
         self.times: dict[str, list[float]] = {name: [] for name in variants}
         self.peaks: dict[str, int] = {name: 0 for name in variants}
+        self.faults: dict[str, list[int]] = {name: [] for name in variants}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.name = list(self.variants)[batch_idx % 2]
         self.variants[self.name]()
         reset_peak_rss()
+        self.start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         elapsed = time.perf_counter() - self.start
         if batch_idx >= 2:  # warm-up
             self.times[self.name].append(elapsed)
+            self.faults[self.name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.start_faults)
             self.peaks[self.name] = max(self.peaks[self.name], vm_hwm_bytes())
 
 
@@ -108,6 +147,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["full", "lora"], default="full")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--blocks", type=int, default=8, help="plain_top_blocks: how many top blocks")
+    parser.add_argument("--save", choices=["all", "wide"], default="wide",
+                        help="saved_matmuls: every block matmul's output, or only the widening ones (c_attn, c_fc)")
     args = parser.parse_args()
     ai = build_model("sdpa")
     alternate = Alternate(EXPERIMENTS[args.experiment](ai.model, args))
@@ -117,7 +158,8 @@ def main() -> None:
                  lora=args.mode == "lora")
     for name, times in alternate.times.items():
         print(f"{name}: median step {statistics.median(times):.2f} s, peak RSS "
-              f"{alternate.peaks[name] / 2**30:.2f} GiB; steps: {' '.join(f'{t:.2f}' for t in times)}")
+              f"{alternate.peaks[name] / 2**30:.2f} GiB, median page faults "
+              f"{statistics.median(alternate.faults[name]):.0f}; steps: {' '.join(f'{t:.2f}' for t in times)}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .cpu_speed import use_cpu_speedups
-from .memory import format_bytes, release_freed_heap, release_heap_between_blocks
+from .memory import format_bytes, hold_freed_heap, release_freed_heap
 
 
 class OptimizerStepCallback(Callback):
@@ -201,24 +201,24 @@ class WhileTraining(Callback):
 
 
 class ReleaseFreedHeap(WhileTraining):
-    """CPU: give freed heap memory back to the OS every few blocks and after every micro-batch
-    (memory.release_freed_heap has the trade-off); the model loses its hooks after training."""
+    """CPU: freed heap memory is kept for reuse within a step and given back to the OS before each
+    optimizer step and when training ends (memory.hold_freed_heap has the trade-off)."""
 
     def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
-        super().__init__(self._hook_blocks)
+        super().__init__(self._hold)
         self.release = release
 
-    def _hook_blocks(self, model: nn.Module) -> Callable[[], None]:
-        handles = release_heap_between_blocks(model, self.release)
+    def _hold(self, model: nn.Module) -> Callable[[], None]:
+        hold_freed_heap(True)
         self.release()
 
-        def remove_hooks() -> None:
-            for handle in handles:
-                handle.remove()
+        def stop_holding() -> None:
+            hold_freed_heap(False)
+            self.release()
 
-        return remove_hooks
+        return stop_holding
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self.release()
 
 

@@ -9,7 +9,8 @@
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
 | (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | the LM head's matmul twice     |
 | pin_mmap_threshold (CPU)      | heap fragmentation in peak RSS          | page faults on large tensors   |
-| release_heap_between_blocks   | freed heap pages kept resident (CPU)    | page faults when reused        |
+| hold_freed_heap (CPU)         | page faults: freed memory reused in-step| freed memory resident till the |
+|   + release_freed_heap        |                                         | optimizer step releases it     |
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import ctypes
 import functools
 import resource
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .lora import add_lora, is_lora_model
@@ -139,13 +139,35 @@ def pin_mmap_threshold(threshold: int = PINNED_MMAP_THRESHOLD) -> bool:
     return libc is not None and bool(libc.mallopt(GLIBC_M_MMAP_THRESHOLD, threshold))
 
 
+GLIBC_M_TRIM_THRESHOLD = -1  # mallopt parameter number, from glibc's malloc.h
+GLIBC_DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's default; fixed once the mmap threshold is set
+HELD_HEAP_BYTES = 2**31 - 1  # mallopt takes an int: "never trim on free"
+
+
+def hold_freed_heap(hold: bool = True) -> bool:
+    """CPU training: keep the freed top of glibc's heap for the next tensors (glibc only; returns
+    whether set); ``hold=False`` restores glibc's default.
+
+    With the mmap threshold pinned, glibc hands the heap's top back to the OS whenever more than
+    128 KiB of it is free, so the activations of the next block or the next pass fault fresh pages
+    in (zeroed by the kernel: ~1 GB of page faults a step for a 355M LoRA step at block 512).  Held,
+    freed memory is reused within the step, and `release_freed_heap` gives it back once a step,
+    before the optimizer step (a full fine-tune's peak).  In-run A/B against releasing every 4
+    blocks (benchmarks/RESULTS.md): 6.15 -> 5.68 s a LoRA step, 7.63 -> 7.13 s a full fine-tune
+    step, peak RSS +0.01 and +0.04 GiB.
+    """
+    libc = _glibc()
+    threshold = HELD_HEAP_BYTES if hold else GLIBC_DEFAULT_TRIM_THRESHOLD
+    return libc is not None and bool(libc.mallopt(GLIBC_M_TRIM_THRESHOLD, threshold))
+
+
 def release_freed_heap() -> bool:
     """Give the pages of freed heap memory back to the OS now (glibc only; returns whether any went).
 
     Tensors under the mmap threshold (most activations) live in glibc's heap, and the
-    holes they leave when freed stay resident: 0.3-0.4 GiB of a 355M LoRA step's peak RSS
-    at block 512 (benchmarks/RESULTS.md).  malloc_trim hands those pages back; the cost
-    is a page fault for each one the next tensors there touch again.
+    holes they leave when freed stay resident (0.3-0.4 GiB of a 355M LoRA step's peak RSS at
+    block 512 when never released; benchmarks/RESULTS.md).  malloc_trim hands those pages back;
+    the cost is a page fault for each one the next tensors there touch again.
     """
     libc = _glibc()
     return libc is not None and bool(libc.malloc_trim(0))
@@ -162,42 +184,9 @@ def _glibc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
-# Measured on the 355M LoRA step at block 512 (2 cores; benchmarks/RESULTS.md): releasing before
-# every block took peak RSS from ~1.8 to ~1.4 GiB but cost ~25% of the speed (it releases pages the
-# next block needs again); every 2nd block ~1.45 GiB at 10-15%; every 4th ~1.5 GiB at 0-10%.
-RELEASE_HEAP_EVERY_BLOCKS = 4
-
-
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder layers of a transformers model (GPT-2's model.transformer.h)."""
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
-
-
-def release_heap_between_blocks(model: nn.Module, release: Callable[[], object] = release_freed_heap,
-                                every: int = RELEASE_HEAP_EVERY_BLOCKS) -> list[RemovableHandle]:
-    """Hooks that call `release` before every `every`-th block runs in a training forward, and
-    again when backward reaches that block (before its recompute); remove them after training.
-
-    Backward is reached through a gradient hook on the block's output: transformers
-    checkpoints a block's forward inside its module hooks, so these hooks do not run
-    again in the recompute.
-    """
-    def before_forward(module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled():
-            release()
-
-    def before_backward(grad: torch.Tensor) -> None:
-        release()
-
-    def after_forward(module: nn.Module, args: tuple, output: object) -> None:
-        hidden = output if isinstance(output, torch.Tensor) else output[0]
-        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            hidden.register_hook(before_backward)
-
-    handles = []
-    for block in transformer_blocks(model)[::every]:
-        handles += [block.register_forward_pre_hook(before_forward), block.register_forward_hook(after_forward)]
-    return handles
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:

@@ -288,37 +288,79 @@ def test_release_freed_heap_gives_the_holes_between_live_tensors_back():
     assert int(probe.stdout.split()[-1]) >= 56 * 2**20
 
 
-def test_heap_is_released_between_blocks_in_forward_and_backward():
-    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=8))
-    memory.enable_gradient_checkpointing(model)
-    calls = []
-    handles = memory.release_heap_between_blocks(model, lambda: calls.append(1), every=4)
-    ids = torch.randint(1000, (1, 16))
-    loss = model(input_ids=ids, labels=ids).loss
-    assert len(calls) == 2  # before blocks 0 and 4
-    loss.backward()
-    # when backward reaches blocks 4 and 0 (transformers 5.0 also runs the block's hooks in its recompute)
-    assert len(calls) >= 4
-    after_backward = len(calls)
-    with torch.no_grad():  # generation is left alone
-        model(input_ids=ids)
-    for handle in handles:
-        handle.remove()
-    model(input_ids=ids, labels=ids).loss.backward()
-    assert len(calls) == after_backward
+HELD_HEAP_PROBE = PROBE_PRELUDE + """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+SIZE = 256 * 2**20  # bigger than any hole the imports left in the heap
+assert memory.pin_mmap_threshold(2 * SIZE)  # served from the heap, not mmap
+
+def resident_after_free():
+    block = libc.malloc(SIZE)
+    ctypes.memset(block, 1, SIZE)
+    with_block = resident_bytes()
+    libc.free(ctypes.c_void_p(block))
+    return with_block - resident_bytes()
+
+given_back_unheld = resident_after_free()
+memory.hold_freed_heap(True)
+given_back_held = resident_after_free()
+held = resident_bytes()
+memory.release_freed_heap()
+released = held - resident_bytes()
+memory.hold_freed_heap(False)
+print(given_back_unheld, given_back_held, released, resident_after_free())
+"""
 
 
-def block_hooks(model) -> int:
-    return sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in memory.transformer_blocks(model))
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_held_heap_keeps_freed_memory_until_released():
+    """Unheld, glibc gives a freed block at the heap's top back at once; held, it stays
+    resident for the next tensors until release_freed_heap; hold_freed_heap(False) restores that."""
+    probe = subprocess.run([sys.executable, "-c", HELD_HEAP_PROBE], capture_output=True, text=True, check=True)
+    unheld, held, released, restored = (int(n) for n in probe.stdout.split()[-4:])
+    assert unheld >= 255 * 2**20 and restored >= 255 * 2**20
+    assert held < 2**20
+    assert released >= 255 * 2**20
 
 
-def test_cpu_training_releases_heap_between_blocks_and_removes_its_hooks(tokenizer_file, corpus_file):
-    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_layer=8))
-    before = block_hooks(ai.model)
-    counter = AtBatchStart(block_hooks)
-    ai.train(corpus_file, num_steps=2, save_every=0, generate_every=0, callbacks=[counter])
-    assert counter.seen == [before + 4, before + 4]  # a pre- and a post-hook on blocks 0 and 4
-    assert block_hooks(ai.model) == before
+def test_freed_heap_is_released_before_every_optimizer_step_and_at_the_end():
+    from lowmem_aitextgen.callbacks import ReleaseFreedHeap
+
+    events: list[str] = []
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch).square().mean()
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            optimizer.register_step_post_hook(lambda *args: events.append("step"))
+            return optimizer
+
+    release = ReleaseFreedHeap(lambda: events.append("release"))
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[release], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu")
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(12, 4), batch_size=1))
+    assert events == ["release"] + ["release", "step"] * 3 + ["release"]
+
+
+def test_cpu_training_holds_and_releases_the_heap(tokenizer_file, corpus_file):
+    from lowmem_aitextgen.callbacks import ReleaseFreedHeap
+
+    class Seen(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.callbacks = [type(callback) for callback in trainer.callbacks]
+
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    seen = Seen()
+    ai.train(corpus_file, num_steps=1, save_every=0, generate_every=0, callbacks=[seen])
+    assert seen.callbacks.count(ReleaseFreedHeap) == (1 if sys.platform.startswith("linux") else 0)
 
 
 def test_gradients_are_freed_after_each_optimizer_step(tokenizer_file, corpus_file):
