@@ -19,6 +19,8 @@ Experiments:
                     (--save all, or only the widening c_attn and c_fc: --save wide)
   held_heap         glibc handing the freed top of its heap back at every free against holding
                     it until the release before the optimizer step (memory.hold_freed_heap)
+  frozen_head_loss  (--mode lora) the chunked loss of a frozen head checkpointed chunk by chunk
+                    (its logits made twice) against its gradient made in forward
 """
 
 from __future__ import annotations
@@ -109,12 +111,30 @@ def saved_matmuls_variants(model: nn.Module, args: argparse.Namespace) -> dict:
     return {"recompute all": use(plain), f"save {args.save} matmuls": use(selective)}
 
 
+def frozen_head_loss_variants(model: nn.Module, args: argparse.Namespace) -> dict:
+    from lowmem_aitextgen.chunked_loss import body_and_head
+
+    head = body_and_head(model)[1]
+    hooks = []
+
+    def checkpointed() -> None:  # a forward hook sends the loss down the checkpointed-chunks path
+        if not hooks:
+            hooks.append(head.register_forward_hook(lambda module, inputs, output: None))
+
+    def in_forward() -> None:
+        while hooks:
+            hooks.pop().remove()
+
+    return {"checkpointed chunks": checkpointed, "gradient in forward": in_forward}
+
+
 def held_heap_variants(model: nn.Module, args: argparse.Namespace) -> dict:
     return {"heap not held": lambda: memory.hold_freed_heap(False), "heap held": lambda: memory.hold_freed_heap(True)}
 
 
 EXPERIMENTS = {"attention": attention_variants, "plain_top_blocks": plain_top_blocks_variants,
-               "saved_matmuls": saved_matmuls_variants, "held_heap": held_heap_variants}
+               "saved_matmuls": saved_matmuls_variants, "held_heap": held_heap_variants,
+               "frozen_head_loss": frozen_head_loss_variants}
 
 
 class Alternate(pl.Callback):

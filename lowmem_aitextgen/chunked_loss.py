@@ -3,10 +3,13 @@
 GPT-2's head turns every token into 50,257 logits: at block 1024 that is
 206 MB in fp32 per sequence, held several times over by the standard loss
 (16-bit logits, their fp32 copy, log-softmax, and the gradient of each).
-Here each chunk's logits are made, reduced to a loss and dropped; backward
-recomputes them (non-reentrant checkpointing), so only one chunk's logits
-ever exist.  Trade-off: the head's matmul runs twice (about 1/7 of GPT-2
-355M's forward FLOPs at block 1024).
+Here each chunk's logits are made, reduced to a loss and dropped, so only
+one chunk's logits ever exist.  Backward needs them again:
+- a trainable head: each chunk is checkpointed and backward recomputes its
+  logits.  Trade-off: the head's matmul runs twice (about 1/7 of GPT-2 355M's
+  forward FLOPs at block 1024);
+- a frozen head (LoRA, freeze_layers): forward makes each chunk's gradient
+  with its loss (`_FrozenHeadCrossEntropy`), and backward recomputes nothing.
 """
 
 from __future__ import annotations
@@ -44,10 +47,62 @@ def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return body, head
 
 
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias`` (a frozen head) against `targets`, a
+    chunk of tokens at a time, the gradient of `hidden` made in forward.
+
+    The gradient of a summed cross-entropy as to the logits is ``softmax(logits) -
+    one_hot(target)``, known as soon as the logits are; only the loss's incoming gradient (a
+    scalar: the mean's 1/N, a loss scale) waits for backward, which scales what forward kept
+    (tokens x dim).  Checkpointed chunks instead make every chunk's logits twice: ~0.25 s of a
+    355M LoRA step at block 512 on CPU.  A trainable head would have to keep its weight's gradient
+    (vocab x dim) from forward on; it takes the checkpointed path.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # the caller chose weight's dtype
+            for start in range(0, targets.numel(), chunk_tokens):
+                chunk = hidden[start:start + chunk_tokens].to(weight.dtype)
+                target = targets[start:start + chunk_tokens]
+                logits = F.linear(chunk, weight, bias).float()  # the softmax in fp32, as transformers' loss
+                ignored = (target == IGNORE_INDEX).unsqueeze(1)
+                picked = target.unsqueeze(1).masked_fill(ignored, 0)
+                log_normalizer = torch.logsumexp(logits, dim=1, keepdim=True)
+                total += (log_normalizer - logits.gather(1, picked)).masked_fill(ignored, 0.0).sum()
+                if grad_hidden is not None:
+                    grad_logits = logits.sub_(log_normalizer).exp_()  # softmax, in place of the logits
+                    grad_logits.scatter_add_(1, picked, torch.full(picked.shape, -1.0, device=picked.device))
+                    grad_logits.masked_fill_(ignored, 0.0)
+                    grad_hidden[start:start + chunk_tokens] = grad_logits.to(weight.dtype) @ weight
+        ctx.save_for_backward(grad_hidden)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden.mul_(grad_total.to(grad_hidden.dtype)), None, None, None, None
+
+
 def _chunk_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                     targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()  # the softmax in fp32, as transformers' loss does
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _is_plain_linear(head: nn.Module) -> bool:
+    """A plain nn.Linear with no hooks: its math can be done for it.  A subclass (a quantized
+    layer, a LoRA-wrapped head) or a hook must see its forward called."""
+    return type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
+
+
+def _compute_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in autocast's dtype (cast once for all chunks), or as it is without autocast."""
+    device = weight.device.type
+    return weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight
 
 
 def _head_cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -60,11 +115,9 @@ def _head_cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     once.  Only a plain nn.Linear with no hooks of its own is bypassed like this: a subclass
     (a quantized layer) or a hook must see its forward called.
     """
-    device = head.weight.device.type
-    if (type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks
-            or not torch.is_autocast_enabled(device)):
+    if not _is_plain_linear(head) or not torch.is_autocast_enabled(head.weight.device.type):
         return head
-    return functools.partial(F.linear, weight=head.weight.to(torch.get_autocast_dtype(device)), bias=head.bias)
+    return functools.partial(F.linear, weight=_compute_weight(head.weight), bias=head.bias)
 
 
 def chunked_lm_loss(
@@ -78,13 +131,18 @@ def chunked_lm_loss(
     dim = hidden.shape[-1]
     hidden = hidden[:, :-1].reshape(-1, dim)
     targets = labels[:, 1:].reshape(-1)
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    frozen = not (head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad))
+    if frozen and _is_plain_linear(head):
+        bias = None if head.bias is None else _compute_weight(head.bias)
+        return _FrozenHeadCrossEntropy.apply(hidden, _compute_weight(head.weight), bias, targets, chunk_tokens) / count
     head_function = _head_cast_once(head)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk_tokens):
         end = start + chunk_tokens
         total = total + checkpoint(_chunk_loss_sum, head_function, hidden[start:end], targets[start:end],
                                    use_reentrant=False)
-    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+    return total / count
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, chunk_tokens: int | None) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """Chunked LM loss: the standard loss and gradients, without full-sequence logits."""
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2LMHeadModel
 
 from conftest import saved_bytes, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.chunked_loss import body_and_head, causal_lm_loss
+from lowmem_aitextgen.chunked_loss import body_and_head, causal_lm_loss, chunked_lm_loss
 
 
 def loss_and_grads(model, batch, chunk_tokens):
@@ -111,3 +112,39 @@ def test_training_uses_the_chunked_loss_by_default_and_can_turn_it_off(tokenizer
     assert "chunked loss=on" in plans[0] and "chunked loss=off" in plans[1]
     for name, value in weights[0].items():
         torch.testing.assert_close(value, weights[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+class VocabMatmuls(TorchDispatchMode):
+    """Counts matmuls with a `vocab`-sized dimension in their output: the LM head's."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default)
+        if func in matmuls and self.vocab in out.shape:
+            self.count += 1
+        return out
+
+
+def test_a_frozen_head_runs_once_per_chunk_and_backward_recomputes_nothing():
+    """Forward makes each chunk's logits and the hidden states' gradient; backward only scales it
+    (checkpointed chunks would make every chunk's logits again).  Ignored labels and a head bias
+    are handled like F.cross_entropy."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300).requires_grad_(False)
+    hidden = torch.randn(2, 40, 16, requires_grad=True)
+    labels = torch.randint(0, 300, (2, 40))
+    labels[0, 10:20] = -100
+    reference = F.cross_entropy(head(hidden[:, :-1]).flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    (expected,) = torch.autograd.grad(3 * reference, hidden)
+    with VocabMatmuls(300) as forward_matmuls:
+        loss = chunked_lm_loss(hidden, head, labels, chunk_tokens=16)  # 78 tokens: 5 chunks
+    with VocabMatmuls(300) as backward_matmuls:
+        (grad,) = torch.autograd.grad(3 * loss, hidden)  # the incoming gradient scales what forward made
+    assert forward_matmuls.count == 5
+    assert backward_matmuls.count == 0
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(grad, expected)
