@@ -7,7 +7,7 @@
 | cast_frozen_weights           | half of every frozen weight (no fp32)   | frozen weights rounded to 16 b |
 | (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
-| (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | the LM head's matmul twice     |
+| (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | a trainable head's matmul twice|
 | pin_mmap_threshold (CPU)      | heap fragmentation in peak RSS          | page faults on large tensors   |
 | hold_freed_heap (CPU)         | page faults: freed memory reused in-step| freed memory resident till the |
 |   + release_freed_heap        |                                         | optimizer step releases it     |
@@ -150,11 +150,11 @@ def hold_freed_heap(hold: bool = True) -> bool:
 
     With the mmap threshold pinned, glibc hands the heap's top back to the OS whenever more than
     128 KiB of it is free, so the activations of the next block or the next pass fault fresh pages
-    in (zeroed by the kernel: ~1 GB of page faults a step for a 355M LoRA step at block 512).  Held,
+    in (zeroed by the kernel: ~0.5M page faults, 2 GB, a 355M LoRA step at block 512).  Held,
     freed memory is reused within the step, and `release_freed_heap` gives it back once a step,
     before the optimizer step (a full fine-tune's peak).  In-run A/B against releasing every 4
     blocks (benchmarks/RESULTS.md): 6.15 -> 5.68 s a LoRA step, 7.63 -> 7.13 s a full fine-tune
-    step, peak RSS +0.01 and +0.04 GiB.
+    step; whole runs' peak RSS rose 1.48 -> 1.56 GB (LoRA) and 6.46 -> 6.66 GB (full).
     """
     libc = _glibc()
     threshold = HELD_HEAP_BYTES if hold else GLIBC_DEFAULT_TRIM_THRESHOLD
