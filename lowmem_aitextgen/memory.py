@@ -165,9 +165,10 @@ def release_freed_heap() -> bool:
     """Give the pages of freed heap memory back to the OS now (glibc only; returns whether any went).
 
     Tensors under the mmap threshold (most activations) live in glibc's heap, and the
-    holes they leave when freed stay resident (0.3-0.4 GiB of a 355M LoRA step's peak RSS at
-    block 512 when never released; benchmarks/RESULTS.md).  malloc_trim hands those pages back;
-    the cost is a page fault for each one the next tensors there touch again.
+    holes they leave when freed stay resident (0.35 GiB of a 355M LoRA step's peak RSS at block
+    512 on 2026-11-22; benchmarks/RESULTS.md), as does the top `hold_freed_heap` keeps.
+    malloc_trim hands those pages back; the cost is a page fault for each one the next tensors
+    there touch again.
     """
     libc = _glibc()
     return libc is not None and bool(libc.malloc_trim(0))
