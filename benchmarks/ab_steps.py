@@ -26,6 +26,7 @@ Experiments:
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import statistics
 import sys
@@ -87,8 +88,6 @@ def plain_top_blocks_variants(model: nn.Module, args: argparse.Namespace) -> dic
 
 
 def saved_matmuls_variants(model: nn.Module, args: argparse.Namespace) -> dict:
-    import functools
-
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     def policy(ctx, op, *op_args, **op_kwargs):

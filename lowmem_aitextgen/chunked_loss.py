@@ -99,10 +99,11 @@ def _is_plain_linear(head: nn.Module) -> bool:
     return type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
 
 
-def _compute_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in autocast's dtype (cast once for all chunks), or as it is without autocast."""
-    device = weight.device.type
-    return weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight
+def _in_compute_dtype(param: torch.Tensor) -> torch.Tensor:
+    """A head's weight or bias in autocast's dtype (cast once for all chunks), or as it is
+    without autocast."""
+    device = param.device.type
+    return param.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else param
 
 
 def _head_cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -117,7 +118,7 @@ def _head_cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """
     if not _is_plain_linear(head) or not torch.is_autocast_enabled(head.weight.device.type):
         return head
-    return functools.partial(F.linear, weight=_compute_weight(head.weight), bias=head.bias)
+    return functools.partial(F.linear, weight=_in_compute_dtype(head.weight), bias=head.bias)
 
 
 def chunked_lm_loss(
@@ -134,8 +135,8 @@ def chunked_lm_loss(
     count = (targets != IGNORE_INDEX).sum().clamp(min=1)
     frozen = not (head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad))
     if frozen and _is_plain_linear(head):
-        bias = None if head.bias is None else _compute_weight(head.bias)
-        return _FrozenHeadCrossEntropy.apply(hidden, _compute_weight(head.weight), bias, targets, chunk_tokens) / count
+        weight, bias = _in_compute_dtype(head.weight), None if head.bias is None else _in_compute_dtype(head.bias)
+        return _FrozenHeadCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens) / count
     head_function = _head_cast_once(head)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk_tokens):

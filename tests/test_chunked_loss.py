@@ -31,17 +31,28 @@ def test_chunked_loss_equals_the_models_own_loss_and_gradients():
             torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-class CastsOf(TorchDispatchMode):
-    """Counts dtype casts (aten._to_copy) of tensors shaped like `shape`: autocast's casts included."""
+class CountedOps(TorchDispatchMode):
+    """Counts the ops (aten level, autocast's casts included) for which `counts(func, args, out)`."""
 
-    def __init__(self, shape):
+    def __init__(self, counts):
         super().__init__()
-        self.shape, self.count = torch.Size(shape), 0
+        self.counts, self.count = counts, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and args[0].shape == self.shape:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.count += bool(self.counts(func, args, out))
+        return out
+
+
+def casts_of(shape) -> CountedOps:
+    """Dtype casts (aten._to_copy) of tensors shaped like `shape`."""
+    return CountedOps(lambda func, args, out: func is torch.ops.aten._to_copy.default and args[0].shape == shape)
+
+
+def vocab_matmuls(vocab: int) -> CountedOps:
+    """Matmuls with a `vocab`-sized dimension in their output: the LM head's."""
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default)
+    return CountedOps(lambda func, args, out: func in matmuls and vocab in out.shape)
 
 
 def test_under_autocast_the_head_is_cast_once_for_all_chunks():
@@ -54,7 +65,7 @@ def test_under_autocast_the_head_is_cast_once_for_all_chunks():
     reference.backward()
     reference_grad = model.lm_head.weight.grad.clone()
     model.zero_grad(set_to_none=True)
-    with CastsOf(model.lm_head.weight.shape) as casts:
+    with casts_of(model.lm_head.weight.shape) as casts:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = causal_lm_loss(model, batch, 16)  # 13 chunks
         loss.backward()
@@ -114,21 +125,6 @@ def test_training_uses_the_chunked_loss_by_default_and_can_turn_it_off(tokenizer
         torch.testing.assert_close(value, weights[1][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-class VocabMatmuls(TorchDispatchMode):
-    """Counts matmuls with a `vocab`-sized dimension in their output: the LM head's."""
-
-    def __init__(self, vocab):
-        super().__init__()
-        self.vocab, self.count = vocab, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default)
-        if func in matmuls and self.vocab in out.shape:
-            self.count += 1
-        return out
-
-
 def test_a_frozen_head_runs_once_per_chunk_and_backward_recomputes_nothing():
     """Forward makes each chunk's logits and the hidden states' gradient; backward only scales it
     (checkpointed chunks would make every chunk's logits again).  Ignored labels and a head bias
@@ -140,9 +136,9 @@ def test_a_frozen_head_runs_once_per_chunk_and_backward_recomputes_nothing():
     labels[0, 10:20] = -100
     reference = F.cross_entropy(head(hidden[:, :-1]).flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
     (expected,) = torch.autograd.grad(3 * reference, hidden)
-    with VocabMatmuls(300) as forward_matmuls:
+    with vocab_matmuls(300) as forward_matmuls:
         loss = chunked_lm_loss(hidden, head, labels, chunk_tokens=16)  # 78 tokens: 5 chunks
-    with VocabMatmuls(300) as backward_matmuls:
+    with vocab_matmuls(300) as backward_matmuls:
         (grad,) = torch.autograd.grad(3 * loss, hidden)  # the incoming gradient scales what forward made
     assert forward_matmuls.count == 5
     assert backward_matmuls.count == 0

@@ -11,6 +11,7 @@ from transformers import GPT2LMHeadModel
 
 from conftest import AtBatchStart, saved_bytes, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, memory, plan
+from lowmem_aitextgen.callbacks import ReleaseFreedHeap
 from lowmem_aitextgen.TokenDataset import TokenDataset
 
 
@@ -325,8 +326,6 @@ def test_held_heap_keeps_freed_memory_until_released():
 
 
 def test_freed_heap_is_released_before_every_optimizer_step_and_at_the_end():
-    from lowmem_aitextgen.callbacks import ReleaseFreedHeap
-
     events: list[str] = []
 
     class Tiny(pl.LightningModule):
@@ -351,8 +350,6 @@ def test_freed_heap_is_released_before_every_optimizer_step_and_at_the_end():
 
 
 def test_cpu_training_holds_and_releases_the_heap(tokenizer_file, corpus_file):
-    from lowmem_aitextgen.callbacks import ReleaseFreedHeap
-
     class Seen(pl.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             self.callbacks = [type(callback) for callback in trainer.callbacks]
