@@ -115,13 +115,17 @@ def _n_layer(config: object) -> int:
 @contextlib.contextmanager
 def _counting(model: nn.Module, totals: dict[str, int], part: Callable[[], str]) -> Iterator[None]:
     """Add the bytes of every tensor autograd saves to totals[part()], except the model's weights
-    (counted once, as weights; some ops save them as views, e.g. a transposed LM head)."""
+    (counted once, as weights; some ops save them as views, e.g. a transposed LM head).
+
+    The hook keeps a detached tensor: the tensor it is given still has its grad_fn, and an op's
+    saved output kept as it is would hold its own graph node, a cycle through C++ that no gc
+    breaks; the probes never run backward, so each probe model would stay in memory for good."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.untyped_storage().data_ptr() not in weights:
             totals[part()] = totals.get(part(), 0) + tensor.numel() * tensor.element_size()
-        return tensor
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield

@@ -73,7 +73,7 @@ def saved_bytes(fn):
     def pack(tensor):
         nonlocal total
         total += tensor.numel() * tensor.element_size()
-        return tensor
+        return tensor.detach()  # kept as given, an output saved would hold its own graph node
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()

@@ -144,3 +144,11 @@ def test_a_frozen_head_runs_once_per_chunk_and_backward_recomputes_nothing():
     assert backward_matmuls.count == 0
     torch.testing.assert_close(loss, reference)
     torch.testing.assert_close(grad, expected)
+    # under autocast (CUDA's bf16/fp16 path is the same code): the head in bf16, the softmax and the
+    # hidden states' gradient in fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_lm_loss(hidden, head, labels, chunk_tokens=16)
+    (grad,) = torch.autograd.grad(3 * loss, hidden)
+    assert loss.dtype == grad.dtype == torch.float32
+    torch.testing.assert_close(loss, reference, rtol=1e-2, atol=1e-2)
+    assert (grad - expected).norm() < 0.02 * expected.norm()
