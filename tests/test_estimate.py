@@ -123,3 +123,13 @@ def test_the_probe_models_are_freed():
                    dict(precision="bf16-mixed", lora=True, chunked_loss=False)):
         estimate_memory(config, block_size=32, **kwargs)
         assert probe_embeddings() == 0, kwargs
+
+
+def test_an_estimate_leaves_the_random_state_alone():
+    """train() estimates before it trains (max_memory, or a GPU's free memory): the run's seed and its
+    random data order must not depend on that."""
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    estimate_memory(tiny_gpt2_config(n_positions=128), block_size=64, lora=True)
+    assert torch.equal(torch.rand(4), expected)
