@@ -1,6 +1,7 @@
 """The memory estimator against measurement: activations within 15% of the bytes autograd keeps in a real
 training forward; weights, gradients and optimizer states exact."""
 
+import gc
 import re
 import subprocess
 import sys
@@ -110,10 +111,8 @@ def test_cli_estimate_prints_the_table():
 def test_the_probe_models_are_freed():
     """The probes run forward only, with a counting hook on what autograd saves: a hook that kept the saved
     tensor as it is would tie each output to its own graph node, a cycle no gc can break, and every probe
-    model's weights would stay in memory after the estimate (0.8 GiB a plan for a 355M-wide probe)."""
-    import gc
-
-    config = tiny_gpt2_config(vocab_size=1234, n_embd=96, n_head=4, n_positions=128)  # a shape no other live tensor has
+    model's weights would stay in memory after the estimate (0.74 GiB through a 355M run with max_memory)."""
+    config = tiny_gpt2_config(vocab_size=1234, n_embd=96, n_head=4, n_positions=128)  # a shape no other tensor has
 
     def probe_embeddings() -> int:
         gc.collect()
