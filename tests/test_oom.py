@@ -2,6 +2,7 @@
 
 import json
 import os
+import weakref
 
 import pytest
 import pytorch_lightning as pl
@@ -96,3 +97,26 @@ def test_cheaper_plan_order():
     assert plan.optimizer == "adamw" and plan.lora is None  # never a change the checkpoint cannot follow
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_the_failed_steps_tensors_are_freed_before_the_retry(small_data, base_folder, tokenizer_file):
+    """A real out-of-memory error leaves the step's activations referenced from its traceback; the retry
+    must not start while they are alive (on a GPU they would make it run out of memory again)."""
+    ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+    failed = []
+
+    def fail_after_the_body(module, args, kwargs, output):
+        if output.last_hidden_state.shape[0] > 2 and not failed:
+            failed.append(weakref.ref(output.last_hidden_state))  # holds the step's graph of activations
+            raise torch.OutOfMemoryError("CUDA out of memory (injected after the forward)")
+
+    ai.model.base_model.register_forward_hook(fail_after_the_body, with_kwargs=True)
+    alive_at_retry = []
+
+    class AtRetry(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            if failed:
+                alive_at_retry.append(failed[0]() is not None)
+
+    ai.train(small_data, output_dir="out", batch_size=4, callbacks=[AtRetry()], **{**COMMON, "num_steps": 3})
+    assert alive_at_retry == [False]
