@@ -30,3 +30,6 @@ python3 -c "import torch, transformers, pytorch_lightning, peft; print('torch', 
 peft.__version__)" | tee -a "$out/gpu_$group.log"
 python3 benchmarks/memory_speed.py --device gpu --steps 12 "${only[@]/#/--only=}" --out "$out/gpu_$group.jsonl" \
   2>&1 | tee -a "$out/gpu_$group.log"
+if [ "$group" = techniques ]; then  # torchao's 8-bit step beside ours, compiled once
+  python3 benchmarks/optimizer_step.py --device cuda --width 1024 2>&1 | tee -a "$out/gpu_$group.log"
+fi

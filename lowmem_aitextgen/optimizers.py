@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -75,12 +77,62 @@ def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float,
         return Adafactor(groups, lr=learning_rate, eps=(1e-30, 1e-3), scale_parameter=False,
                          relative_step=False, warmup_init=False)
     if optimizer == "adamw8bit":
-        from torchao.optim import AdamW8bit
-
-        return AdamW8bit(groups, lr=learning_rate, eps=adam_epsilon, block_size=EIGHT_BIT_BLOCK)
+        return _adamw8bit_compiled_once()(groups, lr=learning_rate, eps=adam_epsilon, block_size=EIGHT_BIT_BLOCK)
     device_types = {p.device.type for group in groups for p in group["params"]}
     fused = device_types <= {"cpu", "cuda"}
     return torch.optim.AdamW(groups, lr=learning_rate, eps=adam_epsilon, fused=fused)
+
+
+@functools.cache
+def _adamw8bit_compiled_once() -> type[torch.optim.Optimizer]:
+    """torchao's AdamW8bit, its update compiled once instead of wrapped anew for every tensor at every step.
+
+    torchao (0.18) calls ``torch.compile(single_param_adam, ...)(...)`` inside its loop
+    (pytorch/ao#2500): building that wrapper costs ~0.4 ms on the 2-core machines here, for each
+    of GPT-2's 292 tensors, every step: 721 -> 584 ms a step of a 24-block model at width 256
+    (`benchmarks/optimizer_step.py`); at 355M on CPU the update itself (6.3 s) hides it, on a GPU it
+    may not: on an H100 a 355M step took 293 ms with 8-bit AdamW and 133 ms with AdamW, a gap the
+    update's ~6 GB of memory traffic (~2 ms there) does not explain; `benchmarks/gpu_session.sh
+    techniques` measures what this saves there.  This step is torchao's loop,
+    the same calls in the same order, without its DTensor branch (no strategy here gives DTensor
+    parameters); the states, their checkpoints and the update are torchao's own.
+    """
+    from torchao.optim import AdamW8bit
+    from torchao.optim.adam import single_param_adam
+
+    update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)  # compiles at its first call
+
+    class AdamW8bitCompiledOnce(AdamW8bit):
+        @torch.no_grad()
+        def step(self, closure: Callable[[], float] | None = None) -> float | None:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            # one compiled graph per parameter shape: a model has few, so no cache limit (as torchao)
+            with torch._dynamo.utils.disable_cache_limit():
+                for group in self.param_groups:
+                    if not isinstance(group["lr"], torch.Tensor):
+                        raise RuntimeError("optimizer='adamw8bit' needs each group's lr as a tensor; update it "
+                                           "with param_groups[i]['lr'].fill_(new_lr).")
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        state = self.state[p]
+                        if not state:
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)
+                            if group["amsgrad"]:
+                                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                        state["step"] += 1
+                        update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                               state.get("max_exp_avg_sq"), group["lr"], group["betas"][0], group["betas"][1],
+                               group["weight_decay"], group["eps"], self.is_adamw,
+                               self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+            return loss
+
+    return AdamW8bitCompiledOnce
 
 
 def optimizer_state_bytes(params: list[nn.Parameter], optimizer: str) -> int:

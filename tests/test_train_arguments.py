@@ -134,3 +134,38 @@ def test_adamw8bit_follows_the_fp32_adamw_loss_curve(corpus_file, tokenizer_file
     assert curves["adamw8bit"][-1] < curves["adamw8bit"][0] - 0.5  # it learns
     for step, (full, eight) in enumerate(zip(curves["adamw"], curves["adamw8bit"])):
         assert eight == pytest.approx(full, rel=0.03), step
+
+
+def test_adamw8bit_is_torchaos_update_with_its_wrapper_built_once(monkeypatch):
+    """The same weights and states as torchao's own AdamW8bit, bit for bit, with a learning-rate change
+    between steps; its steps call torch.compile for every tensor, ours never (the wrapper is built once)."""
+    from torchao.optim import AdamW8bit
+
+    from lowmem_aitextgen.optimizers import build_optimizer, parameter_groups
+
+    compile_calls = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_calls.append(1) or compile_(*args, **kwargs))
+    models, optimizers = [], []
+    for make in (lambda m: AdamW8bit(parameter_groups(m, 0.05), lr=1e-3, eps=1e-8, block_size=256),
+                 lambda m: build_optimizer(m, 0.05, 1e-3, 1e-8, "adamw8bit")):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 64)))
+        optimizers.append(make(models[-1]))
+    calls_in_steps = [[], []]
+    for step in range(3):
+        torch.manual_seed(step)
+        gradients = [torch.randn_like(p) for p in models[0].parameters()]
+        for model, optimizer, calls in zip(models, optimizers, calls_in_steps):
+            for param, gradient in zip(model.parameters(), gradients):
+                param.grad = gradient.clone()
+            optimizer.param_groups[0]["lr"].fill_(1e-3 / (step + 1))
+            before = len(compile_calls)
+            optimizer.step()
+            calls.append(len(compile_calls) - before)
+    for reference, ours in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(reference, ours)
+    for reference, ours in zip(*(list(o.state.values()) for o in optimizers)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(reference[key].dequantize(), ours[key].dequantize())
+    assert calls_in_steps == [[6, 6, 6], [0, 0, 0]]  # torchao: one per tensor (2 weights, 2 biases, LayerNorm's 2)
