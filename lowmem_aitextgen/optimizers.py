@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,9 @@ EIGHT_BIT_BLOCK = 256
 EIGHT_BIT_MIN_VALUES = 4096
 EIGHT_BIT_CODE_BOOK_BYTES = 256 * 4
 
+# torchao 0.18's single_param_adam, as _adamw8bit_compiled_once calls it
+TORCHAO_UPDATE_ARGUMENTS = ("p", "grad", "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "lr", "beta1", "beta2",
+                            "weight_decay", "eps", "IS_ADAMW", "BF16_STOCHASTIC_ROUND")
 INSTALL_8BIT = "pip install 'lowmem_aitextgen[8bit]' (torchao)"
 
 
@@ -85,21 +89,24 @@ def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float,
 
 @functools.cache
 def _adamw8bit_compiled_once() -> type[torch.optim.Optimizer]:
-    """torchao's AdamW8bit, its update compiled once instead of wrapped anew for every tensor at every step.
+    """torchao's AdamW8bit with its update compiled once.
 
-    torchao (0.18) calls ``torch.compile(single_param_adam, ...)(...)`` inside its loop
-    (pytorch/ao#2500): building that wrapper costs ~0.4 ms on the 2-core machines here, for each
-    of GPT-2's 292 tensors, every step: 721 -> 584 ms a step of a 24-block model at width 256
-    (`benchmarks/optimizer_step.py`); at 355M on CPU the update itself (6.3 s) hides it, on a GPU it
-    may not: on an H100 a 355M step took 293 ms with 8-bit AdamW and 133 ms with AdamW, a gap the
-    update's ~6 GB of memory traffic (~2 ms there) does not explain; `benchmarks/gpu_session.sh
-    techniques` measures what this saves there.  This step is torchao's loop,
-    the same calls in the same order, without its DTensor branch (no strategy here gives DTensor
-    parameters); the states, their checkpoints and the update are torchao's own.
+    torchao 0.18 calls ``torch.compile(single_param_adam, ...)(...)`` inside its loop
+    (pytorch/ao#2500), building a wrapper (~0.4 ms here) for every tensor at every step: 721 ->
+    584 ms a step of a 24-block model at width 256 on CPU (`benchmarks/optimizer_step.py`).  At
+    355M on CPU the update itself (6.3 s) hides this; on an H100 an 8-bit step took 160 ms more
+    than AdamW's, far more than its ~6 GB of memory traffic, and `benchmarks/gpu_session.sh
+    techniques` measures how much of that this removes.  The step below is torchao's loop, the
+    same calls in the same order, without its DTensor branch (no strategy here gives DTensor
+    parameters); the states, their checkpoints and the update are torchao's own.  A torchao whose
+    update takes other arguments gets its own AdamW8bit back.
     """
     from torchao.optim import AdamW8bit
-    from torchao.optim.adam import single_param_adam
+    from torchao.optim import adam
 
+    single_param_adam = getattr(adam, "single_param_adam", None)
+    if single_param_adam is None or tuple(inspect.signature(single_param_adam).parameters) != TORCHAO_UPDATE_ARGUMENTS:
+        return AdamW8bit
     update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)  # compiles at its first call
 
     class AdamW8bitCompiledOnce(AdamW8bit):

@@ -169,3 +169,21 @@ def test_adamw8bit_is_torchaos_update_with_its_wrapper_built_once(monkeypatch):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(reference[key].dequantize(), ours[key].dequantize())
     assert calls_in_steps == [[6, 6, 6], [0, 0, 0]]  # torchao: one per tensor (2 weights, 2 biases, LayerNorm's 2)
+
+
+def test_adamw8bit_falls_back_to_torchaos_own_step_when_its_update_changes(monkeypatch):
+    """The compiled-once step calls torchao's update by its 0.18 arguments: another torchao's gets its own loop."""
+    import torchao.optim.adam
+    from torchao.optim import AdamW8bit
+
+    from lowmem_aitextgen import optimizers
+
+    monkeypatch.setattr(torchao.optim.adam, "single_param_adam", lambda p, grad, state: None)
+    optimizers._adamw8bit_compiled_once.cache_clear()
+    try:
+        optimizer = optimizers.build_optimizer(torch.nn.Linear(64, 64), 0.0, 1e-3, 1e-8, "adamw8bit")
+        assert type(optimizer) is AdamW8bit
+    finally:
+        monkeypatch.undo()
+        optimizers._adamw8bit_compiled_once.cache_clear()
+    assert type(optimizers.build_optimizer(torch.nn.Linear(64, 64), 0.0, 1e-3, 1e-8, "adamw8bit")) is not AdamW8bit
