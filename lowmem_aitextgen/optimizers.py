@@ -101,8 +101,7 @@ def _adamw8bit_compiled_once() -> type[torch.optim.Optimizer]:
     parameters); the states, their checkpoints and the update are torchao's own.  A torchao whose
     update takes other arguments gets its own AdamW8bit back.
     """
-    from torchao.optim import AdamW8bit
-    from torchao.optim import adam
+    from torchao.optim import AdamW8bit, adam
 
     single_param_adam = getattr(adam, "single_param_adam", None)
     if single_param_adam is None or tuple(inspect.signature(single_param_adam).parameters) != TORCHAO_UPDATE_ARGUMENTS:
@@ -125,19 +124,21 @@ def _adamw8bit_compiled_once() -> type[torch.optim.Optimizer]:
                     for p in group["params"]:
                         if p.grad is None:
                             continue
-                        state = self.state[p]
-                        if not state:
-                            state["step"] = torch.tensor(0.0)
-                            state["exp_avg"] = self._new_buffer(p, True)
-                            state["exp_avg_sq"] = self._new_buffer(p, False)
-                            if group["amsgrad"]:
-                                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                        state = self.state[p] or self._initial_state(p, group["amsgrad"])
                         state["step"] += 1
                         update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
                                state.get("max_exp_avg_sq"), group["lr"], group["betas"][0], group["betas"][1],
                                group["weight_decay"], group["eps"], self.is_adamw,
                                self.bf16_stochastic_round and p.dtype is torch.bfloat16)
             return loss
+
+        def _initial_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+            state = self.state[p]
+            state.update(step=torch.tensor(0.0), exp_avg=self._new_buffer(p, True),
+                         exp_avg_sq=self._new_buffer(p, False))
+            if amsgrad:
+                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+            return state
 
     return AdamW8bitCompiledOnce
 
