@@ -10,7 +10,7 @@ run see the same machine, so alternating A and B step by step separates changes 
 the peak RSS of its steps (the kernel's high-water mark, reset before each step).
 
 Experiments:
-  attention         GPT-2's attention as `cpu_speed.gpt2_attention` (compute dtype throughout)
+  attention         GPT-2's attention as `cpu.gpt2_attention` (compute dtype throughout)
                     against the same math as transformers' eager attention under autocast
                     (the mask's dtype promotes the scores, softmax in fp32, cast back)
   plain_top_blocks  all blocks checkpointed against the top --blocks blocks not checkpointed
@@ -18,7 +18,7 @@ Experiments:
                     create_selective_checkpoint_contexts) keeping the blocks' addmm outputs
                     (--save all, or only the widening c_attn and c_fc: --save wide)
   held_heap         glibc handing the freed top of its heap back at every free against holding
-                    it until the release before the optimizer step (memory.hold_freed_heap)
+                    it until the release before the optimizer step (cpu.hold_freed_heap)
   frozen_head_loss  (--mode lora) the chunked loss of a frozen head checkpointed chunk by chunk
                     (its logits made twice) against its gradient made in forward
 """
@@ -41,7 +41,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_speed import build_model, dataset, reset_peak_rss, vm_hwm_bytes  # noqa: E402
 
-from lowmem_aitextgen import cpu_speed, memory  # noqa: E402
+from lowmem_aitextgen import cpu  # noqa: E402
 from lowmem_aitextgen.memory import transformer_blocks  # noqa: E402
 
 EAGER_IN_AUTOCAST = "ab_eager_in_autocast"
@@ -51,12 +51,12 @@ def eager_in_autocast(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention before the compute-dtype change: transformers' eager steps, autocast left on."""
-    scaling = cpu_speed._gpt2_scaling(module, query) if scaling is None else scaling
+    scaling = cpu._gpt2_scaling(module, query) if scaling is None else scaling
     if dropout == 0.0 or attention_mask is None:
-        return cpu_speed.gpt2_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        return cpu.gpt2_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling + attention_mask
     probabilities = nn.functional.softmax(scores, dim=-1).type(value.dtype)
-    probabilities = cpu_speed.fast_dropout(probabilities, dropout, module.training)
+    probabilities = cpu.fast_dropout(probabilities, dropout, module.training)
     return torch.matmul(probabilities, value).transpose(1, 2), probabilities
 
 
@@ -70,7 +70,7 @@ def attention_variants(model: nn.Module, args: argparse.Namespace) -> dict:
     def use(name: str):
         return lambda: setattr(model.config, "_attn_implementation", name)
 
-    return {"compute dtype": use(cpu_speed.ATTENTION), "eager in autocast": use(EAGER_IN_AUTOCAST)}
+    return {"compute dtype": use(cpu.ATTENTION), "eager in autocast": use(EAGER_IN_AUTOCAST)}
 
 
 def plain_top_blocks_variants(model: nn.Module, args: argparse.Namespace) -> dict:
@@ -128,7 +128,17 @@ def frozen_head_loss_variants(model: nn.Module, args: argparse.Namespace) -> dic
 
 
 def held_heap_variants(model: nn.Module, args: argparse.Namespace) -> dict:
-    return {"heap not held": lambda: memory.hold_freed_heap(False), "heap held": lambda: memory.hold_freed_heap(True)}
+    undo: list = []
+
+    def not_held() -> None:
+        while undo:
+            undo.pop()()
+
+    def held() -> None:
+        if not undo:
+            undo.append(cpu.hold_freed_heap())
+
+    return {"heap not held": not_held, "heap held": held}
 
 
 EXPERIMENTS = {"attention": attention_variants, "plain_top_blocks": plain_top_blocks_variants,

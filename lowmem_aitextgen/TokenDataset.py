@@ -8,12 +8,13 @@ encoding (which overflowed under numpy 2) and the tokenizer construction
 from __future__ import annotations
 
 import codecs
+import contextlib
 import csv
 import gzip
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 from aitextgen.TokenDataset import TokenDataset as _AitextgenTokenDataset
@@ -22,7 +23,7 @@ from . import _compat
 
 logger = logging.getLogger("lowmem_aitextgen")
 
-csv.field_size_limit(2**31 - 1)
+CSV_FIELD_LIMIT = 2**31 - 1  # a text per row can be long; csv's default stops at 128 KiB
 
 
 def check_text_file(file_path: Any, argument: str = "file_path", text: bool = True) -> None:
@@ -38,20 +39,22 @@ def check_text_file(file_path: Any, argument: str = "file_path", text: bool = Tr
     if not text:
         return
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
+    offset, has_text = 0, False
     with open(file_path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             if b"\x00" in chunk:
                 raise ValueError(f"{argument}={str(file_path)!r} looks binary (it has NUL bytes); "
                                  "pass a UTF-8 text file.")
             try:
-                decoder.decode(chunk, final=len(chunk) < 1 << 20)
+                has_text = bool(decoder.decode(chunk, final=len(chunk) < 1 << 20).strip()) or has_text
             except UnicodeDecodeError as error:
                 raise ValueError(
                     f"{argument}={str(file_path)!r} is not UTF-8 text ({error.reason} near byte "
                     f"{offset + error.start}); convert it, e.g. iconv -f latin1 -t utf-8."
                 ) from error
             offset += len(chunk)
+    if not has_text:
+        raise ValueError(f"{argument}={str(file_path)!r} holds only whitespace; there is nothing to train on.")
 
 
 def _read_texts(file_path: str, line_by_line: bool, header: bool, eos_token: str) -> Iterator[str]:
@@ -60,11 +63,38 @@ def _read_texts(file_path: str, line_by_line: bool, header: bool, eos_token: str
     is_csv = file_path.endswith(".csv")
     # Bulk text keeps its newlines (newline="\n"); line-by-line uses universal newlines.
     with open(file_path, encoding="utf-8", newline=None if line_by_line else "\n") as f:
+        skipped = 0
         if is_csv and line_by_line and header:
             f.readline()  # aitextgen also dropped the first line of plain .txt files
-        rows = (row[0] for row in csv.reader(f) if row) if is_csv else f
+            skipped = 1
+        rows = (row[0] for row in _csv_rows(f, file_path, skipped) if row) if is_csv else f
         for text in rows:
             yield text + eos_token
+
+
+def _csv_rows(f: TextIO, file_path: str, skipped_lines: int) -> Iterator[list[str]]:
+    """csv rows, parsed strictly: an unterminated quote is an error naming the line it opened on,
+    not the rest of the file merged into one text."""
+    with _csv_field_limit(CSV_FIELD_LIMIT):
+        reader = csv.reader(f, strict=True)
+        while True:
+            line = skipped_lines + reader.line_num + 1
+            try:
+                yield next(reader)
+            except StopIteration:
+                return
+            except csv.Error as error:
+                raise ValueError(f"{file_path!r} is not valid CSV from line {line} on ({error}); close the quote "
+                                 "there (a quote inside a field is written twice: \"\"), or pass a .txt file.") from error
+
+
+@contextlib.contextmanager
+def _csv_field_limit(limit: int) -> Iterator[None]:
+    previous = csv.field_size_limit(limit)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(previous)
 
 
 class TokenDataset(_AitextgenTokenDataset):

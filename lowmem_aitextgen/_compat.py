@@ -193,11 +193,8 @@ def gpt2_tokenizer_from_files(
     """
     from transformers import GPT2TokenizerFast
 
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = json.load(f)
-    with open(merges_file, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    vocab = _read_vocab(vocab_file)
+    merges = _read_merges(merges_file)
     return GPT2TokenizerFast(
         vocab=vocab,
         merges=merges,
@@ -206,6 +203,39 @@ def gpt2_tokenizer_from_files(
         unk_token=unk_token,
         pad_token=pad_token,
     )
+
+
+def _read_vocab(vocab_file: str) -> dict[str, int]:
+    """A GPT-2 vocab.json: {token: id}; other files (a merges file passed by mistake) are named."""
+    if not os.path.isfile(vocab_file):
+        raise FileNotFoundError(f"vocab_file={vocab_file!r} does not exist.")
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"vocab_file={vocab_file!r} is not a vocabulary JSON file ({error}); is it the merges "
+                         "file? Pass vocab_file='...vocab.json', merges_file='...merges.txt'.") from error
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ValueError(f"vocab_file={vocab_file!r} is JSON but not a {{token: id}} vocabulary.")
+    return vocab
+
+
+def _read_merges(merges_file: str) -> list[tuple[str, str]]:
+    """A GPT-2 merges.txt: one 'left right' pair a line after the '#version' line."""
+    if not os.path.isfile(merges_file):
+        raise FileNotFoundError(f"merges_file={merges_file!r} does not exist.")
+    try:
+        with open(merges_file, encoding="utf-8") as f:
+            lines = [line for line in f.read().split("\n") if line and not line.startswith("#version")]
+    except UnicodeDecodeError as error:
+        raise ValueError(f"merges_file={merges_file!r} is not a text file ({error}).") from error
+    merges = [tuple(line.split(" ")) for line in lines]
+    bad = next((i for i, pair in enumerate(merges) if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"merges_file={merges_file!r} line {bad + 1} is not a merge ('left right'): "
+                         f"{lines[bad][:60]!r}; is it the vocab file? Pass vocab_file='...vocab.json', "
+                         "merges_file='...merges.txt'.")
+    return merges
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:

@@ -1,7 +1,8 @@
-"""The aitextgen subclass: aitextgen's arguments in, a training plan out.
+"""The aitextgen subclass: aitextgen 0.6.0's methods, each checking its arguments before any work.
 
-Loading lives in io.py, decisions in plan.py, memory techniques in memory.py
-and lora.py, the loop in lightning_module.py and callbacks.py.
+train() is: arguments checked (arguments.py) -> data (data.py) -> plan (plan.py, budget.py) ->
+one training run (run.py) -> its outcome.  Loading is loading.py's, generation generation.py's,
+writing files saving.py's.
 """
 
 from __future__ import annotations
@@ -14,44 +15,27 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from aitextgen.aitextgen import aitextgen as _aitextgen
-from aitextgen.utils import model_max_length, reset_seed, set_seed
 from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import Strategy
-from pytorch_lightning.utilities import rank_zero_only
-from torch import nn
 
-from . import io, memory
-from .budget import default_budget, fit_plan, parse_bytes
-from .callbacks import CpuSpeedups, NonFiniteGuard, ReleaseFreedHeap, SaveAndSample, StepProgressBar, TrainingDiverged
-from .data import training_loader
-from .lightning_module import CausalLMModule
-from .lora import is_lora_model, merged_model
-from .plan import CHECKPOINT_NAME, LoraSettings, TrainPlan, build_plan
-from .report import RunRecorder, describe_summary, make_loggers
-from .oom import OutOfMemoryRecovery
-from .resume import StopOnInterrupt, discard_checkpoint, save_checkpoint
-from .TokenDataset import TokenDataset, check_text_file
+from . import arguments, generation, loading, saving
+from .budget import fit_to_budget
+from .callbacks import TrainingDiverged
+from .data import check_train_data, training_dataset
+from .lora import is_lora_model
+from .optimizers import check_optimizer
+from .plan import TrainPlan, build_plan
+from .report import make_loggers
+from .resume import check_resumable, checkpoint_to_resume, read_run_description
+from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun
+from .TokenDataset import TokenDataset
 
 logger = logging.getLogger("lowmem_aitextgen")
-logger.setLevel(logging.INFO)
-
-# aitextgen 0.6 arguments that no longer apply, and what happens instead.
-OBSOLETE_TRAIN_ARGUMENTS = {
-    "fp16_opt_level": ("O1", "Apex is replaced by native AMP; fp16=True or precision= choose it"),
-    "tpu_cores": (0, "TPUs are not supported; n_gpu chooses GPUs or the CPU"),
-    "use_deepspeed": (False, "pass strategy='deepspeed_stage_2' for Lightning's DeepSpeed (needs deepspeed)"),
-    "save_gdrive": (False, "copy output_dir to Google Drive yourself; nothing is copied"),
-    "benchmark": (True, "GPT-2 has no convolutions, so cudnn.benchmark is not used"),
-    "run_id": (None, "run_id only named Google Drive folders; it is ignored"),
-}
-GENERATION_DEFAULT_MAX_LENGTH = 256
-# train() arguments the memory planner may change only when the user left them at these defaults.
-FITTED_ARGUMENT_DEFAULTS = {"gradient_checkpointing": None, "fp16": None, "precision": None, "chunked_loss": True,
-                            "optimizer": None}
 
 
-def _quiet_transformers(verbose: bool) -> None:
-    """aitextgen silenced transformers unless verbose=True; so do we (logs and load/save bars)."""
+def _configure_logging(verbose: bool) -> None:
+    """As aitextgen did: our log lines at INFO, transformers' and Lightning's quiet unless verbose=True."""
+    logger.setLevel(logging.INFO)
     if verbose:
         return
     import transformers
@@ -89,24 +73,23 @@ class aitextgen(_aitextgen):
         unk_token: str | None = None,
         **kwargs: Any,
     ) -> None:
-        _quiet_transformers(verbose)
+        arguments.check_constructor(self.__init__, arguments.from_call(self.__init__, locals()))
+        _configure_logging(verbose)
         self.openai_tf_gpt2 = tf_gpt2
         for name, value in (("bos_token", bos_token), ("eos_token", eos_token), ("unk_token", unk_token),
                             ("vocab_file", vocab_file), ("merges_file", merges_file)):
             if value is not None:
                 setattr(self, name, value)
-        self.model, self.model_source = io.load_model(model, model_folder, config, tf_gpt2, cache_dir)
-        self.tokenizer = io.load_tokenizer(
-            tokenizer_file=tokenizer_file,
-            vocab_file=vocab_file,
-            merges_file=merges_file,
-            model=model,
-            model_folder=model_folder,
-            cache_dir=cache_dir,
+        self.model, self.model_source = loading.load_model(model, model_folder, config, tf_gpt2, cache_dir)
+        self.tokenizer = loading.load_tokenizer(
+            source=self.model_source, tokenizer_file=tokenizer_file, vocab_file=vocab_file,
+            merges_file=merges_file, model_folder=model_folder, cache_dir=cache_dir,
             special_tokens=dict(bos_token=self.bos_token, eos_token=self.eos_token,
-                                unk_token=self.unk_token, pad_token=self.pad_token),
-        )
+                                unk_token=self.unk_token, pad_token=self.pad_token))
+        loading.check_tokenizer_fits(self.tokenizer, self.model, self.model_source,
+                                     tokenizer_given=bool(tokenizer_file or vocab_file))
         self.tokenizer.padding_side = "left"
+        # aitextgen's flag: checkpointing for 355M and up; the plan reads it as the constructor's setting
         if gradient_checkpointing is None and tf_gpt2 in ("355M", "774M", "1558M"):
             gradient_checkpointing = True
         self.gradient_checkpointing = gradient_checkpointing
@@ -120,27 +103,52 @@ class aitextgen(_aitextgen):
                 self.to_fp16()
             self.to_gpu()
 
+    def to_gpu(self, index: int = 0) -> None:
+        """Moves the model to a GPU; without one it stays on the CPU, said once (aitextgen failed)."""
+        if not torch.cuda.is_available():
+            logger.warning("to_gpu: no CUDA GPU is available, so the model stays on the CPU.")
+            return
+        super().to_gpu(index)
+
     # --- generation ---------------------------------------------------------
 
-    def generate(self, n: int = 1, prompt: str = "", prepend_bos: bool | None = None,
-                 max_length: int | None = None, **kwargs: Any) -> Any:
-        """aitextgen's generate(); prompt and max_length are checked against the context."""
-        context = model_max_length(self.model.config)
-        if max_length is None:
-            max_length = min(GENERATION_DEFAULT_MAX_LENGTH, context)
-        elif max_length > context:
-            raise ValueError(f"max_length={max_length} is above the model's context of {context} tokens; "
-                             f"use max_length<={context}.")
-        if prompt:
-            prompt_tokens = len(self.tokenizer(prompt)["input_ids"])
-            if prompt_tokens >= context:
-                raise ValueError(f"The prompt is {prompt_tokens} tokens, but the model's context is {context} "
-                                 "tokens; shorten the prompt.")
-        elif prepend_bos is None:
-            # transformers 5 no longer starts an empty prompt from bos_token_id itself.
-            prepend_bos = True
-        self.model.eval()
-        return super().generate(n=n, prompt=prompt, prepend_bos=prepend_bos, max_length=max_length, **kwargs)
+    def generate(self, n: int = 1, prompt: str = "", prepend_bos: bool | None = None, min_length: int | None = None,
+                 max_length: int | None = None, temperature: float = 0.7, do_sample: bool = True,
+                 return_as_list: bool = False, seed: int | None = None, pad_token_id: int | None = None,
+                 schema: bool = False, normalize_key: bool = True, use_cache: bool = True, lstrip: bool = True,
+                 nonempty_output: bool = True, skip_special_tokens: bool = True, batch_size: int | None = None,
+                 **kwargs: Any) -> Any:
+        """aitextgen's generate(), checked before it starts; batch_size= makes the texts that many at a
+        time (transformers 5 no longer accepts it as a generation argument)."""
+        args = arguments.from_call(self.generate, locals())
+        generation.check_generate(self.model, self.tokenizer, "generate()", args)
+        return generation.generate(self.model, self.tokenizer, **args)
+
+    def generate_one(self, **kwargs: Any) -> str:
+        """One text, returned as a string."""
+        return self.generate(n=1, return_as_list=True, **kwargs)[0]
+
+    def generate_samples(self, n: int = 3, temperatures: list[float] = [0.7, 1.0, 1.2], **kwargs: Any) -> None:
+        """Prints n samples at each temperature; every temperature is checked first."""
+        for temperature in temperatures:
+            generation.check_generate(self.model, self.tokenizer, "generate_samples()", arguments.Arguments(
+                {"n": n, "temperature": temperature, **kwargs}, {}))
+        super().generate_samples(n, temperatures, **kwargs)
+
+    def generate_to_file(self, n: int = 20, batch_size: int = 1, destination_path: str | None = None,
+                         sample_delim: str = "=" * 20 + "\n", seed: int | None = None, **kwargs: Any) -> str:
+        """aitextgen's generate_to_file(): every argument checked before the file is touched, which is
+        replaced only once all n texts are made; returns its path."""
+        generation.check_generate(self.model, self.tokenizer, "generate_to_file()", arguments.Arguments(
+            {"n": n, "batch_size": batch_size, "seed": seed, **kwargs}, {}))
+        if n % batch_size:
+            raise ValueError(f"n={n} must be a multiple of batch_size={batch_size}; e.g. "
+                             f"n={max(batch_size, n - n % batch_size)}.")
+        if not isinstance(sample_delim, str):
+            raise ValueError(f"sample_delim={sample_delim!r} must be text (a str).")
+        path, seed = generation.destination(destination_path, seed)
+        generation.generate_to_file(self.model, self.tokenizer, n, batch_size, path, sample_delim, seed, **kwargs)
+        return path
 
     # --- training -------------------------------------------------------------
 
@@ -179,7 +187,7 @@ class aitextgen(_aitextgen):
         gradient_checkpointing: bool | None = None,
         lora: bool | str = False,
         lora_r: int = 8,
-        lora_alpha: int = 16,
+        lora_alpha: float = 16,
         lora_dropout: float = 0.05,
         lora_target_modules: Sequence[str] | None = None,
         chunked_loss: bool = True,
@@ -197,207 +205,77 @@ class aitextgen(_aitextgen):
         chunked_loss=, optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
         from output_dir's checkpoint), max_memory= (fit the plan to a budget), Lightning's strategy=,
         num_nodes=, devices= and callbacks=.
-        Extra keyword arguments go to TokenDataset (e.g. line_by_line=True)."""
-        given = locals()
-        for name, (default, instead) in OBSOLETE_TRAIN_ARGUMENTS.items():
-            if given[name] != default:
-                logger.info(f"{name}={given[name]!r} is obsolete: {instead}.")
-        if freeze_layers is False and self.openai_tf_gpt2 == "1558M":
-            freeze_layers = True  # as aitextgen did, to fit 1.5B in memory
-        if isinstance(train_data, (str, os.PathLike)):
-            check_text_file(train_data, "train_data")
-        elif not isinstance(train_data, torch.utils.data.Dataset):
-            raise TypeError(f"train_data must be a text file path or a TokenDataset, not {type(train_data).__name__}.")
-        if lora not in (True, False, "auto"):
-            raise ValueError(f"lora={lora!r} must be True, False or 'auto' (LoRA only if max_memory needs it).")
-        budget = None if max_memory is None else parse_bytes(max_memory)
-        lightning_loggers = make_loggers(loggers, output_dir)
-        plan = build_plan(
-            self.model,
-            output_dir=output_dir, n_gpu=n_gpu, fp16=fp16, precision=precision,
-            gradient_checkpointing=self.gradient_checkpointing if gradient_checkpointing is None
-            else gradient_checkpointing,
-            lora=lora is True or is_lora_model(self.model),  # an adapter loaded from a folder keeps training
-            lora_settings=LoraSettings(lora_r, lora_alpha, lora_dropout,
-                                       tuple(lora_target_modules) if lora_target_modules else None),
-            batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
-            num_steps=num_steps, learning_rate=learning_rate, weight_decay=weight_decay,
-            adam_epsilon=adam_epsilon, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm,
-            freeze_layers=freeze_layers, num_layers_freeze=num_layers_freeze,
-            save_every=save_every, generate_every=generate_every, n_generate=n_generate, seed=seed,
-            num_workers=num_workers, progress_bar_refresh_rate=progress_bar_refresh_rate,
-            avg_loss_smoothing=avg_loss_smoothing, chunked_loss=chunked_loss, optimizer=optimizer or "adamw",
-            strategy=strategy, num_nodes=num_nodes, devices=devices, resume=resume,
-        )
-        dataset = self._dataset(train_data, kwargs)
-        budget = budget or default_budget(plan.accelerator)
-        explicit = {name for name, default in FITTED_ARGUMENT_DEFAULTS.items() if given[name] != default}
-        if self.gradient_checkpointing is not None:
-            explicit.add("gradient_checkpointing")
-        if budget is not None:
-            block_size = getattr(dataset, "block_size", None) or model_max_length(self.model.config)
-            plan, _ = fit_plan(self.model.config, plan, block_size, budget, explicit, allow_lora=lora == "auto")
-        self._fit(plan, dataset, lightning_loggers, callbacks or [], explicit)
-
-    def _dataset(self, train_data: str | TokenDataset, kwargs: dict) -> TokenDataset:
-        """A TokenDataset as given, or encoded from a file in blocks of the model's context
-        (or fewer tokens, said so, when the whole text is shorter)."""
-        if not isinstance(train_data, (str, os.PathLike)):
-            return train_data
-        block_size = kwargs.pop("block_size", None) or model_max_length(self.model.config)
-        logger.info(f"Loading text from {train_data} with generation length of {block_size}.")
-        dataset = TokenDataset(file_path=train_data, tokenizer=self.tokenizer, block_size=1,
-                               bos_token=self.bos_token, eos_token=self.eos_token, unk_token=self.unk_token,
-                               **kwargs)
-        n_tokens = dataset.tokens.shape[0]
-        if n_tokens < block_size:
-            if n_tokens < 2:
-                raise ValueError(f"train_data={str(train_data)!r} encodes to {n_tokens} token; "
-                                 "there is nothing to learn. Add text.")
-            logger.warning(f"train_data has {n_tokens} tokens, fewer than the block of {block_size}: "
-                           f"training on blocks of {n_tokens} tokens.")
-            block_size = n_tokens
-        dataset.set_block_size(block_size)
-        return dataset
-
-    def _fit(self, plan: TrainPlan, dataset: TokenDataset, loggers: list[Logger],
-             extra_callbacks: list[pl.Callback], explicit: set[str]) -> None:
-        """Prepare the model by the plan, run Lightning (again with a cheaper plan after running
-        out of memory), restore for generation, save."""
-        n_embeddings = self.model.get_input_embeddings().num_embeddings
-        if len(self.tokenizer) > n_embeddings:
-            raise ValueError(
-                f"The tokenizer has {len(self.tokenizer):,} tokens but the model's embeddings only "
-                f"{n_embeddings:,}; use the tokenizer the model was trained with, or a config with a "
-                "larger vocab_size."
-            )
+        Other keyword arguments go to TokenDataset (e.g. line_by_line=True, block_size=256)."""
+        args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
+        loggers = make_loggers(args.loggers, args.output_dir)
+        plan, dataset = self._training_plan(args)
         self.model.config.line_by_line = getattr(dataset, "line_by_line", False)
-        original_dtype = next(self.model.parameters()).dtype
-        if plan.seed is not None:
-            set_seed(plan.seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
-        model, frozen = memory.apply_memory_plan(self.model, plan)
-        cpu_only: list[pl.Callback] = []
-        if plan.accelerator == "cpu":
-            cpu_only = [CpuSpeedups(), *([ReleaseFreedHeap()] if memory.pin_mmap_threshold() else [])]
-        trainable, total = memory.trainable_parameters(model)
-        if rank_zero_only.rank == 0:
-            logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
+        outcome = TrainingRun(self.model, self.tokenizer, self.model_source.name, plan, dataset, loggers,
+                              list(args.callbacks or [])).run()
+        self.model = outcome.model
+        _raise_for(outcome)
 
-        recorder = RunRecorder(plan)
-        progress = StepProgressBar(lambda: recorder.latest, plan.num_steps, plan.progress_bar_refresh_rate,
-                                   plan.accelerator)
-        guard, interrupt = NonFiniteGuard(), StopOnInterrupt()
+    def _checked_train_arguments(self, args: arguments.Arguments) -> arguments.Arguments:
+        """Every train() argument checked, before any work or any file is written."""
+        arguments.check_train(self.train, args)
+        arguments.check_model_fits(args, self.model.config)
+        arguments.log_obsolete(args, logger)
+        args = args.replace(output_dir=saving.check_folder_name("output_dir", args.output_dir))
+        saving.check_output_dir(args.output_dir)
+        check_train_data(args.train_data, args)
+        check_optimizer(args.optimizer or "adamw")
+        return args
 
-        def save(plain: nn.Module | None = None) -> dict:
-            """Weights first, then the summary and plots that describe them."""
-            self._save_trained(plan.output_dir, model, original_dtype, plain=plain)
-            summary = recorder.summary(model, plan.output_dir, skipped_steps=module.skipped_steps,
-                                       stopped_because=guard.reason or interrupt.reason)
-            recorder.write(plan.output_dir, summary)
-            return summary
+    def _training_plan(self, args: arguments.Arguments) -> tuple[TrainPlan, TokenDataset]:
+        """The plan (fitted to the memory budget) and the data, with a checkpoint to resume checked."""
+        resume_from = checkpoint_to_resume(args.resume, args.output_dir)
+        resumed = read_run_description(resume_from)
+        plan = build_plan(self.model, args, constructor_checkpointing=self.gradient_checkpointing,
+                          freeze_by_default=self.openai_tf_gpt2 == "1558M",  # as aitextgen, to fit 1.5B
+                          model_has_adapter=is_lora_model(self.model), resume_from=resume_from, resumed=resumed)
+        dataset = training_dataset(args.train_data, args, self.tokenizer, self.model.config, dict(
+            bos_token=self.bos_token, eos_token=self.eos_token, unk_token=self.unk_token))
+        plan = fit_to_budget(plan, self.model.config, dataset.block_size)
+        if resumed is not None:
+            check_resumable(resume_from, resumed, plan, self.model)
+        return plan, dataset
 
-        checkpoint_path = os.path.join(plan.output_dir, CHECKPOINT_NAME)
-        sampler = SaveAndSample(
-            plan.save_every, plan.generate_every,
-            checkpoint=lambda trainer: save_checkpoint(trainer, checkpoint_path),
-            save=save,
-            sample=lambda: self.generate(n=plan.n_generate, return_as_list=True),
-            write=progress.write,
-        )
-        # a seed for the data order even without plan.seed, so that a resumed run keeps the order
-        data_seed = plan.seed if plan.seed is not None else int(torch.randint(2**31, ()))
-        self.model = model  # samples during training come from the model being trained
-        resume_from, out_of_memory = plan.resume_from, None
-        try:
-            while True:
-                recovery = OutOfMemoryRecovery(plan, explicit, sampler.checkpoint)
-                module = CausalLMModule(model, plan)
-                loader, data_order = training_loader(dataset, plan, data_seed)
-                # the recorder first (the progress bar shows what it recorded); the callbacks that
-                # stop training before the one that saves
-                trainer = self._trainer(plan, loggers, [recorder, progress, guard, interrupt, sampler, data_order,
-                                                        recovery, *cpu_only, *extra_callbacks])
-                try:
-                    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_from, weights_only=True)
-                    break
-                except Exception as error:
-                    if recovery.out_of_memory_at is None:
-                        raise
-                    if recovery.retry is None:
-                        out_of_memory = error
-                        break
-                    change, plan = recovery.retry
-                    recorder.plan = plan
-                    logger.warning(f"Out of memory in step {recovery.out_of_memory_at}: continuing from the "
-                                   f"step before with {change} (the same effective batch and data).")
-                    model, _ = memory.apply_memory_plan(model, plan)
-                    resume_from = checkpoint_path
-        finally:
-            memory.set_requires_grad(frozen, True)
-            self.model = self._finish(model, original_dtype)
-            if plan.seed is not None:
-                reset_seed()
-        if trainer.is_global_zero:
-            logger.info(f"Saving trained model to {plan.output_dir}")
-            logger.info(describe_summary(save(plain=self.model)))
-            if module.skipped_steps:
-                logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
-            if interrupt.reason:
-                logger.warning(f"Training {interrupt.reason}.")
-            finished = trainer.global_step >= plan.num_steps
-            if finished and not (interrupt.reason or guard.reason or out_of_memory):
-                discard_checkpoint(checkpoint_path)
-        if guard.reason:
-            raise TrainingDiverged(guard.reason)
-        if out_of_memory is not None:
-            raise MemoryError(
-                f"Out of memory in step {recovery.out_of_memory_at} with the smallest plan left "
-                f"(micro-batch 1, precision={plan.precision}, checkpointing={plan.gradient_checkpointing}, "
-                f"chunked loss={bool(plan.loss_chunk_tokens)}). The weights after step {trainer.global_step} are "
-                f"saved in {plan.output_dir} with a checkpoint (resume=True). Use a smaller block_size, "
-                "lora=True, or optimizer='adamw8bit'."
-            ) from out_of_memory
-
-    def _trainer(self, plan: TrainPlan, loggers: list[Logger], callbacks: list[pl.Callback]) -> pl.Trainer:
-        return pl.Trainer(
-            accelerator=plan.accelerator, devices=plan.devices, strategy=plan.strategy, num_nodes=plan.num_nodes,
-            precision=plan.precision, max_steps=plan.num_steps, max_epochs=-1,
-            accumulate_grad_batches=plan.accumulation,
-            gradient_clip_val=plan.max_grad_norm or None, logger=loggers or False, callbacks=callbacks,
-            use_distributed_sampler=False,  # data.py splits the data between ranks
-            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-        )
-
-    def _finish(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
-        """The trained model as a plain transformers model, ready to generate."""
-        memory.disable_gradient_checkpointing(model)
-        if is_lora_model(model):
-            model = merged_model(model, dtype).to(next(model.parameters()).device)
-        return model.eval()
-
-    def _save_trained(self, output_dir: str, trained: nn.Module, dtype: torch.dtype,
-                      plain: nn.Module | None = None) -> None:
-        """Save `trained`; a LoRA model as its adapter plus the merged model (`plain`, if built)."""
-        if not is_lora_model(trained):
-            io.atomic_save(output_dir, trained, self.tokenizer)
-            return
-        trained.peft_config[trained.active_adapter].base_model_name_or_path = self.model_source
-        io.atomic_save(output_dir, plain or merged_model(trained, dtype), self.tokenizer, adapter=trained)
+    def cross_train(self, inputs: list, learning_rate: float | list[float] = 1e-4,
+                    num_steps: int | list[int] = 4000, run_id: str | None = None, **kwargs: Any) -> None:
+        """aitextgen's cross_train(): each input in turn, learning rate and steps halving each time;
+        file inputs are encoded with this model's tokenizer."""
+        datasets = [x if isinstance(x, TokenDataset) else TokenDataset(
+            file_path=x, tokenizer=self.tokenizer, block_size=arguments.context_length(self.model.config))
+            for x in inputs]
+        super().cross_train(datasets, learning_rate=learning_rate, num_steps=num_steps, run_id=run_id, **kwargs)
 
     # --- saving ---------------------------------------------------------------
 
     def save(self, target_folder: str | None = None) -> None:
-        """Saves the model into target_folder (default: the working folder), atomically."""
-        io.atomic_save(target_folder or os.getcwd(), self.model)
+        """Saves the model into target_folder (default: the working folder), atomically; weights that
+        are not finite are refused."""
+        folder = saving.check_folder_name("target_folder", os.getcwd() if target_folder is None else target_folder)
+        saving.atomic_save(folder, self.model)
 
     def save_for_upload(self, target_folder: str = "my-model") -> None:
         """Saves the model and tokenizer, atomically, ready for the hub."""
-        io.atomic_save(target_folder, self.model, self.tokenizer)
+        saving.atomic_save(saving.check_folder_name("target_folder", target_folder), self.model, self.tokenizer)
 
-    def cross_train(self, inputs: list, **kwargs: Any) -> None:
-        """aitextgen's cross_train(), encoding file inputs with this model's tokenizer."""
-        block_size = model_max_length(self.model.config)
-        datasets = [TokenDataset(file_path=x, tokenizer=self.tokenizer, block_size=block_size)
-                    if isinstance(x, str) else x for x in inputs]
-        super().cross_train(datasets, **kwargs)
 
+def _raise_for(outcome: Outcome) -> None:
+    """A run that did not finish as asked: the error that says why and what was kept."""
+    plan = outcome.plan
+    if outcome.diverged:
+        raise TrainingDiverged(outcome.diverged)
+    if outcome.out_of_memory is not None:
+        raise MemoryError(
+            f"Out of memory in step {outcome.out_of_memory_at} with the smallest plan left "
+            f"(micro-batch 1, precision={plan.precision}, checkpointing={plan.gradient_checkpointing}, "
+            f"chunked loss={bool(plan.loss_chunk_tokens)}). The weights after step {outcome.steps} are "
+            f"saved in {plan.output_dir} with a checkpoint (resume=True). Use a smaller block_size, "
+            "lora=True, or optimizer='adamw8bit'."
+        ) from outcome.out_of_memory
+    if outcome.terminated:
+        logger.warning(f"SIGTERM: training stopped at step {outcome.steps:,} with a checkpoint in {plan.output_dir}; "
+                       f"exiting with status {SIGTERM_EXIT_STATUS} (train again with resume=True to continue).")
+        raise SystemExit(SIGTERM_EXIT_STATUS)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from .chunked_loss import default_chunk_tokens
-from .estimate import MemoryEstimate, estimate_memory
+from .estimate import MemoryEstimate, estimate_plan
 from .memory import format_bytes
 from .optimizers import eight_bit_available
 from .plan import LoraSettings, TrainPlan, resolve_precision
@@ -67,8 +67,10 @@ def smaller_micro_batch(plan: TrainPlan) -> TrainPlan | None:
     return dataclasses.replace(plan, micro_batch_size=smaller, accumulation=effective // smaller)
 
 
-def ladder(plan: TrainPlan, explicit: set[str], allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]:
-    """(what changed, plan) for each rung, cumulative, starting with the plan as given."""
+def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]:
+    """(what changed, plan) for each rung, cumulative, starting with the plan as given; the choices in
+    plan.fixed (the user's) are never changed."""
+    explicit = plan.fixed
     yield "the plan as given", plan
     if "gradient_checkpointing" not in explicit and not plan.gradient_checkpointing:
         plan = dataclasses.replace(plan, gradient_checkpointing=True)
@@ -90,27 +92,30 @@ def ladder(plan: TrainPlan, explicit: set[str], allow_lora: bool) -> Iterator[tu
         yield "LoRA", plan
 
 
-def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEstimate:
-    return estimate_memory(config, block_size=block_size, batch_size=plan.micro_batch_size,
-                           precision=plan.precision, gradient_checkpointing=plan.gradient_checkpointing,
-                           lora=plan.lora or False, optimizer=plan.optimizer,
-                           chunked_loss=bool(plan.loss_chunk_tokens),
-                           device="cuda" if plan.accelerator == "gpu" else "cpu")
-
-
-def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int, explicit: set[str],
+def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
              allow_lora: bool) -> tuple[TrainPlan, MemoryEstimate]:
     """The first plan of the ladder whose estimate fits `budget` bytes, or a clear error."""
-    for change, candidate in ladder(plan, explicit, allow_lora):
+    for change, candidate in ladder(plan, allow_lora):
         estimate = estimate_plan(config, candidate, block_size)
         if estimate.total <= budget:
             logger.info(f"Memory budget {format_bytes(budget)}: chosen after {change}, "
                         f"estimated {format_bytes(estimate.total)}.\n{estimate}")
             return candidate, estimate
-    fixed = ", ".join(sorted(explicit)) or "none"
+    fixed = ", ".join(sorted(plan.fixed)) or "none"
     hint = "" if allow_lora or plan.lora else " or allow lora='auto'"
     raise MemoryError(
         f"No plan fits max_memory={format_bytes(budget)}: the smallest one needs "
         f"{format_bytes(estimate.total)} (arguments you fixed: {fixed}).\n{estimate}\n"
         f"Raise max_memory, use a smaller block_size or model{hint}."
     )
+
+
+def fit_to_budget(plan: TrainPlan, config: object, block_size: int) -> TrainPlan:
+    """The plan fitted to train()'s max_memory (on a GPU without it, the free memory less a margin),
+    with the budget recorded; unchanged where there is no budget."""
+    max_memory = plan.args.get("max_memory")
+    budget = parse_bytes(max_memory) if max_memory is not None else default_budget(plan.accelerator)
+    if budget is None:
+        return plan
+    fitted, _ = fit_plan(config, plan, block_size, budget, allow_lora=plan.args.get("lora") == "auto")
+    return dataclasses.replace(fitted, budget=budget)

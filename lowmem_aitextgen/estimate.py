@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -196,14 +195,20 @@ def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Ca
 
 def memory_plan(precision: str, gradient_checkpointing: bool, lora: LoraSettings | None, batch_size: int,
                 optimizer: str, chunked_loss: bool, device: str = "cpu") -> TrainPlan:
-    """A TrainPlan with just the memory decisions (the schedule fields do not change memory)."""
+    """A TrainPlan with just the memory decisions (the schedule does not change memory)."""
     return TrainPlan(
-        output_dir="", accelerator="gpu" if device in ("gpu", "cuda") else "cpu", devices=1, precision=precision,
+        accelerator="gpu" if device in ("gpu", "cuda") else "cpu", precision=precision,
         gradient_checkpointing=gradient_checkpointing, lora=lora, micro_batch_size=batch_size,
-        accumulation=1, num_steps=1, learning_rate=1e-3, weight_decay=0.0, adam_epsilon=1e-8, warmup_steps=0,
-        max_grad_norm=0.0, loss_chunk_tokens=default_chunk_tokens(device) if chunked_loss else None,
-        optimizer=optimizer,
+        loss_chunk_tokens=default_chunk_tokens(device) if chunked_loss else None, optimizer=optimizer,
     )
+
+
+def probe_plan(plan: TrainPlan) -> TrainPlan:
+    """What the probes depend on, and nothing else (so that probes are shared between plans).  Frozen
+    layers are left out: a one-block probe cannot freeze "the first N" blocks (frozen blocks save less
+    for backward, so the estimate stays on the safe side)."""
+    return TrainPlan(accelerator=plan.accelerator, precision=plan.precision, lora=plan.lora,
+                     loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
 @torch.random.fork_rng(devices=[])  # LoRA's initialisation and the probes' inputs draw from the CPU generator
@@ -222,45 +227,50 @@ def estimate_memory(
     ("124M", "355M", "774M", "1558M") on device "cpu" or "cuda"; nothing is downloaded and no
     full-size activation is made.  The caller's random state is left as it was: train() estimates
     before it trains, and that must not change the run's seed or its data order."""
-    from transformers import AutoModelForCausalLM
-
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
     check_optimizer_name(optimizer)  # an estimate needs no torchao installed
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'.")
-    config = model_config(model)
     lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
     plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss, device)
+    return estimate_plan(model_config(model), plan, block_size)
+
+
+@torch.random.fork_rng(devices=[])
+def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEstimate:
+    """Peak memory of one training step of `plan` for a model of `config` at `block_size` tokens."""
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes and dtypes only: exact parameter bytes, nothing allocated
         full = AutoModelForCausalLM.from_config(config)
     full.tie_weights()  # transformers 5.0 leaves a meta-device model untied
-    if precision.endswith("-true") and plan.half_dtype is not None:
+    if plan.precision.endswith("-true") and plan.half_dtype is not None:
         full = full.to(plan.half_dtype)
     full, _ = apply_memory_plan(full, plan)
     params = list({id(p): p for p in full.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
 
-    probed = dataclasses.replace(plan, micro_batch_size=1, optimizer="adamw")  # probes do not depend on these
+    device = "cuda" if plan.accelerator == "gpu" else "cpu"
+    probed = probe_plan(plan)
     config_json = _as_probed_for(config, device).to_json_string()
-    block, rest, loss = _per_block_and_rest(config_json, dataclasses.replace(probed, gradient_checkpointing=False))
-    n_layer, tokens = _n_layer(config), block_size
+    block, rest, loss = _per_block_and_rest(config_json, probed)
+    n_layer, tokens, batch_size = _n_layer(config), block_size, plan.micro_batch_size
     activations = n_layer * block(tokens) + rest(tokens)
     recompute = 0.0
-    if gradient_checkpointing:  # blocks keep only their inputs; backward recomputes one block at a time
-        kept_block, kept_rest, _ = _per_block_and_rest(config_json, probed)
+    if plan.gradient_checkpointing:  # blocks keep only their inputs; backward recomputes one block at a time
+        kept_block, kept_rest, _ = _per_block_and_rest(config_json, replace(probed, gradient_checkpointing=True))
         activations, recompute = n_layer * kept_block(tokens) + kept_rest(tokens), block(tokens)
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
     return MemoryEstimate(
         weights=unique_tensor_bytes(params),
         gradients=unique_tensor_bytes(trainable),
-        optimizer_states=optimizer_state_bytes(trainable, optimizer),
+        optimizer_states=optimizer_state_bytes(trainable, plan.optimizer),
         activations=max(0, int(batch_size * activations)),
         logits_loss=max(0, int(batch_size * loss(tokens))),
         overhead=int(batch_size * (recompute + block(tokens)) + logits_transient),
-        plan={"block_size": block_size, "batch_size": batch_size, "precision": precision,
-              "gradient_checkpointing": gradient_checkpointing, "lora": bool(lora_settings),
-              "optimizer": optimizer, "chunked_loss": chunked_loss, "device": device},
+        plan={"block_size": block_size, "batch_size": batch_size, "precision": plan.precision,
+              "gradient_checkpointing": plan.gradient_checkpointing, "lora": plan.lora is not None,
+              "optimizer": plan.optimizer, "chunked_loss": plan.loss_chunk_tokens is not None, "device": device},
     )

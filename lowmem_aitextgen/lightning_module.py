@@ -14,10 +14,9 @@ from torch import nn
 from transformers import get_linear_schedule_with_warmup
 
 from .chunked_loss import causal_lm_loss
-from .oom import align_to_step
 from .optimizers import build_optimizer, portable_optimizer_states, restore_optimizer_states
 from .plan import TrainPlan
-from .resume import random_states, set_random_states
+from .resume import RUN_KEY, align_to_step, base_parameters, random_states, run_description, set_random_states
 
 
 class CausalLMModule(pl.LightningModule):
@@ -27,6 +26,7 @@ class CausalLMModule(pl.LightningModule):
         super().__init__()
         self.model = model
         self.plan = plan
+        self.base = base_parameters(model)  # what a checkpoint records of the model, for resume's checks
         self.skipped_steps = 0
         self.gradient_norm: torch.Tensor | None = None  # this step's, for clipping (on_before_optimizer_step)
         # checkpoints hold only what trains (see on_save_checkpoint); on_load_checkpoint checks the keys
@@ -81,6 +81,7 @@ class CausalLMModule(pl.LightningModule):
         trainable = self._trainable_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["random_states"] = random_states()
+        checkpoint[RUN_KEY] = run_description(self.plan, self.base)
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = portable_optimizer_states(checkpoint["optimizer_states"])
 
@@ -101,10 +102,11 @@ class CausalLMModule(pl.LightningModule):
             set_random_states(checkpoint["random_states"])
 
     def configure_optimizers(self) -> dict:
-        optimizer = build_optimizer(self.model, self.plan.weight_decay, self.plan.learning_rate,
-                                    self.plan.adam_epsilon, self.plan.optimizer)
+        args = self.plan.args
+        optimizer = build_optimizer(self.model, args.weight_decay, args.learning_rate, args.adam_epsilon,
+                                    self.plan.optimizer)
         scheduler = get_linear_schedule_with_warmup(
-            optimizer, num_warmup_steps=self.plan.warmup_steps, num_training_steps=self.plan.num_steps
+            optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.num_steps
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

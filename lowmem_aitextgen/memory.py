@@ -8,15 +8,12 @@
 | (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
 | (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | a trainable head's matmul twice|
-| pin_mmap_threshold (CPU)      | heap fragmentation in peak RSS          | page faults on large tensors   |
-| hold_freed_heap (CPU)         | page faults: freed memory reused in-step| freed memory resident till the |
-|   + release_freed_heap        |                                         | optimizer step releases it     |
+| (8-bit AdamW, optimizers.py)  | 3/4 of AdamW's state                    | states rounded to 8 bits       |
+| (glibc's heap, cpu.py)        | heap fragmentation, page faults (CPU)   | see cpu.py                     |
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import resource
 import sys
 from collections.abc import Iterable
@@ -111,78 +108,6 @@ def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
             saved += param.numel() * (param.element_size() - torch.finfo(dtype).bits // 8)
             param.data = param.data.to(dtype)
     return saved
-
-
-GLIBC_M_MMAP_THRESHOLD = -3  # mallopt parameter number, from glibc's malloc.h
-# Measured on a 355M LoRA step at block 512 (2 cores; benchmarks/RESULTS.md): glibc's
-# dynamic threshold 2.22 GB peak RSS / 9.2 s; pinned at 128 KiB 1.47 GB / 15 s (a page
-# fault for every fresh tensor); at 8 MiB 1.97 GB / 8.6 s.  8 MiB: big tensors (logits,
-# attention probabilities, weight casts) go back to the OS, small ones reuse the heap.
-# One page above 8 MiB: tensors of exactly 8 MiB are common at block 512 (512x4096 fp32,
-# 16x512x512 bf16, a 1024x4096 weight cast to bf16), and from the heap they are reused
-# instead of page-faulting fresh memory (~0.8 us a page here): per 355M step at block 512,
-# 2.3M -> 1.4M page faults for a full fine-tune, 0.75-1.1M -> 0.53M for LoRA; peak RSS
-# +0.02-0.05 GiB in single runs.
-PINNED_MMAP_THRESHOLD = 8 * 2**20 + 4096
-
-
-def pin_mmap_threshold(threshold: int = PINNED_MMAP_THRESHOLD) -> bool:
-    """CPU training: hand big freed tensors back to the OS at once (glibc only; returns whether set).
-
-    glibc serves big allocations with mmap, but each time such a block is freed it
-    raises that threshold (up to 32 MiB) and serves later tensors of that size from
-    its heap, where freed memory stays resident and fragments.  Setting the
-    threshold explicitly turns the raising off (glibc's documented behaviour).
-    There is no torch or Python API for this, hence ctypes.
-    """
-    libc = _glibc()
-    return libc is not None and bool(libc.mallopt(GLIBC_M_MMAP_THRESHOLD, threshold))
-
-
-GLIBC_M_TRIM_THRESHOLD = -1  # mallopt parameter number, from glibc's malloc.h
-GLIBC_DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's default; fixed once the mmap threshold is set
-HELD_HEAP_BYTES = 2**31 - 1  # mallopt takes an int: "never trim on free"
-
-
-def hold_freed_heap(hold: bool = True) -> bool:
-    """CPU training: keep the freed top of glibc's heap for the next tensors (glibc only; returns
-    whether set); ``hold=False`` restores glibc's default.
-
-    With the mmap threshold pinned, glibc hands the heap's top back to the OS whenever more than
-    128 KiB of it is free, so the activations of the next block or the next pass fault fresh pages
-    in (zeroed by the kernel: ~0.5M page faults, 2 GB, a 355M LoRA step at block 512).  Held,
-    freed memory is reused within the step, and `release_freed_heap` gives it back once a step,
-    before the optimizer step (a full fine-tune's peak).  In-run A/B against releasing every 4
-    blocks (benchmarks/RESULTS.md): 6.15 -> 5.68 s a LoRA step, 7.63 -> 7.13 s a full fine-tune
-    step; whole runs' peak RSS rose 1.48 -> 1.56 GB (LoRA) and 6.46 -> 6.66 GB (full).
-    """
-    libc = _glibc()
-    threshold = HELD_HEAP_BYTES if hold else GLIBC_DEFAULT_TRIM_THRESHOLD
-    return libc is not None and bool(libc.mallopt(GLIBC_M_TRIM_THRESHOLD, threshold))
-
-
-def release_freed_heap() -> bool:
-    """Give the pages of freed heap memory back to the OS now (glibc only; returns whether any went).
-
-    Tensors under the mmap threshold (most activations) live in glibc's heap, and the
-    holes they leave when freed stay resident (0.35 GiB of a 355M LoRA step's peak RSS at block
-    512 on 2026-11-22; benchmarks/RESULTS.md), as does the top `hold_freed_heap` keeps.
-    malloc_trim hands those pages back; the cost is a page fault for each one the next tensors
-    there touch again.
-    """
-    libc = _glibc()
-    return libc is not None and bool(libc.malloc_trim(0))
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl)
-        return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -2,8 +2,9 @@
 
 When a step runs out of memory, OutOfMemoryRecovery (a callback: Lightning calls
 it before tearing the run down) frees the step's gradients and writes the
-resumable checkpoint of the last finished step.  train() then continues from
-that checkpoint with a cheaper plan, exactly as resume=True would:
+resumable checkpoint of the last finished step.  The training run (run.py) then
+asks cheaper_plan() for the plan to continue with, from that checkpoint, exactly
+as resume=True would:
 
   1. half the micro-batch (the next smaller divisor of the effective batch),
      twice the accumulation: the same effective batch, the same data;
@@ -18,8 +19,8 @@ so there the error stops training as before.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
-import logging
 from collections.abc import Callable
 
 import pytorch_lightning as pl
@@ -27,8 +28,6 @@ import torch
 
 from .budget import ladder, smaller_micro_batch
 from .plan import TrainPlan
-
-logger = logging.getLogger("lowmem_aitextgen")
 
 # Messages of allocators that fail with a plain RuntimeError (CPU, MPS) instead of torch.OutOfMemoryError.
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
@@ -40,17 +39,18 @@ def is_out_of_memory(exception: BaseException) -> bool:
     return isinstance(exception, RuntimeError) and any(m in str(exception).lower() for m in OOM_MESSAGES)
 
 
-def cheaper_plan(plan: TrainPlan, explicit: set[str]) -> tuple[str, TrainPlan] | None:
+def cheaper_plan(plan: TrainPlan) -> tuple[str, TrainPlan] | None:
     """The plan to retry with after an out-of-memory step, and what changed; None if none is left."""
     smaller = smaller_micro_batch(plan)
     if smaller is not None:
         return f"micro-batch {smaller.micro_batch_size} x {smaller.accumulation} accumulation", smaller
     # micro-batch 1 now: the next rung whose checkpoint still loads (the same optimizer state and,
     # with LoRA, the same dtype of the frozen base), as if the user had fixed the others
-    fixed = explicit | {"optimizer"} | ({"precision"} if plan.lora is not None else set())
-    rungs = ladder(plan, fixed, allow_lora=False)
+    fixed = plan.fixed | {"optimizer"} | ({"precision"} if plan.lora is not None else set())
+    rungs = ladder(dataclasses.replace(plan, fixed=fixed), allow_lora=False)
     next(rungs)  # the plan as given
-    return next(rungs, None)
+    rung = next(rungs, None)
+    return None if rung is None else (rung[0], dataclasses.replace(rung[1], fixed=plan.fixed))
 
 
 def free_memory(trainer: pl.Trainer) -> None:
@@ -62,33 +62,12 @@ def free_memory(trainer: pl.Trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def align_to_step(loops: dict, global_step: int, accumulation: int) -> None:
-    """Rewrite Lightning's loop progress in a checkpoint as if it had been written at the end of
-    optimizer step `global_step` with this accumulation: a checkpoint from the middle of a step
-    (out of memory), or a resumed run with another micro-batch, would otherwise count micro-batches
-    in the old unit and misplace the accumulation boundaries (Lightning's loop-state format, 2.x)."""
-    fit_loop = loops.get("fit_loop", {})
-    batches = global_step * accumulation
-    step = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
-    for scope in ("total", "current"):
-        counters = fit_loop.get("epoch_loop.batch_progress", {}).get(scope)
-        if counters:
-            counters.update(ready=batches, started=batches, processed=batches, completed=max(0, batches - 1))
-        if step and scope in step:
-            step[scope].update(ready=global_step, completed=global_step)
-    if "epoch_loop.state_dict" in fit_loop:
-        fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
-
-
 class OutOfMemoryRecovery(pl.Callback):
-    """On an out-of-memory error: free the step, checkpoint the last finished step, pick the
-    cheaper plan (read by train() once Lightning has re-raised the error)."""
+    """On an out-of-memory error (one process only): free the step, checkpoint the last finished step
+    and note where it happened; run.py decides what comes next."""
 
-    def __init__(self, plan: TrainPlan, explicit: set[str], checkpoint: Callable[[pl.Trainer], None]) -> None:
-        self.plan = plan
-        self.explicit = explicit
+    def __init__(self, checkpoint: Callable[[pl.Trainer], None]) -> None:
         self.checkpoint = checkpoint
-        self.retry: tuple[str, TrainPlan] | None = None
         self.out_of_memory_at: int | None = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -96,5 +75,4 @@ class OutOfMemoryRecovery(pl.Callback):
             return
         free_memory(trainer)
         self.out_of_memory_at = trainer.global_step + 1
-        self.retry = cheaper_plan(self.plan, self.explicit)
         self.checkpoint(trainer)

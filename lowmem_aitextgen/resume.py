@@ -1,39 +1,76 @@
-"""Resumable training: writing the checkpoint in output_dir, Ctrl-C, and random-number state.
+"""Resumable training: the checkpoint in output_dir, its checks before a resumed run, the random-number
+states, and the signals that stop a run (Ctrl-C, SIGTERM).
 
-A checkpoint is Lightning's own (weights that train, optimizer, scheduler, loop
-counters, callback states) plus the random-number states, written between
-optimizer steps to a temporary name and renamed, so a crash leaves the previous
-one whole.  What order the data comes in, and where to pick it up, is data.py's.
+A checkpoint is Lightning's own (weights that train, optimizer, scheduler, loop counters, callback
+states) plus the random-number states and a description of the run that wrote it, written between
+optimizer steps straight to a temporary name in output_dir and renamed, so a crash or a full disk
+leaves the previous one whole.  Before a resumed run trains, the checkpoint is read and compared with
+the run (model, LoRA, optimizer, effective batch, steps left), each mismatch one message.  What order
+the data comes in, and where to pick it up, is data.py's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
 import signal
 import threading
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.plugins import TorchCheckpointIO
+from torch import nn
 
 from .callbacks import OptimizerStepCallback
-from .io import STAGING_PREFIX
+from .lora import is_lora_model
+from .plan import CHECKPOINT_NAME, TrainPlan
+from .saving import STAGING_PREFIX, apply_umask
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+RUN_KEY = "lowmem_aitextgen"  # the checkpoint's description of the run that wrote it
+
+
+# --- writing -------------------------------------------------------------------------
+
+
+class DiskCheckpointIO(TorchCheckpointIO):
+    """torch.save straight into the file Lightning names.  Lightning's own first serialises the whole
+    checkpoint into memory (a second copy of weights and optimizer: 4 GB for a 355M full fine-tune) and
+    stages it in the system's temporary folder, where a small /tmp fails it with no path named."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        path = os.fspath(path)
+        try:
+            torch.save(checkpoint, path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        except BaseException:
+            if os.path.exists(path):
+                os.remove(path)  # a full disk leaves no partial file behind
+            raise
 
 
 def save_checkpoint(trainer: pl.Trainer, path: str) -> None:
-    """trainer.save_checkpoint (on every rank, as Lightning requires), made atomic."""
+    """trainer.save_checkpoint (on every rank, as Lightning requires), made atomic: written under a
+    staging name in the same folder, then renamed; on any failure the staging file is removed."""
     staging = os.path.join(os.path.dirname(path), f"{STAGING_PREFIX}{os.path.basename(path)}")
-    trainer.save_checkpoint(staging)
-    if trainer.is_global_zero:
-        if os.path.isdir(staging):  # sharded strategies write a folder
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with open(staging, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(staging, path)
+    try:
+        trainer.save_checkpoint(staging)
+        if trainer.is_global_zero:
+            apply_umask(staging)
+            if os.path.isdir(staging):  # sharded strategies write a folder
+                shutil.rmtree(path, ignore_errors=True)
+            os.replace(staging, path)
+    except BaseException:
+        if trainer.is_global_zero:
+            discard_checkpoint(staging)
+        raise
     trainer.strategy.barrier("lowmem_aitextgen.save_checkpoint")
 
 
@@ -44,6 +81,100 @@ def discard_checkpoint(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.exists(path):
         os.remove(path)
+
+
+def base_parameters(model: nn.Module) -> dict[str, list[int]]:
+    """The model's own parameters (a LoRA wrapper's base, without adapters) and their shapes."""
+    base = model.get_base_model() if is_lora_model(model) else model
+    return {name.replace(".base_layer.", "."): list(param.shape) for name, param in base.named_parameters()
+            if "lora_" not in name}
+
+
+def run_description(plan: TrainPlan, base: dict[str, list[int]]) -> dict[str, Any]:
+    """What a resumed run must share with the one that wrote the checkpoint."""
+    return {"base_parameters": base, "lora": asdict(plan.lora) if plan.lora else None,
+            "optimizer": plan.optimizer, "effective_batch_size": plan.effective_batch_size,
+            "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and plan.lora is None else None}
+
+
+# --- which checkpoint, and whether it fits ---------------------------------------------
+
+
+def checkpoint_to_resume(resume: bool | str | os.PathLike, output_dir: str) -> str | None:
+    """The checkpoint train(resume=...) names: True means output_dir's, if there is one.
+
+    resume=True where output_dir holds a finished model but no checkpoint (a finished run removes it)
+    refuses: starting over would write a new model over the finished one."""
+    if resume is False or resume is None:
+        return None
+    if resume is True:
+        path = os.path.join(output_dir, CHECKPOINT_NAME)
+        if os.path.exists(path):
+            return path
+        if os.path.isfile(os.path.join(output_dir, "config.json")):
+            raise FileExistsError(
+                f"resume=True, but output_dir={output_dir!r} holds a finished model and no {CHECKPOINT_NAME} (a run "
+                f"that reaches num_steps removes it), so there is nothing to resume. To train that model further, "
+                f"construct aitextgen(model_folder={output_dir!r}) and call train() without resume; to start over "
+                "from the model you constructed and replace it, pass resume=False.")
+        logger.warning(f"resume=True, but {output_dir!r} has no {CHECKPOINT_NAME}: training starts from the beginning.")
+        return None
+    if not os.path.exists(resume):
+        raise FileNotFoundError(
+            f"resume={str(resume)!r} does not exist; pass resume=True to continue from output_dir's "
+            f"{CHECKPOINT_NAME}, or the path of one."
+        )
+    return os.fspath(resume)
+
+
+def read_run_description(path: str | None) -> dict[str, Any] | None:
+    """The description a checkpoint holds of the run that wrote it; every failure names the file."""
+    if path is None:
+        return None
+    if os.path.isdir(path):  # a sharded strategy's folder: Lightning checks it when it loads
+        return None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # torch raises RuntimeError, pickle and zipfile errors alike
+        raise ValueError(f"resume={path!r} cannot be read as a checkpoint ({type(error).__name__}: {error}); it is "
+                         "damaged or not a lowmem_aitextgen checkpoint. Pass resume=False to start over.") from error
+    if not isinstance(checkpoint, dict) or RUN_KEY not in checkpoint or "global_step" not in checkpoint:
+        raise ValueError(f"resume={path!r} is not a checkpoint written by this version of lowmem_aitextgen's "
+                         "train(); pass resume=False to start over.")
+    return {**checkpoint[RUN_KEY], "global_step": checkpoint["global_step"]}
+
+
+def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, model: nn.Module) -> None:
+    """The checkpoint fits this run: same model, LoRA, optimizer and effective batch, steps left."""
+    ours = run_description(plan, base_parameters(model))
+    mismatch = next((key for key in ("base_parameters", "lora", "frozen_layers", "optimizer",
+                                     "effective_batch_size") if saved.get(key) != ours[key]), None)
+    fixes = {
+        "base_parameters": "construct aitextgen with the same model as the interrupted run",
+        "lora": "call train() with the same lora, lora_r, lora_alpha, lora_dropout and lora_target_modules",
+        "frozen_layers": "call train() with the same freeze_layers and num_layers_freeze",
+        "optimizer": f"pass optimizer={saved.get('optimizer')!r}",
+        "effective_batch_size": (f"pass batch_size and gradient_accumulation_steps whose product is "
+                                 f"{saved.get('effective_batch_size')}"),
+    }
+    if mismatch is not None:
+        difference = _difference(saved.get(mismatch), ours[mismatch])
+        raise ValueError(f"resume={path!r} was written by a run with another {mismatch.replace('_', ' ')} "
+                         f"({difference}); {fixes[mismatch]}, or pass resume=False to start over.")
+    if saved["global_step"] >= plan.args.num_steps:
+        raise ValueError(f"resume={path!r} is at step {saved['global_step']:,}, and num_steps={plan.args.num_steps:,} "
+                         f"asks for no more; pass num_steps above {saved['global_step']:,} to train further.")
+
+
+def _difference(saved: Any, ours: Any) -> str:
+    if isinstance(saved, dict) and isinstance(ours, dict):
+        keys = sorted(set(saved) ^ set(ours)) or sorted(k for k in saved if saved[k] != ours[k])
+        key = keys[0]
+        return f"{key}: checkpoint {saved.get(key, 'absent')}, now {ours.get(key, 'absent')}"
+    return f"checkpoint {saved}, now {ours}"
+
+
+# --- random-number states ---------------------------------------------------------------
 
 
 def random_states() -> dict[str, Any]:
@@ -69,34 +200,65 @@ def set_random_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-class StopOnInterrupt(OptimizerStepCallback):
-    """Ctrl-C stops training after the current optimizer step instead of killing it.
+# --- Lightning's loop counters ------------------------------------------------------------
 
-    Lightning's own handling of KeyboardInterrupt ends the process with exit
-    code 1, so we catch SIGINT ourselves: the first press asks to stop (the
-    checkpoint and model are then saved as at the end of training and train()
-    returns); a second press interrupts at once.
+
+def align_to_step(loops: dict, global_step: int, accumulation: int) -> None:
+    """Rewrite Lightning's loop progress in a checkpoint as if it had been written at the end of
+    optimizer step `global_step` with this accumulation: a checkpoint from the middle of a step
+    (out of memory), or a resumed run with another micro-batch, would otherwise count micro-batches
+    in the old unit and misplace the accumulation boundaries (Lightning's loop-state format, 2.x)."""
+    fit_loop = loops.get("fit_loop", {})
+    batches = global_step * accumulation
+    step = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
+    for scope in ("total", "current"):
+        counters = fit_loop.get("epoch_loop.batch_progress", {}).get(scope)
+        if counters:
+            counters.update(ready=batches, started=batches, processed=batches, completed=max(0, batches - 1))
+        if step and scope in step:
+            step[scope].update(ready=global_step, completed=global_step)
+    if "epoch_loop.state_dict" in fit_loop:
+        fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
+
+
+# --- signals ---------------------------------------------------------------------------
+
+
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+
+class StopOnSignal(OptimizerStepCallback):
+    """Ctrl-C and SIGTERM stop training after the current optimizer step instead of killing it.
+
+    The first signal asks to stop: the checkpoint and a loadable model are saved as at the end of
+    training.  After Ctrl-C train() returns, as Lightning users expect of an interrupted fit; after
+    SIGTERM (docker stop, Kubernetes, SLURM pre-emption) train() then exits the process with status
+    143 (128 + SIGTERM), so a scheduler sees the job did not finish and at most one step is lost.  A
+    second signal acts at once.  Lightning's own handling would exit with status 1 after Ctrl-C, and
+    with status 0 and no checkpoint after SIGTERM.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.requested = False
+        self.received: int | None = None
         self.reason: str | None = None
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
-        print("\nCtrl-C: stopping after this step and saving; press Ctrl-C again to stop at once.", flush=True)
+        self.received = self.received or signum
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one acts at once
+        again = "press Ctrl-C again" if signum == signal.SIGINT else "send SIGTERM again"
+        print(f"\n{SIGNAL_NAMES[signum]}: stopping after this step and saving; {again} to stop at once.", flush=True)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in SIGNAL_NAMES:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def _restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
@@ -104,9 +266,14 @@ class StopOnInterrupt(OptimizerStepCallback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore()
 
+    @property
+    def terminated(self) -> bool:
+        return self.received == signal.SIGTERM
+
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
         # every rank must stop at the same step, whichever received the signal
-        if trainer.strategy.reduce_boolean_decision(self.requested, all=False):
-            self.reason = (f"interrupted (Ctrl-C) at step {trainer.global_step:,}; "
+        if trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            name = SIGNAL_NAMES.get(self.received, "a signal on another process")
+            self.reason = (f"interrupted ({name}) at step {trainer.global_step:,}; "
                            "train again with resume=True to continue")
             trainer.should_stop = True

@@ -8,7 +8,7 @@ import pytest
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, plan
+from lowmem_aitextgen import aitextgen, plan, saving
 
 CONTEXT = 32
 
@@ -36,7 +36,7 @@ def unwritable_dir(tmp):
 
 def full_disk(monkeypatch):
     usage = shutil.disk_usage(".")
-    monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    monkeypatch.setattr(saving.shutil, "disk_usage", lambda path: usage._replace(free=1000))
 
 
 def model_folder_without(name):
@@ -111,11 +111,11 @@ CASES = [
     ("output_dir is a file", train(output_dir=bad_file(b"x")), None, ValueError, "output_dir=.* is a file"),
     ("output_dir not writable", train(output_dir=unwritable_dir), None, PermissionError,
      "output_dir=.* is not writable"),
-    ("output_dir on a full disk", train(), full_disk, OSError, "output_dir=.* GiB free.*needs at least"),
+    ("output_dir on a full disk", train(), full_disk, OSError, "output_dir=.* free.*needs at least"),
     ("resume from a missing checkpoint", train(resume="nope.ckpt"), None, FileNotFoundError,
      "resume='nope.ckpt' does not exist.*resume=True"),
     ("resume from another model's checkpoint", resume_other_model, None, ValueError,
-     "written for another model.*same model, lora"),
+     "was written by a run with another lora.*same lora"),
     ("model_folder missing", construct(model_folder="missing"), None, FileNotFoundError,
      "model_folder='missing' does not exist"),
     ("model_folder without weights", construct(model_folder=model_folder_without("model.safetensors")), None,
@@ -124,8 +124,6 @@ CASES = [
      FileNotFoundError, "no config.json in model_folder="),
     ("prompt longer than the context", generate(prompt="word " * 200), None, ValueError,
      f"prompt is .* tokens.*context is {CONTEXT} tokens; shorten the prompt"),
-    ("max_length above the context", generate(max_length=500), None, ValueError,
-     f"max_length=500 is above the model's context.*max_length<={CONTEXT}"),
 ]
 
 

@@ -55,12 +55,12 @@ def describe(plan):
 
 def test_each_budget_gets_the_documented_rung_with_the_same_effective_batch():
     plan = user_plan()
-    rungs = [candidate for _, candidate in ladder(plan, explicit=set(), allow_lora=True)]
+    rungs = [candidate for _, candidate in ladder(plan, allow_lora=True)]
     assert [describe(p) for p in rungs] == RUNGS
     totals = [estimate_plan(CONFIG, p, BLOCK).total for p in rungs]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)  # each rung saves memory
     for rung, total in enumerate(totals):
-        chosen, estimate = fit_plan(CONFIG, plan, BLOCK, total, explicit=set(), allow_lora=True)
+        chosen, estimate = fit_plan(CONFIG, plan, BLOCK, total, allow_lora=True)
         assert describe(chosen) == RUNGS[rung]
         assert estimate.total <= total  # fits its own estimate
         assert chosen.effective_batch_size == plan.effective_batch_size == 8
@@ -68,13 +68,13 @@ def test_each_budget_gets_the_documented_rung_with_the_same_effective_batch():
 
 def test_explicit_arguments_are_kept_and_lora_needs_auto():
     plan = user_plan()
-    rungs = [describe(p) for _, p in ladder(plan, explicit={"gradient_checkpointing", "precision", "optimizer"},
-                                            allow_lora=False)]
+    fixed = dataclasses.replace(plan, fixed=frozenset({"gradient_checkpointing", "precision", "optimizer"}))
+    rungs = [describe(p) for _, p in ladder(fixed, allow_lora=False)]
     assert all(not ckpt and precision == "32-true" and optimizer == "adamw" and not lora
                for ckpt, precision, _, optimizer, _, lora in rungs)
-    smallest = estimate_plan(CONFIG, [p for _, p in ladder(plan, set(), allow_lora=False)][-1], BLOCK).total
+    smallest = estimate_plan(CONFIG, [p for _, p in ladder(plan, allow_lora=False)][-1], BLOCK).total
     with pytest.raises(MemoryError, match=r"(?s)No plan fits max_memory=.*the smallest one needs.*total.*lora='auto'"):
-        fit_plan(CONFIG, plan, BLOCK, smallest - 1, explicit=set(), allow_lora=False)
+        fit_plan(CONFIG, plan, BLOCK, smallest - 1, allow_lora=False)
 
 
 def test_train_with_max_memory_fits_and_keeps_the_effective_batch(corpus_file, tokenizer_file, tmp_path):

@@ -170,7 +170,7 @@ def test_model_folder_accepts_safetensors_only(tmp_path):
     from conftest import tiny_gpt2_config
     from lowmem_aitextgen import aitextgen
 
-    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "m")
+    GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)).save_pretrained(tmp_path / "m")  # GPT-2's tokenizer fits
     assert os.listdir(tmp_path / "m").count("pytorch_model.bin") == 0
     ai = aitextgen(model_folder=str(tmp_path / "m"))
     assert ai.model.config.n_layer == 2
@@ -183,7 +183,7 @@ def test_model_folder_accepts_legacy_bin(tmp_path):
     from conftest import tiny_gpt2_config
     from lowmem_aitextgen import aitextgen
 
-    model = GPT2LMHeadModel(tiny_gpt2_config())
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257))  # GPT-2's tokenizer fits
     (tmp_path / "m").mkdir()
     model.config.save_pretrained(tmp_path / "m")
     torch.save(model.state_dict(), tmp_path / "m" / "pytorch_model.bin")

@@ -11,7 +11,7 @@ from transformers import GPT2LMHeadModel
 
 from conftest import AtBatchStart, saved_bytes, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, memory, plan
-from lowmem_aitextgen.callbacks import ReleaseFreedHeap
+from lowmem_aitextgen.cpu import ReleaseFreedHeap
 from lowmem_aitextgen.TokenDataset import TokenDataset
 
 
@@ -239,13 +239,13 @@ def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, 
 
 PROBE_PRELUDE = """
 import os, torch
-from lowmem_aitextgen import memory
+from lowmem_aitextgen import cpu
 
 def resident_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-assert memory.pin_mmap_threshold()
+assert cpu.pin_mmap_threshold()
 """
 
 PINNED_THRESHOLD_PROBE = PROBE_PRELUDE + """
@@ -275,7 +275,7 @@ FRAGMENTED_HEAP_PROBE = PROBE_PRELUDE + """
 blocks = [torch.ones(2**20, dtype=torch.uint8) for _ in range(128)]  # 1 MiB each: under the threshold
 del blocks[::2]  # 64 MiB of holes between live tensors, none at the heap's top
 kept = resident_bytes()
-memory.release_freed_heap()
+cpu.release_freed_heap()
 print(kept - resident_bytes())
 """
 
@@ -294,7 +294,7 @@ import ctypes
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 SIZE = 256 * 2**20  # bigger than any hole the imports left in the heap
-assert memory.pin_mmap_threshold(2 * SIZE)  # served from the heap, not mmap
+assert cpu.pin_mmap_threshold(2 * SIZE)  # served from the heap, not mmap
 
 def resident_after_free():
     block = libc.malloc(SIZE)
@@ -304,12 +304,12 @@ def resident_after_free():
     return with_block - resident_bytes()
 
 given_back_unheld = resident_after_free()
-memory.hold_freed_heap(True)
+stop_holding = cpu.hold_freed_heap()
 given_back_held = resident_after_free()
 held = resident_bytes()
-memory.release_freed_heap()
+cpu.release_freed_heap()
 released = held - resident_bytes()
-memory.hold_freed_heap(False)
+stop_holding()
 print(given_back_unheld, given_back_held, released, resident_after_free())
 """
 
@@ -317,7 +317,7 @@ print(given_back_unheld, given_back_held, released, resident_after_free())
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
 def test_held_heap_keeps_freed_memory_until_released():
     """Unheld, glibc gives a freed block at the heap's top back at once; held, it stays
-    resident for the next tensors until release_freed_heap; hold_freed_heap(False) restores that."""
+    resident for the next tensors until release_freed_heap; the undo hold_freed_heap returns restores that."""
     probe = subprocess.run([sys.executable, "-c", HELD_HEAP_PROBE], capture_output=True, text=True, check=True)
     unheld, held, released, restored = (int(n) for n in probe.stdout.split()[-4:])
     assert unheld >= 255 * 2**20 and restored >= 255 * 2**20

@@ -89,7 +89,7 @@ def test_out_of_memory_with_nothing_left_stops_with_the_last_good_weights(small_
 def test_cheaper_plan_order():
     plan = memory_plan("32-true", False, None, 4, "adamw", chunked_loss=False)
     changes = []
-    while (step := cheaper_plan(plan, explicit=set())) is not None:
+    while (step := cheaper_plan(plan)) is not None:
         change, plan = step
         changes.append(change)
     assert changes[:2] == ["micro-batch 2 x 2 accumulation", "micro-batch 1 x 4 accumulation"]

@@ -12,19 +12,19 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, io
+from lowmem_aitextgen import aitextgen, saving
 
 SAVER = textwrap.dedent("""
     import sys, torch
     from transformers import GPT2LMHeadModel, GPT2Config
-    from lowmem_aitextgen import io
+    from lowmem_aitextgen import saving
     config = GPT2Config(vocab_size=50257, n_positions=64, n_embd=256, n_layer=2, n_head=4)
     model = GPT2LMHeadModel(config)
     print("ready", flush=True)
     while True:
         with torch.no_grad():
             model.transformer.wte.weight.add_(1.0)
-        io.atomic_save(sys.argv[1], model)
+        saving.atomic_save(sys.argv[1], model)
 """)
 
 
@@ -32,7 +32,7 @@ def test_sigkill_during_saves_never_corrupts(tmp_path):
     out = str(tmp_path / "model")
     GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257, n_positions=64, n_embd=256)).save_pretrained(out)
     rng = random.Random(0)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(io.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(saving.__file__)))
     for _ in range(4):
         child = subprocess.Popen([sys.executable, "-c", SAVER, out], stdout=subprocess.PIPE, env=env)
         assert child.stdout.readline().strip() == b"ready"
@@ -59,6 +59,6 @@ def test_safetensors_save_replaces_legacy_bin(tmp_path):
     model = GPT2LMHeadModel(tiny_gpt2_config())
     (tmp_path / "m").mkdir()
     torch.save(model.state_dict(), tmp_path / "m" / "pytorch_model.bin")
-    io.atomic_save(str(tmp_path / "m"), model)
+    saving.atomic_save(str(tmp_path / "m"), model)
     assert "pytorch_model.bin" not in os.listdir(tmp_path / "m")
     assert "model.safetensors" in os.listdir(tmp_path / "m")

@@ -49,11 +49,11 @@ def test_freeze_layers_keeps_frozen_weights(corpus_file, tokenizer_file):
 
 
 def test_save_every_writes_during_training(corpus_file, tokenizer_file, monkeypatch):
-    from lowmem_aitextgen import io
+    from lowmem_aitextgen import run
 
     saved_at = []
-    real = io.atomic_save
-    monkeypatch.setattr(io, "atomic_save", lambda *a, **k: (saved_at.append(1), real(*a, **k)))
+    real = run.atomic_save
+    monkeypatch.setattr(run, "atomic_save", lambda *a, **k: (saved_at.append(1), real(*a, **k)))
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
     ai.train(corpus_file, num_steps=6, save_every=2, generate_every=3, gradient_accumulation_steps=2)
     assert len(saved_at) == 3  # steps 2 and 4, then the final save

@@ -1,4 +1,4 @@
-"""cpu_speed: the cheap CPU dropout, the one-kernel GELU and the adapters without upcast."""
+"""cpu: the cheap CPU dropout, the one-kernel GELU and the adapters without upcast."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from conftest import AtBatchStart, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.lora import add_lora
 from lowmem_aitextgen.plan import LoraSettings
-from lowmem_aitextgen.cpu_speed import ATTENTION, CpuDropout, UpcastOutsideAutocast, fast_dropout, gpt2_attention, \
+from lowmem_aitextgen.cpu import ATTENTION, CpuDropout, UpcastOutsideAutocast, fast_dropout, gpt2_attention, \
     keep_mask, use_cpu_speedups
 
 

