@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import numpy as np
 from aitextgen.TokenDataset import TokenDataset as _AitextgenTokenDataset
+from aitextgen.TokenDataset import get_dtype, get_lines_in_file, get_lines_in_file_csv  # noqa: F401  (work as they are)
 
 from . import _compat
 
@@ -167,6 +168,9 @@ class TokenDataset(_AitextgenTokenDataset):
                     vocab_file or default_vocab, merges_file or default_merges, **special
                 )
 
+        if save_cache and file_path is not None and _same_file(cache_destination, file_path):
+            raise ValueError(f"cache_destination={cache_destination!r} is the text being encoded; saving the cache "
+                             "there would replace the text. Name another file, e.g. 'dataset_cache.tar.gz'.")
         if texts is not None:
             self.str_suffix = "via application."
             tokens = _compat.encode_texts((text + eos_token for text in texts), tokenizer)
@@ -183,6 +187,23 @@ class TokenDataset(_AitextgenTokenDataset):
         if save_cache:
             self.save(cache_destination, compress=compress)
 
+    def save(self, cache_destination: str = "dataset_cache.tar.gz", compress: bool = True) -> None:
+        """aitextgen's cache (the token ids, gzip-compressed unless compress=False), written under a
+        temporary name and renamed, so an interrupted save leaves the earlier cache whole."""
+        from .saving import atomic_file
+
+        if self.tokens.shape[0] == 0:
+            raise ValueError("The TokenDataset has no tokens to save.")
+        if not compress and cache_destination == "dataset_cache.tar.gz":
+            cache_destination = "dataset_cache.npy"  # aitextgen's name for an uncompressed cache
+        logger.info(f"Caching {'and compressing ' if compress else ''}dataset to {cache_destination}")
+        with atomic_file(cache_destination) as f:
+            if compress:
+                with gzip.GzipFile(fileobj=f, mode="wb") as zipped:
+                    np.save(zipped, self.tokens)
+            else:
+                np.save(f, self.tokens)
+
     def _set_tokens(self, tokens: np.ndarray) -> None:
         self.tokens = tokens
         self.set_block_size(self.block_size)
@@ -198,6 +219,24 @@ class TokenDataset(_AitextgenTokenDataset):
         self.block_size = block_size
         # Every start position whose block fits (aitextgen dropped the last one).
         self.num_subsets = n_tokens - block_size + 1
+
+
+def encode_tokens_from_file(file_path: str, eos_token: str, tokenizer: Any, newline: str | None = None,
+                            header: bool = True, progress_bar_refresh_rate: int = 20,
+                            batch_size: int = 1024) -> np.ndarray:
+    """aitextgen's: each line (or CSV row) followed by eos_token, as one array of token ids (numpy 2 safe)."""
+    check_text_file(file_path)
+    return _compat.encode_texts(_read_texts(str(file_path), True, header, eos_token), tokenizer, batch_size)
+
+
+def encode_tokens_from_list(texts: list[str], eos_token: str, tokenizer: Any, progress_bar_refresh_rate: int = 20,
+                            batch_size: int = 1024) -> np.ndarray:
+    """aitextgen's: each text followed by eos_token, as one array of token ids (numpy 2 safe)."""
+    return _compat.encode_texts((text + eos_token for text in texts), tokenizer, batch_size)
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
 def merge_datasets(datasets: list[TokenDataset], equalize: bool = True) -> TokenDataset:

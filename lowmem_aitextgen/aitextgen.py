@@ -210,9 +210,12 @@ class aitextgen(_aitextgen):
         loggers = make_loggers(args.loggers, args.output_dir)
         plan, dataset = self._training_plan(args)
         self.model.config.line_by_line = getattr(dataset, "line_by_line", False)
-        outcome = TrainingRun(self.model, self.tokenizer, self.model_source.name, plan, dataset, loggers,
-                              list(args.callbacks or [])).run()
-        self.model = outcome.model
+        run = TrainingRun(self.model, self.tokenizer, self.model_source.name, plan, dataset, loggers,
+                          list(args.callbacks or []))
+        try:
+            outcome = run.run()
+        finally:  # however it ended, the object holds the trained model (LoRA merged), ready to generate
+            self.model = run.trained_model or self.model
         _raise_for(outcome)
 
     def _checked_train_arguments(self, args: arguments.Arguments) -> arguments.Arguments:
@@ -275,6 +278,10 @@ def _raise_for(outcome: Outcome) -> None:
             f"saved in {plan.output_dir} with a checkpoint (resume=True). Use a smaller block_size, "
             "lora=True, or optimizer='adamw8bit'."
         ) from outcome.out_of_memory
+    if outcome.save_error is not None:
+        raise OSError(outcome.save_error.errno, f"{outcome.save_error.strerror} The trained model is still in this "
+                      "aitextgen object: save it with ai.save_for_upload('another/folder'), or free some space and "
+                      f"call ai.save_for_upload({plan.output_dir!r}).") from outcome.save_error
     if outcome.terminated:
         logger.warning(f"SIGTERM: training stopped at step {outcome.steps:,} with a checkpoint in {plan.output_dir}; "
                        f"exiting with status {SIGTERM_EXIT_STATUS} (train again with resume=True to continue).")

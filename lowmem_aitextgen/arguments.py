@@ -160,12 +160,9 @@ def path(fix: str) -> Rule:
     return lambda value: None if isinstance(value, (str, os.PathLike)) else f"must be a path; {fix}"
 
 
-def either(*rules: Rule) -> Rule:
-    """Fine if any rule passes; else the first rule's complaint."""
-    def rule(value: Any) -> str | None:
-        problems = [r(value) for r in rules]
-        return None if None in problems else problems[0]
-    return rule
+def either(*rules: Rule, says: str) -> Rule:
+    """Fine if any rule passes; else `says`."""
+    return lambda value: None if any(r(value) is None for r in rules) else says
 
 
 def sequence_of_text(fix: str) -> Rule:
@@ -197,6 +194,11 @@ STRATEGY_NAMES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp"
 def strategy(value: Any) -> str | None:
     from pytorch_lightning.strategies import Strategy
 
+    if isinstance(value, str) and value.startswith("deepspeed"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            return "needs the deepspeed package (pip install deepspeed); or use strategy='ddp'"
     if isinstance(value, Strategy) or (isinstance(value, str) and value in STRATEGY_NAMES):
         return None
     return (f"is not a Lightning strategy we run; use one of {', '.join(STRATEGY_NAMES)}, "
@@ -241,10 +243,9 @@ TRAIN_RULES: dict[str, Rule] = {
     "optimizer": optional(text("e.g. optimizer='adamw8bit'")),
     "strategy": strategy,
     "num_nodes": integer(1, "it counts machines, 1 for this one"),
-    "devices": optional(either(integer(-1, "e.g. devices=2"), text("e.g. devices='auto'"),
-                               lambda v: None if isinstance(v, (list, tuple)) and all(map(is_int, v))
-                               else "must be a number of devices, 'auto' or a list of device indices")),
-    "resume": either(flag(), path("pass True for output_dir's checkpoint, or a checkpoint's path")),
+    "devices": optional(either(integer(-1, ""), text(""), lambda v: None if isinstance(v, (list, tuple)) and all(
+        map(is_int, v)) else "", says="must be a number of devices, 'auto' or a list of device indices")),
+    "resume": either(flag(), path(""), says="must be True, False or the path of a checkpoint (last.ckpt)"),
     "callbacks": optional(callbacks),
     "block_size": integer(1, "e.g. block_size=512"),
 }
@@ -286,12 +287,13 @@ def check_train(train: Callable, args: Arguments) -> None:
 def check_launcher(num_nodes: int) -> None:
     """Several machines only meet when a launcher (torchrun, SLURM, MPI, ...) started each process;
     started by hand, torch waits for the others for 30 minutes, silently."""
-    from lightning_fabric.plugins.environments import (KubeflowEnvironment, LSFEnvironment, MPIEnvironment,
-                                                       SLURMEnvironment, TorchElasticEnvironment)
+    from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
+                                                       TorchElasticEnvironment)
 
-    launched = any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, KubeflowEnvironment,
-                                            LSFEnvironment, MPIEnvironment))
-    if not launched and not ("NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ):
+    launched = any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment))
+    # Kubeflow's PyTorchJob and hand-made launches set the rendezvous address and this process's rank
+    by_hand = "MASTER_ADDR" in os.environ and ("NODE_RANK" in os.environ or "RANK" in os.environ)
+    if not (launched or by_hand):
         raise ValueError(
             f"num_nodes={num_nodes} needs one process started on each machine by a launcher, but this one was "
             "started by hand; run it with torchrun --nnodes=... (or srun under SLURM, or set NODE_RANK and "

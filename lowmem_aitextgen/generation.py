@@ -65,13 +65,18 @@ def context_length(model: nn.Module) -> int:
 def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments) -> None:
     """Every generate() argument, before any text is made: unknown names, values, the prompt's length
     and its token ids (a tokenizer larger than the model would fail deep in torch)."""
-    extra = {k: v for k, v in args.items() if k not in GENERATE_RULES and k not in ("pad_token_id", "schema")}
-    reject_unknown(where, extra, accepted_generate_kwargs(model))
+    ours = set(GENERATE_RULES) | {"pad_token_id", "schema", "destination_path", "sample_delim"}
+    extra = {k: v for k, v in args.items() if k not in ours}
+    reject_unknown(where, extra, accepted_generate_kwargs(model) | ours)
     check(args, GENERATE_RULES)
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
                          f"{embeddings:,}; construct aitextgen with the tokenizer the model was trained with.")
+    min_length, max_length = args.get("min_length"), args.get("max_length")
+    if min_length is not None and max_length is not None and min_length > max_length:
+        raise ValueError(f"min_length={min_length} is above max_length={max_length}; no text could be long enough. "
+                         "Lower min_length or raise max_length.")
     if args.get("prompt"):
         ids = tokenizer(args["prompt"])["input_ids"]
         context = context_length(model)
@@ -104,7 +109,7 @@ def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str = "", 
 
     max_length = clamped_max_length(model, max_length)
     input_ids = _prompt_ids(model, tokenizer, prompt, prepend_bos)
-    if seed:
+    if seed is not None:  # aitextgen tested `if seed:`, so seed=0 silently did not seed
         set_seed(seed)
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None)
@@ -123,7 +128,7 @@ def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str = "", 
     texts: list = []
     for size in _batches(n, batch_size or n):
         texts += _until_nonempty(batch_texts, size, attempts=MAX_ATTEMPTS if do_sample else 1)
-    if seed:
+    if seed is not None:
         reset_seed()
     if return_as_list:
         return texts if not schema or n > 1 else texts[0]
@@ -222,7 +227,7 @@ def generate_to_file(model: nn.Module, tokenizer: Any, n: int, batch_size: int, 
 
     from .saving import atomic_file
 
-    if seed:
+    if seed is not None:
         set_seed(seed)
     logger.info(f"Generating {n:,} texts to {path}")
     with atomic_file(path) as f, tqdm(total=n) as bar:
@@ -230,7 +235,7 @@ def generate_to_file(model: nn.Module, tokenizer: Any, n: int, batch_size: int, 
             for text in generate(model, tokenizer, n=batch_size, return_as_list=True, **kwargs):
                 f.write(f"{text}\n{sample_delim}".encode("utf-8"))
             bar.update(batch_size)
-    if seed:
+    if seed is not None:
         reset_seed()
 
 

@@ -55,6 +55,8 @@ def from_hub(loader: Any, name: str, cache_dir: str | None, **kwargs: Any) -> An
 
 def check_model_folder(model_folder: str) -> None:
     """The files a model folder needs, each missing or unreadable one named."""
+    if os.path.isfile(model_folder):
+        raise NotADirectoryError(f"model_folder={model_folder!r} is a file; pass the folder that holds it.")
     if not os.path.isdir(model_folder):
         raise FileNotFoundError(
             f"model_folder={model_folder!r} does not exist; pass the output_dir of a previous train() "

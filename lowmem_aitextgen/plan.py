@@ -153,10 +153,49 @@ def resolve_accelerator(n_gpu: int, devices: int | str | list[int] | None) -> tu
     `devices` (Lightning's argument) wins, and on CPU counts processes."""
     accelerator = "cpu" if n_gpu == 0 or not torch.cuda.is_available() else "gpu"
     if devices is not None:
+        check_devices(devices, accelerator)
         return accelerator, tuple(devices) if isinstance(devices, list) else devices
     if accelerator == "cpu":
         return "cpu", 1
     return "gpu", "auto" if n_gpu < 0 else n_gpu
+
+
+def check_devices(devices: Any, accelerator: str) -> None:
+    """Lightning's own parsing of `devices` for this accelerator, its complaint naming the argument."""
+    from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
+
+    if devices == "auto":
+        return
+    try:
+        (CPUAccelerator if accelerator == "cpu" else CUDAAccelerator).parse_devices(devices)
+    except Exception as error:  # Lightning's MisconfigurationException and ValueError/TypeError alike
+        raise ValueError(f"devices={devices!r} does not work on this {accelerator.upper()} ({error}); use a number "
+                         "of devices, e.g. devices=2, or devices='auto'.") from error
+
+
+def processes_here(accelerator: str, devices: Any) -> int:
+    """How many training processes this machine runs for `devices` (Lightning's parsing)."""
+    from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
+
+    if accelerator == "cpu":
+        return 1 if devices == "auto" else int(CPUAccelerator.parse_devices(devices))
+    if devices == "auto":
+        return CUDAAccelerator.auto_device_count()
+    parsed = CUDAAccelerator.parse_devices(devices)
+    return len(parsed) if isinstance(parsed, (list, tuple)) else int(parsed or 1)
+
+
+def check_launchable(accelerator: str, devices: Any, strategy: Any) -> None:
+    """Lightning starts the other processes of a ddp run by running this script again: from
+    `python -c` or a prompt there is no script, and the first process would wait for them for ever."""
+    import sys
+
+    relaunches = strategy in ("auto", "ddp") and "LOCAL_RANK" not in os.environ
+    if relaunches and processes_here(accelerator, devices) > 1 and not os.path.isfile(sys.argv[0]):
+        raise ValueError(
+            f"devices={devices!r} starts {processes_here(accelerator, devices)} processes by running this script "
+            f"again, but it was not started from a script file (sys.argv[0]={sys.argv[0]!r}); save the code in a .py "
+            "file and run that (python train.py, or torchrun train.py).")
 
 
 def default_checkpointing(model: torch.nn.Module) -> bool:
@@ -206,6 +245,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     """Every decision not fixed by an argument, before any memory budget is applied (`resumed`: the
     description of the run a checkpoint being resumed came from)."""
     accelerator, devices = resolve_accelerator(args.n_gpu, args.devices)
+    check_launchable(accelerator, devices, args.strategy)
     on_cpu = accelerator == "cpu"
     return TrainPlan(
         output_dir=os.fspath(args.output_dir),

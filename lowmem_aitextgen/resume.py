@@ -47,12 +47,18 @@ class DiskCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         path = os.fspath(path)
         try:
-            torch.save(checkpoint, path)
-            with open(path, "rb") as f:
+            # through a Python file: a failed write (a full disk) then surfaces as its OSError, which torch's
+            # own writer reports only as "unexpected pos"
+            with open(path, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
                 os.fsync(f.fileno())
-        except BaseException:
+        except BaseException as error:
             if os.path.exists(path):
                 os.remove(path)  # a full disk leaves no partial file behind
+            write_error = error.__context__ if not isinstance(error, OSError) else error
+            if isinstance(write_error, OSError):
+                raise OSError(write_error.errno, write_error.strerror) from error
             raise
 
 
@@ -67,9 +73,13 @@ def save_checkpoint(trainer: pl.Trainer, path: str) -> None:
             if os.path.isdir(staging):  # sharded strategies write a folder
                 shutil.rmtree(path, ignore_errors=True)
             os.replace(staging, path)
-    except BaseException:
+    except BaseException as error:
         if trainer.is_global_zero:
             discard_checkpoint(staging)
+        if isinstance(error, OSError):
+            raise OSError(error.errno, f"The checkpoint {path} could not be written ({error.strerror or error}); "
+                                       "the files already in its folder are untouched. Free some disk space (or "
+                                       "choose an output_dir on another disk) and train again.") from error
         raise
     trainer.strategy.barrier("lowmem_aitextgen.save_checkpoint")
 

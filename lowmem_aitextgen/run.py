@@ -50,6 +50,7 @@ class Outcome:
     diverged: str | None = None  # the loss or the weights stopped being finite: what happened, what was kept
     out_of_memory: BaseException | None = None  # with nothing cheaper left to try
     out_of_memory_at: int | None = None
+    save_error: OSError | None = None  # the final save failed (a full disk): the model is only in memory
 
 
 class RunFiles:
@@ -112,6 +113,7 @@ class TrainingRun:
         self.recovery: OutOfMemoryRecovery | None = None
         self.trainer: pl.Trainer | None = None
         self.module: CausalLMModule | None = None
+        self.trained_model: nn.Module | None = None  # set however the run ends, for the caller to keep
 
     def run(self) -> Outcome:
         """Lock output_dir (rank 0, which alone writes there), train, save."""
@@ -136,7 +138,7 @@ class TrainingRun:
             model = self._fit(model, outcome)
         finally:
             memory.set_requires_grad(frozen, True)
-            outcome.model = finished_model(model, self.dtype)
+            outcome.model = self.trained_model = finished_model(model, self.dtype)
             if plan.args.seed is not None:
                 reset_seed()
         outcome.steps = self.trainer.global_step if self.trainer else 0
@@ -183,7 +185,7 @@ class TrainingRun:
                 resume_from = self.files.checkpoint_path
 
     def _trainer(self, plan: TrainPlan, data_order: pl.Callback) -> pl.Trainer:
-        progress = StepProgressBar(lambda: self.recorder.latest, plan.args.num_steps,
+        progress = StepProgressBar(self.recorder, plan.args.num_steps,
                                    plan.args.progress_bar_refresh_rate, plan.accelerator)
         saves = SaveAndSample(plan.args.save_every, plan.args.generate_every, self.files,
                               Samples(self.tokenizer, plan.args.n_generate), progress.write)
@@ -211,6 +213,8 @@ class TrainingRun:
                                                 stopped_because=outcome.stopped_because)
             except NonFiniteWeights as error:
                 outcome.diverged = f"{error} They were not saved; {self.files.kept()}."
+            except OSError as error:
+                outcome.save_error = error
             else:
                 logger.info(describe_summary(summary))
         if module.skipped_steps:
@@ -218,7 +222,8 @@ class TrainingRun:
         if self.signals.reason:
             logger.warning(f"Training {self.signals.reason}.")
         finished = outcome.steps >= plan.args.num_steps
-        if finished and not (outcome.stopped_because or outcome.diverged or outcome.out_of_memory):
+        if finished and not (outcome.stopped_because or outcome.diverged or outcome.out_of_memory
+                             or outcome.save_error):
             discard_checkpoint(self.files.checkpoint_path)
 
 

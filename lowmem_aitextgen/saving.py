@@ -147,18 +147,14 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
     os.makedirs(output_dir, exist_ok=True)
     remove_leftovers(output_dir)
     staging = _unique_name(output_dir, STAGING_PREFIX)
-    os.mkdir(staging)
     try:
-        model.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        if adapter is not None:
-            adapter_dir = os.path.join(staging, ADAPTER_SUBFOLDER)
-            adapter.save_pretrained(adapter_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(adapter_dir)
-        apply_umask(staging)
-        _fsync_tree(staging)
+        try:
+            os.mkdir(staging)
+            _write_staged(staging, model, tokenizer, adapter)
+        except OSError as error:  # before the first rename: nothing in output_dir has changed
+            raise OSError(error.errno, f"Saving the model to {output_dir} failed ({error.strerror or error}); the "
+                                       "files already there are untouched. Free some disk space or choose another "
+                                       "folder.") from error
         written = _compat.find_weights(staging)
         _move_into(staging, output_dir)
     finally:
@@ -170,6 +166,20 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
         logger.warning(f"Removed the older {LEGACY_WEIGHTS} from {output_dir}: the new weights are in "
                        "model.safetensors (lowmem_aitextgen.colab.copy_file_to_gdrive('pytorch_model.bin') "
                        "copies that file).")
+
+
+def _write_staged(staging: str, model: nn.Module, tokenizer: Any | None, adapter: nn.Module | None) -> None:
+    """Everything a save writes, into the staging folder, flushed and with the umask's modes."""
+    model.save_pretrained(staging)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    if adapter is not None:
+        adapter_dir = os.path.join(staging, ADAPTER_SUBFOLDER)
+        adapter.save_pretrained(adapter_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(adapter_dir)
+    apply_umask(staging)
+    _fsync_tree(staging)
 
 
 # --- output_dir ---------------------------------------------------------------------
@@ -266,7 +276,13 @@ class OutputDirLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except OSError as error:
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    os.close(fd)  # a filesystem that cannot lock (some network mounts): run unlocked, said once
+                    os.remove(self.path)
+                    logger.warning(f"output_dir={os.path.dirname(self.path)!r} cannot be locked ({error.strerror}); "
+                                   "make sure no other run writes there.")
+                    return self
                 owner = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
                 os.close(fd)
                 raise OutputDirInUse(
@@ -281,7 +297,7 @@ class OutputDirLock:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self.fd is not None:
+        if self.fd is not None:  # None: not locked (no fcntl, or a filesystem without locks)
             os.remove(self.path)  # before closing: whoever waits locks a fresh file
             os.close(self.fd)
             self.fd = None

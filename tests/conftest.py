@@ -100,3 +100,33 @@ def base_folder(tmp_path):
     """The starting weights every run loads (dropout off: runs are comparable bit for bit)."""
     GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "base")
     return str(tmp_path / "base")
+
+
+def snapshot(folder) -> dict:
+    """Every file under `folder` with its bytes: compare before and after a call that must change nothing."""
+    import pathlib
+
+    return {p: p.read_bytes() for p in sorted(pathlib.Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished(tmp_path, tokenizer_file):
+    """A folder holding a finished model (as a completed train() leaves it): what must never be lost."""
+    from lowmem_aitextgen import aitextgen
+
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    ai.save_for_upload(str(tmp_path / "finished"))
+    return str(tmp_path / "finished")
+
+
+def fake_hub_cache(cache_dir, repo_id, model, tokenizer=None):
+    """Lay out a Hugging Face cache entry the way huggingface_hub writes one."""
+    commit = "0" * 40
+    repo = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
+    snapshot = os.path.join(repo, "snapshots", commit)
+    model.save_pretrained(snapshot)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(snapshot)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(commit)

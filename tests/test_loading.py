@@ -8,22 +8,9 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import corpus_text, tiny_gpt2_config
+from conftest import corpus_text, fake_hub_cache, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen._compat import default_gpt2_vocab_files, gpt2_tokenizer_from_files
-
-
-def fake_hub_cache(cache_dir, repo_id, model, tokenizer=None):
-    """Lay out a Hugging Face cache entry the way huggingface_hub writes one."""
-    commit = "0" * 40
-    repo = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
-    snapshot = os.path.join(repo, "snapshots", commit)
-    model.save_pretrained(snapshot)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(snapshot)
-    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
-    with open(os.path.join(repo, "refs", "main"), "w") as f:
-        f.write(commit)
 
 
 def test_hub_model_loads_offline_from_cache(tmp_path):
