@@ -131,6 +131,9 @@ class TokenDataset(_AitextgenTokenDataset):
         progress_bar_refresh_rate: int = 20,
         **kwargs: Any,
     ) -> None:
+        from .arguments import parameter_names, reject_unknown
+
+        reject_unknown("TokenDataset()", kwargs, parameter_names(TokenDataset.__init__))
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive integer, e.g. 1024 for GPT-2.")
         self.block_size = block_size

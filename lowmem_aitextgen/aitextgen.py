@@ -246,11 +246,13 @@ class aitextgen(_aitextgen):
     def cross_train(self, inputs: list, learning_rate: float | list[float] = 1e-4,
                     num_steps: int | list[int] = 4000, run_id: str | None = None, **kwargs: Any) -> None:
         """aitextgen's cross_train(): each input in turn, learning rate and steps halving each time;
-        file inputs are encoded with this model's tokenizer."""
-        datasets = [x if isinstance(x, TokenDataset) else TokenDataset(
-            file_path=x, tokenizer=self.tokenizer, block_size=arguments.context_length(self.model.config))
-            for x in inputs]
-        super().cross_train(datasets, learning_rate=learning_rate, num_steps=num_steps, run_id=run_id, **kwargs)
+        file inputs are encoded with this model's tokenizer and context (and the TokenDataset options given)."""
+        dataset_kwargs = {k: v for k, v in kwargs.items() if k in arguments.token_dataset_names()}
+        dataset_kwargs.setdefault("block_size", arguments.context_length(self.model.config))
+        datasets = [x if isinstance(x, TokenDataset) else TokenDataset(file_path=x, tokenizer=self.tokenizer,
+                                                                        **dataset_kwargs) for x in inputs]
+        train_kwargs = {k: v for k, v in kwargs.items() if k not in dataset_kwargs}
+        super().cross_train(datasets, learning_rate=learning_rate, num_steps=num_steps, run_id=run_id, **train_kwargs)
 
     # --- saving ---------------------------------------------------------------
 

