@@ -19,9 +19,11 @@ import importlib
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import sys
 import types
+import warnings
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from typing import Any
@@ -150,13 +152,47 @@ def _import_shims() -> tuple[dict[str, types.ModuleType], list[tuple[Any, str, A
     return modules, attributes
 
 
+# Loggers that print at import time, inside our import of aitextgen (transformers imports torchao, whose
+# import warns for every optional CUDA extension a CPU wheel lacks and registers enums torch now warns
+# about).  Neither says anything the user can act on; they are quieted for that import only.
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def _quiet_loggers(names: Iterable[str]) -> Iterator[None]:
+    """Only errors from these loggers for the duration of the block; their levels are restored after."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
+@contextlib.contextmanager
+def without_warning(message: str, category: type[Warning]) -> Iterator[None]:
+    """The block runs with one third-party warning (a regular expression on its message) filtered out."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
+# Deprecations that our dependencies trigger in each other on today's stack, not in our code or the user's:
+# filtered only around the calls that trigger them.
+LIGHTNING_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"  # Lightning 2.6 on torch >= 2.10
+PEFT_IS_GRADIENT_CHECKPOINTING = r"`is_gradient_checkpointing` is deprecated"  # peft 0.21 on transformers >= 5.x
+
+
 def install() -> None:
     """Import aitextgen 0.6.0 on today's stack; idempotent."""
     global _installed
     if _installed:
         return
     modules, attributes = _import_shims()
-    with _temporary_modules(modules), _temporary_attributes(attributes):
+    with _temporary_modules(modules), _temporary_attributes(attributes), _quiet_loggers(IMPORT_NOISE):
         importlib.import_module("aitextgen.aitextgen")
         importlib.import_module("aitextgen.TokenDataset")
         importlib.import_module("aitextgen.tokenizers")

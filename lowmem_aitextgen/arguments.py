@@ -287,8 +287,12 @@ def check_train(train: Callable, args: Arguments) -> None:
 def check_launcher(num_nodes: int) -> None:
     """Several machines only meet when a launcher (torchrun, SLURM, MPI, ...) started each process;
     started by hand, torch waits for the others for 30 minutes, silently."""
-    from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
-                                                       TorchElasticEnvironment)
+    from lightning_fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
 
     launched = any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment))
     # Kubeflow's PyTorchJob and hand-made launches set the rendezvous address and this process's rank

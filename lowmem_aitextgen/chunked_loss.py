@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # transformers' label value for "no loss here"
 DEFAULT_CHUNK_TOKENS = 256  # 256 x 50,257 fp32 logits = 51 MB per chunk
-# On CPU the loss's backward was the peak RSS of a 355M LoRA step at block 512; 128 took 0.05 GiB
-# off it (benchmarks/RESULTS.md).  GPUs keep 256: fewer, larger matmuls, and what was measured there.
+# Smaller on CPU, where the loss's backward sets a LoRA step's peak and matmuls gain little from size;
+# GPUs want fewer, larger matmuls (benchmarks/RESULTS.md has both measurements).
 CPU_CHUNK_TOKENS = 128
 
 
@@ -54,8 +54,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     The gradient of a summed cross-entropy as to the logits is ``softmax(logits) -
     one_hot(target)``, known as soon as the logits are; only the loss's incoming gradient (a
     scalar: the mean's 1/N, a loss scale) waits for backward, which scales what forward kept
-    (tokens x dim).  Checkpointed chunks instead make every chunk's logits twice: ~0.25 s of a
-    355M LoRA step at block 512 on CPU.  A trainable head would have to keep its weight's gradient
+    (tokens x dim).  Checkpointed chunks instead make every chunk's logits twice.  A trainable head would have to keep its weight's gradient
     (vocab x dim) from forward on; it takes the checkpointed path.
     """
 
@@ -111,8 +110,7 @@ def _head_cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
     Autocast would cast the weight in every chunk's recompute during backward (each recompute
     runs in a fresh autocast context, whose weight cache is empty) and upcast every chunk's
-    gradient of it: for GPT-2's 51M-parameter head in a full fine-tune, ~0.5 s of a 10 s CPU
-    step at block 512.  Cast once, the chunks' bf16 gradients are summed in bf16 and upcast
+    gradient of it, GPT-2's 51M-parameter head each time.  Cast once, the chunks' bf16 gradients are summed in bf16 and upcast
     once.  Only a plain nn.Linear with no hooks of its own is bypassed like this: a subclass
     (a quantized layer) or a hook must see its forward called.
     """

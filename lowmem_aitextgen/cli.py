@@ -20,8 +20,8 @@ import fire
 
 from .aitextgen import aitextgen
 from .estimate import estimate_memory
-from .tokenizers import train_tokenizer
 from .TokenDataset import TokenDataset
+from .tokenizers import train_tokenizer
 
 
 def _accepted(func: Any, kwargs: dict[str, Any], accepted: bool = True) -> dict[str, Any]:

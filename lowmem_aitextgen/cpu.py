@@ -16,7 +16,7 @@ fails: `CpuSpeedups` (the swaps) and `ReleaseFreedHeap` (glibc's allocator polic
 |   + release_freed_heap            | step                                   | the optimizer step         |
 
 Dropout. torch draws a CPU dropout mask one float at a time from its Mersenne Twister
-(``bernoulli_``); in a 355M LoRA step with checkpointing that was 29% of the step (GPT-2's
+(``bernoulli_``), the largest single cost of a CPU LoRA step with checkpointing (GPT-2's
 attention, residual and embedding dropout and LoRA's own, each drawn twice: checkpointing recomputes
 the block).  Here one 64-bit draw from the same generator gives the masks of four elements (16 random
 bits each).  What that changes, and why it is the same training:
@@ -80,8 +80,8 @@ class _ScaleKept(torch.autograd.Function):
 
 
 def _scale_kept(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-    # 0 + scale * x * keep in one pass, the scalar scale at full precision for 16-bit x: 2.4x faster
-    # than a multiply then a scaling for bf16 on CPU.  The mask is in x's dtype because a 1-byte or
+    # 0 + scale * x * keep in one pass, the scalar scale at full precision for 16-bit x, instead of a
+    # multiply and then a scaling.  The mask is in x's dtype because a 1-byte or
     # bool mask is converted to it inside torch's kernel anyway, into a fresh temporary each call
     # (twice the time of the multiply, page faults included, for a 355M layer's attention mask).
     return torch.addcmul(x.new_zeros(()), x, keep, value=scale)
@@ -127,8 +127,7 @@ def gpt2_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     Under bf16 autocast eager attention leaves it: the fp32 mask of a full fine-tune promotes the
     scores to fp32, autocast's softmax runs in fp32 and its output is cast back, and backward undoes
     each cast, (heads x seq x seq) every time.  Here the mask is cast instead, and the softmax takes
-    and gives bf16 (it accumulates in fp32 inside): 41-46 -> 25-29 ms for a 355M layer's forward and
-    backward at block 512, the probabilities rounded to bf16 as before.
+    and gives bf16 (it accumulates in fp32 inside), the probabilities rounded to bf16 as before.
     """
     scaling = _gpt2_scaling(module, query) if scaling is None else scaling
     if dropout == 0.0 or attention_mask is None:

@@ -170,7 +170,7 @@ def _probe(config: object, n_layer: int, plan: TrainPlan, lengths: tuple[int, ..
     """Saved bytes of a probe model with n_layer blocks, at each probe length.
 
     What autograd saves depends on shapes and dtypes, not values: the weights are zeros instead of a
-    random initialisation, which was most of an estimate's time (355M: 7.1 -> 2.0 s)."""
+    random initialisation, which would be most of an estimate's time."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

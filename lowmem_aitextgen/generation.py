@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .arguments import (Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown,
-                        text)
+from .arguments import Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown, text
 
 logger = logging.getLogger("lowmem_aitextgen")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import _compat
 from .plan import LoraSettings
 
 ADAPTER_SUBFOLDER = "lora_adapter"
@@ -75,7 +76,8 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         fan_in_fan_out=getattr(model.config, "model_type", "") == "gpt2",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
+        return get_peft_model(model, config)
 
 
 def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

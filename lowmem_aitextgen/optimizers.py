@@ -92,11 +92,9 @@ def _adamw8bit_compiled_once() -> type[torch.optim.Optimizer]:
     """torchao's AdamW8bit with its update compiled once.
 
     torchao 0.18 calls ``torch.compile(single_param_adam, ...)(...)`` inside its loop
-    (pytorch/ao#2500), building a wrapper (~0.4 ms here) for every tensor at every step: 721 ->
-    584 ms a step of a 24-block model at width 256 on CPU (`benchmarks/optimizer_step.py`).  At
-    355M on CPU the update itself (6.3 s) hides this; on an H100 an 8-bit step took 160 ms more
-    than AdamW's, far more than its ~6 GB of memory traffic, and `benchmarks/gpu_session.sh
-    techniques` measures how much of that this removes.  The step below is torchao's loop, the
+    (pytorch/ao#2500), building a wrapper for every tensor at every step, which costs more than the
+    update of a small tensor (`benchmarks/optimizer_step.py`; timings in benchmarks/RESULTS.md).  The
+    step below is torchao's loop, the
     same calls in the same order, without its DTensor branch (no strategy here gives DTensor
     parameters); the states, their checkpoints and the update are torchao's own.  A torchao whose
     update takes other arguments gets its own AdamW8bit back.

@@ -27,9 +27,9 @@ from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from tqdm.auto import tqdm
 
 from .callbacks import OptimizerStepCallback
-from .saving import atomic_write_bytes
 from .memory import format_bytes, peak_memory_bytes, trainable_parameters, unique_tensor_bytes
 from .plan import TrainPlan
+from .saving import atomic_write_bytes
 
 logger = logging.getLogger("lowmem_aitextgen")
 

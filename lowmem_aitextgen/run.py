@@ -22,7 +22,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
-from . import memory
+from . import _compat, memory
 from .callbacks import NonFiniteGuard, SaveAndSample
 from .cpu import cpu_callbacks
 from .data import training_loader
@@ -161,7 +161,8 @@ class TrainingRun:
             loader, data_order = training_loader(self.dataset, self.plan)
             self.trainer = self._trainer(self.plan, data_order)
             try:
-                self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_from, weights_only=True)
+                with _compat.without_warning(_compat.LIGHTNING_LEAFSPEC, FutureWarning):
+                    self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_from, weights_only=True)
                 return model
             except SIGTERMException:  # Lightning's own handler, before ours was installed
                 outcome.terminated = True

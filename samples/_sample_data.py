@@ -5,8 +5,8 @@ training for a few steps, so CI runs every sample offline in seconds.
 """
 
 import os
-
 import pydoc_data.topics
+
 from transformers import GPT2Config
 
 from lowmem_aitextgen import aitextgen

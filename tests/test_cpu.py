@@ -1,16 +1,29 @@
 """cpu: the cheap CPU dropout, the one-kernel GELU and the adapters without upcast."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+import pytorch_lightning as pl
 import torch
 from transformers import GPT2LMHeadModel
 from transformers.activations import ACT2FN, NewGELUActivation
 
 from conftest import AtBatchStart, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.cpu import (
+    ATTENTION,
+    CpuDropout,
+    ReleaseFreedHeap,
+    UpcastOutsideAutocast,
+    fast_dropout,
+    gpt2_attention,
+    keep_mask,
+    use_cpu_speedups,
+)
 from lowmem_aitextgen.lora import add_lora
 from lowmem_aitextgen.plan import LoraSettings
-from lowmem_aitextgen.cpu import ATTENTION, CpuDropout, UpcastOutsideAutocast, fast_dropout, gpt2_attention, \
-    keep_mask, use_cpu_speedups
 
 
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.5])
@@ -168,3 +181,127 @@ def test_lora_adapters_skip_the_upcast_only_under_autocast(tokenizer_file, corpu
     assert flags(model) == {"UpcastOutsideAutocast"}
     undo()
     assert flags(model) == {"bool"}
+
+
+PROBE_PRELUDE = """
+import os, torch
+from lowmem_aitextgen import cpu
+
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+assert cpu.pin_mmap_threshold()
+"""
+
+
+PINNED_THRESHOLD_PROBE = PROBE_PRELUDE + """
+first = torch.ones(24 * 2**20, dtype=torch.uint8)
+del first
+second = torch.ones(12 * 2**20, dtype=torch.uint8)
+with_tensor = resident_bytes()
+del second
+print(with_tensor - resident_bytes())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_pinned_mmap_threshold_gives_freed_tensors_back_to_the_os():
+    """Unpinned, glibc raises its mmap threshold when the 24 MiB tensor is freed, serves
+    the 12 MiB one from its heap and keeps that resident after it is freed (measured: 0 MiB
+    returned); pinned (at 8 MiB), it is returned at once.
+
+    In a fresh process: in this one, free heap chunks left by earlier tests can serve the
+    12 MiB tensor whatever the threshold (seen once in CI), which is not what is tested."""
+    probe = subprocess.run([sys.executable, "-c", PINNED_THRESHOLD_PROBE], capture_output=True,
+                           text=True, check=True)
+    assert int(probe.stdout.split()[-1]) >= 11 * 2**20
+
+
+FRAGMENTED_HEAP_PROBE = PROBE_PRELUDE + """
+blocks = [torch.ones(2**20, dtype=torch.uint8) for _ in range(128)]  # 1 MiB each: under the threshold
+del blocks[::2]  # 64 MiB of holes between live tensors, none at the heap's top
+kept = resident_bytes()
+cpu.release_freed_heap()
+print(kept - resident_bytes())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_release_freed_heap_gives_the_holes_between_live_tensors_back():
+    """Freed tensors under the mmap threshold stay resident until released (fresh process: a
+    clean heap)."""
+    probe = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP_PROBE], capture_output=True,
+                           text=True, check=True)
+    assert int(probe.stdout.split()[-1]) >= 56 * 2**20
+
+
+HELD_HEAP_PROBE = PROBE_PRELUDE + """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+SIZE = 256 * 2**20  # bigger than any hole the imports left in the heap
+assert cpu.pin_mmap_threshold(2 * SIZE)  # served from the heap, not mmap
+
+def resident_after_free():
+    block = libc.malloc(SIZE)
+    ctypes.memset(block, 1, SIZE)
+    with_block = resident_bytes()
+    libc.free(ctypes.c_void_p(block))
+    return with_block - resident_bytes()
+
+given_back_unheld = resident_after_free()
+stop_holding = cpu.hold_freed_heap()
+given_back_held = resident_after_free()
+held = resident_bytes()
+cpu.release_freed_heap()
+released = held - resident_bytes()
+stop_holding()
+print(given_back_unheld, given_back_held, released, resident_after_free())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_held_heap_keeps_freed_memory_until_released():
+    """Unheld, glibc gives a freed block at the heap's top back at once; held, it stays
+    resident for the next tensors until release_freed_heap; the undo hold_freed_heap returns restores that."""
+    probe = subprocess.run([sys.executable, "-c", HELD_HEAP_PROBE], capture_output=True, text=True, check=True)
+    unheld, held, released, restored = (int(n) for n in probe.stdout.split()[-4:])
+    assert unheld >= 255 * 2**20 and restored >= 255 * 2**20
+    assert held < 2**20
+    assert released >= 255 * 2**20
+
+
+def test_freed_heap_is_released_before_every_optimizer_step_and_at_the_end():
+    events: list[str] = []
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch).square().mean()
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            optimizer.register_step_post_hook(lambda *args: events.append("step"))
+            return optimizer
+
+    release = ReleaseFreedHeap(lambda: events.append("release"))
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[release], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu")
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(12, 4), batch_size=1))
+    assert events == ["release"] + ["release", "step"] * 3 + ["release"]
+
+
+def test_cpu_training_holds_and_releases_the_heap(tokenizer_file, corpus_file):
+    class Seen(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.callbacks = [type(callback) for callback in trainer.callbacks]
+
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    seen = Seen()
+    ai.train(corpus_file, num_steps=1, save_every=0, generate_every=0, callbacks=[seen])
+    assert seen.callbacks.count(ReleaseFreedHeap) == (1 if sys.platform.startswith("linux") else 0)

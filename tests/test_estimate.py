@@ -14,8 +14,8 @@ from conftest import tiny_gpt2_config
 from lowmem_aitextgen import estimate_memory
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.estimate import memory_plan
-from lowmem_aitextgen.optimizers import build_optimizer
 from lowmem_aitextgen.memory import apply_memory_plan
+from lowmem_aitextgen.optimizers import build_optimizer
 from lowmem_aitextgen.plan import LoraSettings
 
 SMALL = tiny_gpt2_config(n_layer=4, n_positions=512, dropout=0.1, n_embd=128)

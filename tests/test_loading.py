@@ -1,7 +1,6 @@
 """Constructor parity: hub ids (offline, from a cache the test builds), folders, configs, tokenizers."""
 
 import json
-import os
 import shutil
 
 import pytest

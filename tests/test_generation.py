@@ -1,5 +1,4 @@
-"""Generation entry points, before and after reload (their input checks: test_bad_input.py)."""
-
+"""generation: aitextgen's generate() and friends, before and after reload (their input checks: test_faults_arguments.py)."""
 
 import pytest
 

@@ -1,0 +1,31 @@
+"""callbacks: periodic saves and the stop on a loss that stays NaN/inf."""
+
+import pytest
+import torch
+
+from conftest import tiny_gpt2_config
+from lowmem_aitextgen import aitextgen
+
+
+def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, corpus_file, tmp_path):
+    from lowmem_aitextgen.callbacks import TrainingDiverged
+
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    good = ai.model.lm_head.weight.detach().clone()
+    ai.model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+    with pytest.raises(TrainingDiverged, match="NaN/inf for 20 optimizer steps"):
+        ai.train(corpus_file, num_steps=100, save_every=0, generate_every=0, precision="32-true",
+                 output_dir=str(tmp_path / "out"))
+    saved = aitextgen(model_folder=str(tmp_path / "out"))
+    assert torch.equal(saved.model.lm_head.weight, good)  # NaN steps never reached the weights
+
+
+def test_save_every_writes_during_training(corpus_file, tokenizer_file, monkeypatch):
+    from lowmem_aitextgen import run
+
+    saved_at = []
+    real = run.atomic_save
+    monkeypatch.setattr(run, "atomic_save", lambda *a, **k: (saved_at.append(1), real(*a, **k)))
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    ai.train(corpus_file, num_steps=6, save_every=2, generate_every=3, gradient_accumulation_steps=2)
+    assert len(saved_at) == 3  # steps 2 and 4, then the final save
