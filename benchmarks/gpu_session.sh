@@ -9,6 +9,7 @@
 # and each call of the device tool names .whl in carry, e.g.
 #   run(command="bash benchmarks/gpu_session.sh targets", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh techniques", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh plan", carry=[".whl"], timeout_s=600)
 # Results come back as $OUT/gpu_<group>.jsonl and $OUT/gpu_<group>.log.
 set -euo pipefail
 group="${1:-targets}"
@@ -18,7 +19,10 @@ case "$group" in
                  ours_fp16 baseline) ;;
   # what each technique gives alone, and the chunked loss against the model's own
   techniques) only=(sdpa checkpointing bf16 lora_alone ours_full_unchunked) ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh targets|techniques" >&2; exit 2 ;;
+  # issue 19's: the fastest plan that fits, batch_size=1 x 8 accumulation (full >= 1.5x the baseline, LoRA
+  # faster than full, the max_memory rows within their budgets), and the step-time model's GPU constants
+  plan) only=(baseline ours_accum8 ours_lora_accum8 ours_accum8_max_8gib ours_accum8_max_4gib) ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh targets|techniques|plan" >&2; exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1  # the package from this tree, without installing it
@@ -32,4 +36,7 @@ python3 benchmarks/memory_speed.py --device gpu --steps 12 "${only[@]/#/--only=}
   2>&1 | tee -a "$out/gpu_$group.log"
 if [ "$group" = techniques ]; then  # torchao's 8-bit step beside ours, compiled once
   python3 benchmarks/optimizer_step.py --device cuda --width 1024 2>&1 | tee -a "$out/gpu_$group.log"
+fi
+if [ "$group" = plan ]; then  # measured step times beside step_time.py's GPU constants
+  python3 benchmarks/step_time_check.py --device gpu --size 355M --block 1024 --steps 6 2>&1 | tee -a "$out/gpu_$group.log"
 fi

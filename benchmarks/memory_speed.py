@@ -50,6 +50,20 @@ CONFIGS = {
     "ours_max_4gib": ("lowmem, max_memory='4GiB' (full fine-tune)", dict(max_memory="4GiB"), "sdpa"),
     "ours_full_unchunked": ("lowmem defaults, chunked_loss=False", dict(chunked_loss=False), "sdpa"),
     "ours_fp16": ("lowmem, precision='16-mixed' (loss scaling)", dict(precision="16-mixed"), "sdpa"),
+    "ours_full_ckpt": ("lowmem, gradient_checkpointing=True", dict(gradient_checkpointing=True), "sdpa"),
+    "ours_lora_ckpt": ("lowmem, lora=True, gradient_checkpointing=True", dict(lora=True, gradient_checkpointing=True),
+                       "sdpa"),
+    "ours_full_partial": ("lowmem, max_memory between the plans with and without checkpointing",
+                          dict(max_memory=os.environ.get("BENCH_PARTIAL_BUDGET", "6.8GiB")), "sdpa"),
+    "ours_accum8": ("lowmem, gradient_accumulation_steps=8", dict(gradient_accumulation_steps=8), "sdpa"),
+    "ours_accum8_pinned": ("lowmem, gradient_accumulation_steps=8, pin_micro_batch=True",
+                           dict(gradient_accumulation_steps=8, pin_micro_batch=True), "sdpa"),
+    "ours_lora_accum8": ("lowmem, lora=True, gradient_accumulation_steps=8",
+                         dict(lora=True, gradient_accumulation_steps=8), "sdpa"),
+    "ours_accum8_max_8gib": ("lowmem, gradient_accumulation_steps=8, max_memory='8GiB'",
+                             dict(gradient_accumulation_steps=8, max_memory="8GiB"), "sdpa"),
+    "ours_accum8_max_4gib": ("lowmem, gradient_accumulation_steps=8, max_memory='4GiB'",
+                             dict(gradient_accumulation_steps=8, max_memory="4GiB"), "sdpa"),
     "ours_full_keep_heap": ("lowmem defaults, full fine-tune, heap not released", dict(), "sdpa"),
     "ours_lora_keep_heap": ("lowmem defaults, lora=True, heap not released", dict(lora=True), "sdpa"),
     "ours_full_no_cpu_speedups": ("lowmem defaults, full fine-tune, no cpu_speed swaps", dict(), "sdpa"),
@@ -88,6 +102,7 @@ class Probe:
     def __init__(self, gpu: bool) -> None:
         self.gpu = gpu
         self.times: list[float] = []
+        self.tokens: list[int] = []  # tokens of each recorded micro-batch or step
         self.peak = 0
 
     def start(self) -> None:
@@ -100,12 +115,14 @@ class Probe:
             reset_peak_rss()
         self.times.append(time.perf_counter())
 
-    def step(self) -> None:
+    def step(self, tokens: int = 0) -> None:
+        """A micro-batch or step of `tokens` tokens ended (0: one sequence of the block)."""
         if self.gpu:
             import torch
 
             torch.cuda.synchronize()
         self.times.append(time.perf_counter())
+        self.tokens.append(tokens)
 
     def finish(self) -> None:
         if self.gpu:
@@ -178,7 +195,7 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             chosen["last_loss"] = float(outputs["loss"])
-            probe.step()
+            probe.step(batch.numel())
 
         def on_train_end(self, trainer, pl_module):
             probe.finish()
@@ -188,7 +205,8 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
         ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, save_every=0, generate_every=0,
                  n_gpu=1 if gpu else 0, callbacks=[LightningProbe()], progress_bar_refresh_rate=1, **kwargs)
     plan = chosen["plan"]
-    described = {"precision": plan.precision, "checkpointing": plan.gradient_checkpointing,
+    described = {"precision": plan.precision, "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer),
+                 "held_heap": plan.hold_freed_heap,
                  "lora": plan.lora is not None, "chunked_loss": bool(plan.loss_chunk_tokens),
                  "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}"}
     return {"last_loss": chosen["last_loss"], "plan": described,
@@ -252,7 +270,8 @@ def run_one(name: str, device: str, block: int, steps: int) -> dict:
         else:
             extra = run_library(ai, data, steps, probe, kwargs, gpu)
     timed = probe.times[2:]  # the first step is warm-up
-    tokens_per_s = block * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else float("nan")
+    tokens = sum(t or block for t in probe.tokens[2:])  # those ended after timed[0]
+    tokens_per_s = tokens / (timed[-1] - timed[0]) if len(timed) > 1 else float("nan")
     return {
         "config": name,
         "description": description,

@@ -80,28 +80,55 @@ class aitextgen(_aitextgen):
                             ("vocab_file", vocab_file), ("merges_file", merges_file)):
             if value is not None:
                 setattr(self, name, value)
-        self.model, self.model_source = loading.load_model(model, model_folder, config, tf_gpt2, cache_dir)
+        loaded, self.model_source = loading.load_model(model, model_folder, config, tf_gpt2, cache_dir)
+        if isinstance(loaded, loading.DeferredModel):
+            self._deferred = loaded
+        else:
+            self.model = loaded
         self.tokenizer = loading.load_tokenizer(
             source=self.model_source, tokenizer_file=tokenizer_file, vocab_file=vocab_file,
             merges_file=merges_file, model_folder=model_folder, cache_dir=cache_dir,
             special_tokens=dict(bos_token=self.bos_token, eos_token=self.eos_token,
                                 unk_token=self.unk_token, pad_token=self.pad_token))
-        loading.check_tokenizer_fits(self.tokenizer, self.model, self.model_source,
+        loading.check_tokenizer_fits(self.tokenizer, self.model_shape, self.model_source,
                                      tokenizer_given=bool(tokenizer_file or vocab_file))
         self.tokenizer.padding_side = "left"
-        # aitextgen's flag: checkpointing for 355M and up; the plan reads it as the constructor's setting
-        if gradient_checkpointing is None and tf_gpt2 in ("355M", "774M", "1558M"):
-            gradient_checkpointing = True
+        # given: True/False forces every block or none; None: the plan checkpoints what memory needs (aitextgen
+        # forced it on for tf_gpt2 355M and up, for the memory of 2020's GPUs)
         self.gradient_checkpointing = gradient_checkpointing
         if schema_tokens:
-            self.model.config.schema_tokens = schema_tokens
+            self.model_shape.config.schema_tokens = schema_tokens
         if schema_return:
-            self.model.config.schema_return = schema_return
+            self.model_shape.config.schema_return = schema_return
         logger.info(self)
         if to_gpu:
             if to_fp16:
                 self.to_fp16()
             self.to_gpu()
+
+    _model: torch.nn.Module | None = None
+    _deferred: loading.DeferredModel | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model.  A saved one (model_folder=, the hub) is read on first use, as aitextgen read it;
+        train() reads it in the dtype its plan holds the weights in (loading.DeferredModel)."""
+        if self._deferred is not None:
+            self._model, self._deferred = self._deferred.load(), None
+        return self._model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        self._model, self._deferred = model, None
+
+    @property
+    def model_shape(self) -> torch.nn.Module:
+        """The model, or while its weights are not read yet a weightless copy (config, parameter shapes)."""
+        return self._deferred.skeleton if self._deferred is not None else self._model
+
+    def __repr__(self) -> str:
+        parameters = sum(p.numel() for p in self.model_shape.parameters())
+        return f"{type(self.model_shape.config).__name__.replace('Config', '')} loaded with {parameters // 10**6}M parameters."
 
     def to_gpu(self, index: int = 0) -> None:
         """Moves the model to a GPU; without one it stays on the CPU, said once (aitextgen failed)."""
@@ -197,31 +224,41 @@ class aitextgen(_aitextgen):
         devices: int | str | list[int] | None = None,
         resume: bool | str = False,
         max_memory: int | str | None = None,
+        pin_micro_batch: bool = False,
         callbacks: list[pl.Callback] | None = None,
         **kwargs: Any,
     ) -> None:
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
         precision=, gradient_checkpointing=, lora*= (lora="auto": only if the memory budget needs it),
         chunked_loss=, optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
-        from output_dir's checkpoint), max_memory= (fit the plan to a budget), Lightning's strategy=,
-        num_nodes=, devices= and callbacks=.
+        from output_dir's checkpoint), max_memory= (fit the plan to a budget), pin_micro_batch= (keep
+        batch_size x gradient_accumulation_steps as given), Lightning's strategy=, num_nodes=, devices=
+        and callbacks=.
         Other keyword arguments go to TokenDataset (e.g. line_by_line=True, block_size=256)."""
         args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
         loggers = make_loggers(args.loggers, args.output_dir)
         plan, dataset = self._training_plan(args)
-        self.model.config.line_by_line = getattr(dataset, "line_by_line", False)
-        run = TrainingRun(self.model, self.tokenizer, self.model_source.name, plan, dataset, loggers,
+        model = self._model_for(plan)
+        model.config.line_by_line = getattr(dataset, "line_by_line", False)
+        run = TrainingRun(model, self.tokenizer, self.model_source.name, plan, dataset, loggers,
                           list(args.callbacks or []))
         try:
             outcome = run.run()
         finally:  # however it ended, the object holds the trained model (LoRA merged), ready to generate
-            self.model = run.trained_model or self.model
+            self.model = run.trained_model or model
         _raise_for(outcome)
+
+    def _model_for(self, plan: TrainPlan) -> torch.nn.Module:
+        """The model to train: weights not read yet are read straight into the 16 bits the plan holds them
+        in (LoRA's frozen base, bf16-true), never as fp32 first."""
+        if self._deferred is not None and plan.weights_dtype is not None:
+            self.model = self._deferred.load(plan.weights_dtype)
+        return self.model
 
     def _checked_train_arguments(self, args: arguments.Arguments) -> arguments.Arguments:
         """Every train() argument checked, before any work or any file is written."""
         arguments.check_train(self.train, args)
-        arguments.check_model_fits(args, self.model.config)
+        arguments.check_model_fits(args, self.model_shape.config)
         arguments.log_obsolete(args, logger)
         args = args.replace(output_dir=saving.check_folder_name("output_dir", args.output_dir))
         saving.check_output_dir(args.output_dir)
@@ -233,14 +270,15 @@ class aitextgen(_aitextgen):
         """The plan (fitted to the memory budget) and the data, with a checkpoint to resume checked."""
         resume_from = checkpoint_to_resume(args.resume, args.output_dir)
         resumed = read_run_description(resume_from)
-        plan = build_plan(self.model, args, constructor_checkpointing=self.gradient_checkpointing,
+        model = self.model_shape
+        plan = build_plan(model, args, constructor_checkpointing=self.gradient_checkpointing,
                           freeze_by_default=self.openai_tf_gpt2 == "1558M",  # as aitextgen, to fit 1.5B
-                          model_has_adapter=is_lora_model(self.model), resume_from=resume_from, resumed=resumed)
-        dataset = training_dataset(args.train_data, args, self.tokenizer, self.model.config, dict(
+                          model_has_adapter=is_lora_model(model), resume_from=resume_from, resumed=resumed)
+        dataset = training_dataset(args.train_data, args, self.tokenizer, model.config, dict(
             bos_token=self.bos_token, eos_token=self.eos_token, unk_token=self.unk_token))
-        plan = fit_to_budget(plan, self.model.config, dataset.block_size)
+        plan = fit_to_budget(plan, model.config, dataset.block_size, weights_on_gpu(model))
         if resumed is not None:
-            check_resumable(resume_from, resumed, plan, self.model)
+            check_resumable(resume_from, resumed, plan, model)
         return plan, dataset
 
     def cross_train(self, inputs: list, learning_rate: float | list[float] = 1e-4,
@@ -248,7 +286,7 @@ class aitextgen(_aitextgen):
         """aitextgen's cross_train(): each input in turn, learning rate and steps halving each time;
         file inputs are encoded with this model's tokenizer and context (and the TokenDataset options given)."""
         dataset_kwargs = {k: v for k, v in kwargs.items() if k in arguments.token_dataset_names()}
-        dataset_kwargs.setdefault("block_size", arguments.context_length(self.model.config))
+        dataset_kwargs.setdefault("block_size", arguments.context_length(self.model_shape.config))
         datasets = [x if isinstance(x, TokenDataset) else TokenDataset(file_path=x, tokenizer=self.tokenizer,
                                                                         **dataset_kwargs) for x in inputs]
         train_kwargs = {k: v for k, v in kwargs.items() if k not in dataset_kwargs}
@@ -265,6 +303,12 @@ class aitextgen(_aitextgen):
     def save_for_upload(self, target_folder: str = "my-model") -> None:
         """Saves the model and tokenizer, atomically, ready for the hub."""
         saving.atomic_save(saving.check_folder_name("target_folder", target_folder), self.model, self.tokenizer)
+
+
+def weights_on_gpu(model: torch.nn.Module) -> int:
+    """What the model's weights already hold on a GPU (to_gpu=True): part of every estimate, and no
+    longer free there."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
 
 
 def _raise_for(outcome: Outcome) -> None:

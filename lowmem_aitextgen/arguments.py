@@ -246,6 +246,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "devices": optional(either(integer(-1, ""), text(""), lambda v: None if isinstance(v, (list, tuple)) and all(
         map(is_int, v)) else "", says="must be a number of devices, 'auto' or a list of device indices")),
     "resume": either(flag(), path(""), says="must be True, False or the path of a checkpoint (last.ckpt)"),
+    "pin_micro_batch": flag("True keeps batch_size x gradient_accumulation_steps as given"),
     "callbacks": optional(callbacks),
     "block_size": integer(1, "e.g. block_size=512"),
 }

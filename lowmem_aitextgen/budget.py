@@ -1,42 +1,67 @@
-"""Fitting the training plan to a memory budget, before training starts.
+"""Choosing the plan: the fastest whose memory estimate fits the budget.
 
-train(max_memory="6GiB") (or, on a GPU, its free memory) picks the first plan
-of a fixed ladder whose estimate fits, each rung cheaper in memory and no
-faster than the one before.  Arguments the user gave explicitly are never
-changed, and the effective batch (micro-batch x accumulation) always stays
-what the user asked for.
+The budget is train(max_memory=...) where given; else, on a GPU, its free memory plus what the model's
+weights already hold there, and on CPU what this process may grow to (its resident size plus
+MemAvailable, at most a cgroup's limit), each less a margin.  On a GPU it bounds the training's tensors
+(torch.cuda.max_memory_allocated, what the estimate counts); on CPU it bounds the process's resident
+size, predicted as the libraries plus the estimate with the allocator's slack.
 
-The ladder, from the user's own plan:
-  1. gradient checkpointing          (recompute each block in backward: ~1/3 more compute)
-  2. mixed precision                 (bf16 where the device has it, else fp16 with loss scaling)
-  3. chunked loss                    (the LM head's matmul twice)
-  4. 8-bit AdamW                     (block-quantized states; skipped without torchao)
-  5. smaller micro-batch, more accumulation (down to 1: the same gradients, less parallelism)
-  6. LoRA, only with lora="auto"     (trains adapters instead of every weight)
+The planner weighs every combination of the choices the user left open, ranks those whose estimate
+fits by expected step time (step_time.py) and takes the fastest; the effective batch (micro-batch x
+accumulation) and every argument given are kept.  What it may change, and the trade-off:
+
+| choice                          | faster                          | less memory                          |
+|---------------------------------|---------------------------------|--------------------------------------|
+| checkpointed blocks (k of n)    | none: no recompute              | all: ~1/3 more compute               |
+| micro-batch (a divisor of the   | larger: fuller matmuls, fewer   | 1: one sequence's activations at a   |
+| effective batch)                | steps of overhead               | time                                 |
+| precision (unless fp16/precision| bf16 where the device has it    | bf16 (half the activations)          |
+| was given)                      | natively, else fp32             |                                      |
+| chunked loss (if turned off)    | off for a trainable head        | on                                   |
+| CPU heap (cpu.ReleaseFreedHeap) | glibc left alone                | held in a step, released before the  |
+|                                 |                                 | optimizer step: no allocator slack,  |
+|                                 |                                 | activations faulted in every step    |
+Only when no such plan fits, in turn: 8-bit AdamW (torchao installed; a quarter of AdamW's state,
+slower steps), then weights and gradients in bf16 with no fp32 copy (precision="bf16-true"; 8-bit AdamW
+rounds each update stochastically), then LoRA with lora="auto" (adapters instead of every weight).
+pin_micro_batch=True keeps the micro-batch and accumulation exactly as given.
+
+`ladder` is the older, fixed order of cheaper plans; out-of-memory recovery (oom.py) steps down it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import itertools
 import logging
+import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from .chunked_loss import default_chunk_tokens
+from .cpu import glibc_heap_available, release_freed_heap
 from .estimate import MemoryEstimate, estimate_plan
 from .memory import format_bytes
 from .optimizers import eight_bit_available
-from .plan import LoraSettings, TrainPlan, resolve_precision
+from .plan import LoraSettings, TrainPlan, bf16_is_fast, mixed_precision_usable, resolve_precision
+from .step_time import step_seconds
 
 logger = logging.getLogger("lowmem_aitextgen")
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# Left free on a GPU when no max_memory is given: the CUDA context, allocator
-# fragmentation, and what the estimate does not see.
+# Left free when no max_memory is given: on a GPU the CUDA context, allocator fragmentation and what the
+# estimate does not see; on CPU other programs' growth.
 GPU_MARGIN_FRACTION, GPU_MARGIN_MIN = 0.10, 512 * 2**20
+CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1024 * 2**20
+# CPU resident size beyond the tensors: torch, transformers and Lightning (measured 0.45 GiB), and glibc's
+# slack over the estimate, left alone or with the heap held and released (measured within 3% of each
+# other, both at or below the estimate: benchmarks/RESULTS.md).
+CPU_LIBRARIES_BYTES = 480 * 2**20
+HEAP_SLACK = {False: 1.03, True: 1.0}
 
 
 def parse_bytes(max_memory: int | float | str) -> int:
@@ -50,12 +75,181 @@ def parse_bytes(max_memory: int | float | str) -> int:
     return int(float(match[1]) * UNITS[match[2].lower()])
 
 
-def default_budget(accelerator: str) -> int | None:
-    """A GPU's free memory less a margin; None on CPU (no fitting unless max_memory is given)."""
-    if accelerator != "gpu" or not torch.cuda.is_available():
+# --- the budget ----------------------------------------------------------------------------
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().split()[0]
+    except (OSError, IndexError):
         return None
-    free, total = torch.cuda.mem_get_info()
-    return int(free - max(GPU_MARGIN_MIN, GPU_MARGIN_FRACTION * total))
+    return int(text) if text.isdigit() else None
+
+
+def cpu_available_bytes() -> int | None:
+    """What this process may still take: MemAvailable, and at most a cgroup's limit less its usage."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 2**60:  # v1 says "no limit" with a huge one
+            available = min(available, limit - usage) if available is not None else limit - usage
+    return available
+
+
+def device_budget(accelerator: str, resident: int) -> tuple[int, str] | None:
+    """Bytes training may use on this device, and where that comes from; `resident` is what the model's
+    weights already hold on a GPU.  None where nothing can be read (then the plan is left as built)."""
+    if accelerator == "gpu":
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return int(free + resident - max(GPU_MARGIN_MIN, GPU_MARGIN_FRACTION * total)), "free GPU memory"
+    gc.collect()  # what earlier runs in this process freed is this run's too: give it back to the OS first
+    release_freed_heap()
+    available, own = cpu_available_bytes(), resident_set_bytes()
+    if available is None or own is None:
+        return None
+    return int(available + own - max(CPU_MARGIN_MIN, CPU_MARGIN_FRACTION * available)), "available memory"
+
+
+def resident_set_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def budgeted_bytes(plan: TrainPlan, estimate: MemoryEstimate) -> int:
+    """What the budget bounds: a GPU's allocated tensors; on CPU the resident size (libraries, tensors
+    and the allocator's slack)."""
+    if plan.accelerator == "gpu":
+        return estimate.total
+    return CPU_LIBRARIES_BYTES + int(estimate.total * HEAP_SLACK[plan.hold_freed_heap])
+
+
+def budget_for(plan: TrainPlan, resident: int) -> tuple[int, str] | None:
+    max_memory = plan.args.get("max_memory")
+    if max_memory is not None:
+        return parse_bytes(max_memory), "max_memory"
+    return device_budget(plan.accelerator, resident)
+
+
+# --- the fastest plan that fits ---------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def open_choices(plan: TrainPlan) -> Iterator[TrainPlan]:
+    """Every combination of the choices the user left open (checkpointed blocks, micro-batch,
+    precision, chunked loss, CPU heap policy), the effective batch kept."""
+    fixed = plan.fixed
+    blocks = [plan.checkpointed_blocks] if "gradient_checkpointing" in fixed else range(plan.n_layer + 1)
+    pinned = plan.args.get("pin_micro_batch", False)
+    micro = [plan.micro_batch_size] if pinned else divisors(plan.effective_batch_size)
+    precisions = [plan.precision]
+    if not fixed & {"fp16", "precision"}:
+        mixed = resolve_precision(True, None, plan.accelerator) if mixed_precision_usable(plan.accelerator) else None
+        precisions += [p for p in (mixed, "32-true") if p is not None and p != plan.precision]
+    chunks = [plan.loss_chunk_tokens]
+    if "chunked_loss" not in fixed and not plan.loss_chunk_tokens:
+        chunks.append(default_chunk_tokens(plan.accelerator))
+    heaps = [False, True] if plan.accelerator == "cpu" and glibc_heap_available() else [False]
+    effective = plan.effective_batch_size
+    for k, m, precision, chunk, heap in itertools.product(blocks, micro, precisions, chunks, heaps):
+        yield dataclasses.replace(plan, checkpointed_blocks=k, micro_batch_size=m, accumulation=effective // m,
+                                  precision=precision, loss_chunk_tokens=chunk, hold_freed_heap=heap)
+
+
+def tiers(plan: TrainPlan) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
+    """The plans to weigh, in groups; a later group only when nothing in an earlier one fits."""
+    yield "", open_choices(plan)
+    if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
+        plan = dataclasses.replace(plan, optimizer="adamw8bit")
+        yield "8-bit AdamW", open_choices(plan)
+        if not plan.fixed & {"fp16", "precision"} and mixed_precision_usable(plan.accelerator) and (
+                plan.accelerator == "cpu" or bf16_is_fast("gpu")):
+            sixteen = dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})
+            yield "16-bit weights with 8-bit AdamW", open_choices(sixteen)
+    if plan.args.get("lora") == "auto" and plan.lora is None:
+        yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()))
+
+
+def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
+             source: str = "max_memory") -> tuple[TrainPlan, MemoryEstimate]:
+    """The fastest plan whose estimate fits `budget` bytes, with why it was chosen, or a clear error."""
+    from .plan import block_count
+
+    plan = dataclasses.replace(plan, n_layer=plan.n_layer or block_count(config))
+    native = bf16_is_fast(plan.accelerator)
+    smallest: tuple[int, MemoryEstimate] | None = None
+    for needed, candidates in tiers(plan):
+        ranked, too_big = [], []
+        for candidate in candidates:
+            estimate = estimate_plan(config, candidate, block_size)
+            gradient_bytes = 2 if candidate.precision.endswith("-true") and candidate.half_dtype else 4
+            seconds = step_seconds(candidate, config, block_size, estimate.gradients // gradient_bytes, native,
+                                   estimate.activations)
+            needs = budgeted_bytes(candidate, estimate)
+            (ranked if needs <= budget else too_big).append((seconds, needs, candidate, estimate))
+            if smallest is None or needs < smallest[0]:
+                smallest = needs, estimate
+        if ranked:
+            seconds, needs, chosen, estimate = min(ranked, key=lambda r: r[:2])
+            faster = sorted((r for r in too_big if r[0] < seconds * 0.999), key=lambda r: r[:2])[:2]
+            why = explain(chosen, needs, budget, source, needed, faster)
+            logger.info(f"{why}.\n{estimate}")
+            return dataclasses.replace(chosen, budget=budget, chosen_because=why), estimate
+    fixed = ", ".join(sorted(plan.fixed)) or "none"
+    hint = "" if plan.args.get("lora") == "auto" or plan.lora else " or allow lora='auto'"
+    where = f"max_memory={format_bytes(budget)}" if source == "max_memory" else \
+        f"the memory budget of {format_bytes(budget)} ({source} less a margin)"
+    raise MemoryError(
+        f"No plan fits {where}: the smallest one needs "
+        f"{format_bytes(smallest[0])} (arguments you fixed: {fixed}).\n{smallest[1]}\n"
+        f"Raise max_memory, use a smaller block_size or model{hint}."
+    )
+
+
+def explain(plan: TrainPlan, needs: int, budget: int, source: str, needed: str, faster: list) -> str:
+    """The plan line's 'why': the budget, the estimate, and the faster plans that did not fit."""
+    from .plan import describe_checkpointing
+
+    def short(p: TrainPlan) -> str:
+        return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
+                f"{p.micro_batch_size}x{p.accumulation}, {p.precision}")
+
+    where = source if source == "max_memory" else f"{source} less a margin"
+    why = (f"chosen as the fastest plan within {format_bytes(budget)} ({where}): {short(plan)}"
+           + (f", needing {needed}" if needed else "") + f", estimated {format_bytes(needs)}")
+    if faster:
+        why += "; faster but too big: " + "; ".join(f"{short(p)} ({format_bytes(total)})" for _, total, p, _ in faster)
+    return why
+
+
+def fit_to_budget(plan: TrainPlan, config: object, block_size: int, weights_on_gpu: int = 0) -> TrainPlan:
+    """The plan fitted to the budget (max_memory, else the device's), with the budget and the reason
+    recorded; unchanged where no budget can be known."""
+    budget = budget_for(plan, weights_on_gpu)
+    if budget is None:
+        return plan
+    fitted, _ = fit_plan(config, plan, block_size, *budget)
+    return fitted
+
+
+# --- the fixed ladder, for out-of-memory recovery ------------------------------------------------
 
 
 def smaller_micro_batch(plan: TrainPlan) -> TrainPlan | None:
@@ -72,8 +266,8 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     plan.fixed (the user's) are never changed."""
     explicit = plan.fixed
     yield "the plan as given", plan
-    if "gradient_checkpointing" not in explicit and not plan.gradient_checkpointing:
-        plan = dataclasses.replace(plan, gradient_checkpointing=True)
+    if "gradient_checkpointing" not in explicit and not plan.checkpoints_every_block:
+        plan = plan.checkpointing_all()
         yield "gradient checkpointing", plan
     if not explicit & {"fp16", "precision"} and plan.half_dtype is None:
         plan = dataclasses.replace(plan, precision=resolve_precision(True, None, plan.accelerator))
@@ -90,32 +284,3 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     if allow_lora and plan.lora is None:
         plan = dataclasses.replace(plan, lora=LoraSettings())
         yield "LoRA", plan
-
-
-def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
-             allow_lora: bool) -> tuple[TrainPlan, MemoryEstimate]:
-    """The first plan of the ladder whose estimate fits `budget` bytes, or a clear error."""
-    for change, candidate in ladder(plan, allow_lora):
-        estimate = estimate_plan(config, candidate, block_size)
-        if estimate.total <= budget:
-            logger.info(f"Memory budget {format_bytes(budget)}: chosen after {change}, "
-                        f"estimated {format_bytes(estimate.total)}.\n{estimate}")
-            return candidate, estimate
-    fixed = ", ".join(sorted(plan.fixed)) or "none"
-    hint = "" if allow_lora or plan.lora else " or allow lora='auto'"
-    raise MemoryError(
-        f"No plan fits max_memory={format_bytes(budget)}: the smallest one needs "
-        f"{format_bytes(estimate.total)} (arguments you fixed: {fixed}).\n{estimate}\n"
-        f"Raise max_memory, use a smaller block_size or model{hint}."
-    )
-
-
-def fit_to_budget(plan: TrainPlan, config: object, block_size: int) -> TrainPlan:
-    """The plan fitted to train()'s max_memory (on a GPU without it, the free memory less a margin),
-    with the budget recorded; unchanged where there is no budget."""
-    max_memory = plan.args.get("max_memory")
-    budget = parse_bytes(max_memory) if max_memory is not None else default_budget(plan.accelerator)
-    if budget is None:
-        return plan
-    fitted, _ = fit_plan(config, plan, block_size, budget, allow_lora=plan.args.get("lora") == "auto")
-    return dataclasses.replace(fitted, budget=budget)

@@ -19,7 +19,7 @@ from typing import Any
 import fire
 
 from .aitextgen import aitextgen
-from .estimate import estimate_memory
+from .estimate import estimate_memory, fits_table
 from .TokenDataset import TokenDataset
 from .tokenizers import train_tokenizer
 
@@ -55,8 +55,12 @@ def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
         ai.generate(**generate_kwargs)
 
 
-def estimate_cli(model: str = "355M", **kwargs: Any) -> None:
-    """Print the memory one training step needs: a GPT-2 size name, a config.json or a model folder."""
+def estimate_cli(model: str = "355M", table: bool = False, **kwargs: Any) -> None:
+    """Print the memory one training step needs: a GPT-2 size name, a config.json or a model folder;
+    --table: for a GPT-2 size, every way of training at blocks 512 and 1024, and the smallest GPU each fits."""
+    if table:
+        print(fits_table((model,)))
+        return
     if os.path.isdir(model):
         model = os.path.join(model, "config.json")
     if os.path.isfile(model):

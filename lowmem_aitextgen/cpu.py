@@ -43,11 +43,12 @@ On other devices (CUDA's dropout is one fused kernel, its allocator caches) noth
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytorch_lightning as pl
 import torch
@@ -268,6 +269,22 @@ def release_freed_heap() -> bool:
     return libc is not None and bool(libc.malloc_trim(0))
 
 
+@contextlib.contextmanager
+def freed_tensors_unmapped() -> Iterator[None]:
+    """For work that makes and frees one large tensor after another outside training (a streamed save, a
+    LoRA merge): glibc's dynamic mmap threshold rises to the size of each freed tensor and keeps the next
+    ones in the heap, which grew a save of a 150M model by 66 MB and its merge by 57 MB.  Fixed at glibc's
+    initial 128 KiB, each tensor goes back to the OS when freed (a page fault each time it is made, small
+    beside writing it); then the settings in force before, and the freed heap handed back."""
+    undo = pin_mmap_threshold(GLIBC_INITIAL_THRESHOLD)
+    try:
+        yield
+    finally:
+        if undo is not None:
+            undo()
+        release_freed_heap()
+
+
 # --- the callbacks ---------------------------------------------------------------------
 
 
@@ -324,6 +341,11 @@ class CpuSpeedups(WhileTraining):
 
     def __init__(self) -> None:
         super().__init__(use_cpu_speedups)
+
+
+def glibc_heap_available() -> bool:
+    """Whether ReleaseFreedHeap can act here (glibc is the allocator)."""
+    return _glibc() is not None
 
 
 def cpu_callbacks(plan: TrainPlan) -> list[Callback]:

@@ -7,7 +7,8 @@ training forward at three short lengths with the plan applied (precision,
 checkpointing, LoRA, chunked loss), and saved_tensors_hooks count every byte
 autograd keeps.  Block bytes (two blocks minus one) and the rest are then
 fitted as c + a*T + b*T^2 per sequence from three lengths (b is the
-attention matrix, zero with fused attention) and scaled to the real depth, length and batch.  The probe
+attention matrix, zero with fused attention) and scaled to the real depth, length and batch; the probes'
+vocabulary is small, the loss's bytes extended linearly to the real one (PROBE_VOCABS).  The probe
 runs on CPU; for device="cuda" it runs without attention dropout, because CUDA's fused
 SDPA applies that dropout inside the kernel (keeping no T x T mask or probabilities)
 while CPU's SDPA falls back to its unfused path whenever dropout is on.
@@ -34,7 +35,7 @@ from transformers import AutoConfig
 from .chunked_loss import body_and_head, chunked_lm_loss, default_chunk_tokens
 from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
-from .plan import PRECISIONS, LoraSettings, TrainPlan
+from .plan import ALL_BLOCKS, PRECISIONS, LoraSettings, TrainPlan
 
 # OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
 GPT2_SIZES = {
@@ -43,7 +44,12 @@ GPT2_SIZES = {
     "774M": dict(n_layer=36, n_embd=1280, n_head=20),
     "1558M": dict(n_layer=48, n_embd=1600, n_head=25),
 }
-PROBE_LENGTHS = (32, 64, 128)  # tokens per probe sequence; within the context (probe_lengths)
+PROBE_LENGTHS = (16, 32, 64)  # tokens per probe sequence; within the context (probe_lengths)
+# Vocabularies the probes run with.  The body saves nothing that depends on the vocabulary and the loss
+# saves bytes linear in it (a chunk's logits, their log-sum-exp), so two small ones give the real one's
+# exactly; the LM head's matmul at GPT-2's 50,257 words was most of an estimate's time (minutes at
+# width 1600 where bf16 is emulated).
+PROBE_VOCABS = (256, 512)
 
 
 def probe_lengths(config: object) -> tuple[int, int, int]:
@@ -198,19 +204,33 @@ def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Ca
     Cached: a planner asks for the same probes with other batch sizes and optimizers."""
     config = AutoConfig.for_model(**json.loads(config_json))
     lengths = probe_lengths(config)
-    one, two = (_probe(config, n, plan, lengths) for n in (1, 2))
+    vocab = config.vocab_size
+    small, larger = (_with_vocab(config, v) for v in PROBE_VOCABS) if vocab > PROBE_VOCABS[1] else (config, None)
+    one, two = (_probe(small, n, plan, lengths) for n in (1, 2))
     block = _fit_quadratic(tuple(two[t]["body"] - one[t]["body"] for t in lengths), lengths)
     rest = _fit_quadratic(tuple(2 * one[t]["body"] - two[t]["body"] for t in lengths), lengths)
-    loss = _fit_quadratic(tuple(one[t]["loss"] for t in lengths), lengths)
-    return block, rest, loss
+    loss_bytes = [one[t]["loss"] for t in lengths]
+    if larger is not None:  # the loss keeps bytes linear in the vocabulary: a line through two, extended
+        wider = _probe(larger, 1, plan, lengths)
+        per_word = [(wider[t]["loss"] - one[t]["loss"]) / (PROBE_VOCABS[1] - PROBE_VOCABS[0]) for t in lengths]
+        loss_bytes = [b + (vocab - PROBE_VOCABS[0]) * w for b, w in zip(loss_bytes, per_word)]
+    return block, rest, _fit_quadratic(tuple(loss_bytes), lengths)
 
 
-def memory_plan(precision: str, gradient_checkpointing: bool, lora: LoraSettings | None, batch_size: int,
+def _with_vocab(config: object, vocab_size: int) -> object:
+    config = copy.deepcopy(config)
+    config.vocab_size = vocab_size
+    return config
+
+
+def memory_plan(precision: str, gradient_checkpointing: bool | int, lora: LoraSettings | None, batch_size: int,
                 optimizer: str, chunked_loss: bool, device: str = "cpu") -> TrainPlan:
-    """A TrainPlan with just the memory decisions (the schedule does not change memory)."""
+    """A TrainPlan with just the memory decisions (the schedule does not change memory);
+    gradient_checkpointing: True (every block), False, or how many blocks."""
+    blocks = ALL_BLOCKS if gradient_checkpointing is True else int(gradient_checkpointing)
     return TrainPlan(
         accelerator="gpu" if device in ("gpu", "cuda") else "cpu", precision=precision,
-        gradient_checkpointing=gradient_checkpointing, lora=lora, micro_batch_size=batch_size,
+        checkpointed_blocks=blocks, lora=lora, micro_batch_size=batch_size,
         loss_chunk_tokens=default_chunk_tokens(device) if chunked_loss else None, optimizer=optimizer,
     )
 
@@ -223,22 +243,29 @@ def probe_plan(plan: TrainPlan) -> TrainPlan:
                      loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
+def state_plan(plan: TrainPlan) -> TrainPlan:
+    """What the parameter state (weights, gradients, optimizer states) depends on, and nothing else."""
+    return TrainPlan(precision=plan.precision, lora=plan.lora, freeze_layers=plan.freeze_layers,
+                     num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer)
+
+
 @torch.random.fork_rng(devices=[])  # LoRA's initialisation and the probes' inputs draw from the CPU generator
 def estimate_memory(
     model: nn.Module | object | str,
     block_size: int = 1024,
     batch_size: int = 1,
     precision: str = "32-true",
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: bool | int = False,
     lora: bool | LoraSettings = False,
     optimizer: str = "adamw",
     chunked_loss: bool = True,
     device: str = "cpu",
 ) -> MemoryEstimate:
     """Peak memory of one training step, by part, for a model, a config or a GPT-2 size name
-    ("124M", "355M", "774M", "1558M") on device "cpu" or "cuda"; nothing is downloaded and no
-    full-size activation is made.  The caller's random state is left as it was: train() estimates
-    before it trains, and that must not change the run's seed or its data order."""
+    ("124M", "355M", "774M", "1558M") on device "cpu" or "cuda"; gradient_checkpointing is True
+    (every block), False or a number of blocks.  Nothing is downloaded and no full-size activation is
+    made.  The caller's random state is left as it was: train() estimates before it trains, and that
+    must not change the run's seed or its data order."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
     check_optimizer_name(optimizer)  # an estimate needs no torchao installed
@@ -249,12 +276,14 @@ def estimate_memory(
     return estimate_plan(model_config(model), plan, block_size)
 
 
-@torch.random.fork_rng(devices=[])
-def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEstimate:
-    """Peak memory of one training step of `plan` for a model of `config` at `block_size` tokens."""
+@functools.lru_cache(maxsize=64)
+def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int]:
+    """Weights, gradients and optimizer states, exactly, from a model on the meta device (nothing is
+    allocated).  Cached: a planner weighs many plans with the same parameter state."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):  # shapes and dtypes only: exact parameter bytes, nothing allocated
+    config = AutoConfig.for_model(**json.loads(config_json))
+    with torch.device("meta"):
         full = AutoModelForCausalLM.from_config(config)
     full.tie_weights()  # transformers 5.0 leaves a meta-device model untied
     if plan.precision.endswith("-true") and plan.half_dtype is not None:
@@ -262,27 +291,75 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
     full, _ = apply_memory_plan(full, plan)
     params = list({id(p): p for p in full.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
+    return (unique_tensor_bytes(params), unique_tensor_bytes(trainable),
+            optimizer_state_bytes(trainable, plan.optimizer))
 
+
+@torch.random.fork_rng(devices=[])
+def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEstimate:
+    """Peak memory of one training step of `plan` for a model of `config` at `block_size` tokens."""
+    weights, gradients, optimizer_states = _state_bytes(config.to_json_string(), state_plan(plan))
     device = "cuda" if plan.accelerator == "gpu" else "cpu"
-    probed = probe_plan(plan)
     config_json = _as_probed_for(config, device).to_json_string()
+    probed = probe_plan(plan)
     block, rest, loss = _per_block_and_rest(config_json, probed)
     n_layer, tokens, batch_size = _n_layer(config), block_size, plan.micro_batch_size
-    activations = n_layer * block(tokens) + rest(tokens)
-    recompute = 0.0
-    if plan.gradient_checkpointing:  # blocks keep only their inputs; backward recomputes one block at a time
-        kept_block, kept_rest, _ = _per_block_and_rest(config_json, replace(probed, gradient_checkpointing=True))
-        activations, recompute = n_layer * kept_block(tokens) + kept_rest(tokens), block(tokens)
+    kept = min(plan.checkpointed_blocks, n_layer)  # the first `kept` blocks keep only their inputs
+    activations, recompute = n_layer * block(tokens) + rest(tokens), 0.0
+    if kept:  # backward recomputes one checkpointed block at a time
+        kept_block, kept_rest, _ = _per_block_and_rest(config_json, replace(probed, checkpointed_blocks=ALL_BLOCKS))
+        activations = kept * kept_block(tokens) + (n_layer - kept) * block(tokens) + kept_rest(tokens)
+        recompute = block(tokens)
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
     return MemoryEstimate(
-        weights=unique_tensor_bytes(params),
-        gradients=unique_tensor_bytes(trainable),
-        optimizer_states=optimizer_state_bytes(trainable, plan.optimizer),
+        weights=weights,
+        gradients=gradients,
+        optimizer_states=optimizer_states,
         activations=max(0, int(batch_size * activations)),
         logits_loss=max(0, int(batch_size * loss(tokens))),
         overhead=int(batch_size * (recompute + block(tokens)) + logits_transient),
         plan={"block_size": block_size, "batch_size": batch_size, "precision": plan.precision,
-              "gradient_checkpointing": plan.gradient_checkpointing, "lora": plan.lora is not None,
-              "optimizer": plan.optimizer, "chunked_loss": plan.loss_chunk_tokens is not None, "device": device},
+              "gradient_checkpointing": kept if 0 < kept < n_layer else bool(kept),
+              "lora": plan.lora is not None, "optimizer": plan.optimizer,
+              "chunked_loss": plan.loss_chunk_tokens is not None, "device": device},
     )
+
+
+# --- what fits which card -------------------------------------------------------------------
+
+COMMON_GPUS_GB = (4, 6, 8, 12, 16, 24)
+# How each row trains, in the least memory our plans use: every block recomputed, mixed precision, the
+# loss in chunks, micro-batch 1.
+TABLE_PLANS = {
+    "full fine-tune": dict(precision="bf16-mixed", optimizer="adamw"),
+    "full, 8-bit AdamW": dict(precision="bf16-mixed", optimizer="adamw8bit"),
+    "full, bf16 weights + 8-bit AdamW": dict(precision="bf16-true", optimizer="adamw8bit"),
+    "LoRA": dict(precision="bf16-mixed", optimizer="adamw", lora=True),
+}
+
+
+def smallest_card(needed: int) -> str:
+    """The smallest common GPU whose memory, less the margin train() leaves on a GPU (the CUDA context
+    and fragmentation: 10%, at least 0.5 GiB), holds `needed` bytes."""
+    for gigabytes in COMMON_GPUS_GB:
+        card = gigabytes * 2**30
+        if needed <= card - max(512 * 2**20, card // 10):
+            return f"{gigabytes} GB"
+    return "more than 24 GB"
+
+
+def fits_table(models: tuple[str, ...] = tuple(GPT2_SIZES), blocks: tuple[int, ...] = (512, 1024)) -> str:
+    """A markdown table: for each GPT-2 size and way of training, the estimated GPU memory at each block
+    length and the smallest common card it fits."""
+    header = "| model | training | " + " | ".join(f"block {b}" for b in blocks) + " |"
+    rows = [header, "|---|---|" + "---|" * len(blocks)]
+    for model in models:
+        for label, plan in TABLE_PLANS.items():
+            cells = []
+            for block in blocks:
+                total = estimate_memory(model, block_size=block, gradient_checkpointing=True, device="cuda",
+                                        **plan).total
+                cells.append(f"{format_bytes(total)} → {smallest_card(total)}")
+            rows.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

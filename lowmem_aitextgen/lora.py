@@ -2,8 +2,9 @@
 
 Only the adapters train; the base stays frozen (and, under mixed precision,
 is held in 16 bits by memory.cast_frozen_weights).  Saving produces both the
-peft adapter and a merged plain model, so nothing downstream must know LoRA
-was used.
+peft adapter and the merged weights (streamed, a tensor at a time), so nothing
+downstream must know LoRA was used; after training the object keeps the base
+with the adapters merged into it in place.
 """
 
 from __future__ import annotations
@@ -80,45 +81,49 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         return get_peft_model(model, config)
 
 
-def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter folded in, without touching `model`.
-
-    peft's merge_and_unload() merges in place; merging into 16-bit base weights and
-    unmerging again would round them at every periodic save, so we build a copy.
-    """
+def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list:
+    """The base model's weights with every adapter folded in, in `dtype` (default: the base's), as
+    saving.WeightSource: each merged weight is made when it is written, one at a time, so no second
+    copy of the model ever exists; `model` is left as it is (merging in place into 16-bit base weights
+    and unmerging would round them at every periodic save)."""
     from peft.tuners.lora import LoraLayer
 
+    from .saving import WeightSource, model_weights
+
     base = model.get_base_model()
-    state = {
-        key.replace(".base_layer.", "."): value.to(dtype)
-        for key, value in base.state_dict().items()
-        if "lora_" not in key
-    }
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged:
-            for adapter in module.active_adapters:
-                delta = module.get_delta_weight(adapter).to(dtype)
-                state[f"{name}.weight"] = state[f"{name}.weight"] + delta
-    return state
+    adapted = {f"{name}.weight": module for name, module in base.named_modules()
+               if isinstance(module, LoraLayer) and not module.merged}
+    weights = []
+    for weight in model_weights(base):
+        if "lora_" in weight.name:
+            continue
+        name = weight.name.replace(".base_layer.", ".")
+        out = dtype or weight.dtype
+        module = adapted.get(name)
+        if module is None:
+            make = lambda weight=weight, out=out: weight.make().to(out)  # noqa: E731
+        else:
+            make = lambda weight=weight, out=out, module=module: _merged(weight.make(), module, out)  # noqa: E731
+        weights.append(WeightSource(name, out, weight.shape, make))
+    return weights
 
 
-def merged_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A plain transformers model equal to base + adapters, in `dtype`."""
-    from transformers import AutoModelForCausalLM
+def _merged(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """base + deltas in `dtype`, the delta made before the copy of the base and added into it: two
+    tensors of the weight's size alive at once, not three."""
+    merged = None
+    for adapter in module.active_adapters:
+        delta = module.get_delta_weight(adapter).to(dtype)
+        if merged is None:
+            merged = base_weight.to(dtype, copy=True)
+        merged.add_(delta)
+        del delta
+    return merged if merged is not None else base_weight.to(dtype)
 
-    config = model.get_base_model().config
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config)
-    plain.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
-    plain.tie_weights()
-    # Non-persistent buffers (e.g. rotary frequencies) are not in a state dict.
-    for name, buffer in list(plain.named_buffers()):
-        if buffer.is_meta:
-            module_name, _, buffer_name = name.rpartition(".")
-            plain.get_submodule(module_name).register_buffer(
-                buffer_name, model.get_base_model().get_buffer(name).clone(), persistent=False
-            )
-    leftover = [name for name, p in plain.named_parameters() if p.is_meta]
-    if leftover:
-        raise RuntimeError(f"merging LoRA left parameters without values: {leftover[:5]}")
-    return plain.to(dtype)
+
+def merge_in_place(model: nn.Module) -> nn.Module:
+    """The plain transformers model with the adapters folded into its own weights, in the dtype the base
+    is held in (bf16 under mixed precision: merged_weights(model, torch.float32) rounded once), no second
+    copy made."""
+    with torch.no_grad():
+        return model.merge_and_unload()

@@ -2,7 +2,8 @@
 
 | technique                     | saves                                   | costs                          |
 |-------------------------------|-----------------------------------------|--------------------------------|
-| enable_gradient_checkpointing | activations of every block but inputs   | one extra forward per block    |
+| enable_gradient_checkpointing | activations of each checkpointed block  | one extra forward of each      |
+|   (all blocks, or the first k)| but its input                           | checkpointed block             |
 | freeze_layers                 | gradients + optimizer state of frozen   | those layers do not adapt      |
 | cast_frozen_weights           | half of every frozen weight (no fp32)   | frozen weights rounded to 16 b |
 | (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
@@ -33,24 +34,32 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, lis
     model.train()
     if plan.lora is not None:
         if not is_lora_model(model):
+            # the base in 16 bits before the adapters are added, as when train() reads a saved model
+            # straight into 16 bits (aitextgen.DeferredModel): peft initialises adapters in the base's
+            # dtype, so both ways start from the same adapters
+            if plan.half_dtype is not None:
+                model.to(plan.half_dtype)
             model = add_lora(model, plan.lora)
         if plan.half_dtype is not None:
             cast_frozen_weights(model, plan.half_dtype)
     elif plan.freeze_layers:
         frozen = layers_to_freeze(model, plan.num_layers_freeze)
         set_requires_grad(frozen, False)
-    if plan.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    if plan.checkpointed_blocks:
+        enable_gradient_checkpointing(model, plan.checkpointed_blocks)
     return model, frozen
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute each transformer block in backward instead of storing its activations.
+def enable_gradient_checkpointing(model: nn.Module, blocks: int | None = None) -> None:
+    """Recompute the first `blocks` transformer blocks (all if None) in backward instead of storing their
+    activations; the others keep theirs.
 
-    aitextgen set ``config.gradient_checkpointing = True``, which transformers
-    stopped reading in 4.x (it is a no-op since); the model method is the API.
-    Non-reentrant checkpointing works with frozen embeddings and LoRA without
-    ``enable_input_require_grads``.
+    Each checkpointed block saves its activations but its input, for one more forward of it in backward;
+    which blocks are checkpointed does not change either number, so the first ones are.  aitextgen set
+    ``config.gradient_checkpointing = True``, which transformers stopped reading in 4.x (it is a no-op
+    since); the model method is the API, and each block's own ``gradient_checkpointing`` flag (transformers'
+    GradientCheckpointingLayer, in every 5.x) leaves the rest out.  Non-reentrant checkpointing works with
+    frozen embeddings and LoRA without ``enable_input_require_grads``.
     """
     # transformers renamed gradient_checkpointing_* to activation_checkpointing_* during 5.x (the old
     # names warn); 5.0, our oldest supported, has only the old ones.
@@ -59,6 +68,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for block in transformer_blocks(model)[blocks:] if blocks is not None else []:
+        block.gradient_checkpointing = False
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with recompute
 
 

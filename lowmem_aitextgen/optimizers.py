@@ -4,7 +4,9 @@
 |-------------|---------------------------------------------|--------------------------------------------|
 | "adamw"     | two copies in the parameter's dtype (fp32)  | the reference; torch's fused kernel        |
 | "adamw8bit" | two 8-bit copies + one fp32 scale per 256   | ~1/4 of AdamW's state; loss curves close;  |
-|             | (tensors under 4096 values stay full size)  | needs torchao, compiles its step once      |
+|             | (tensors under 4096 values stay full size)  | needs torchao, compiles its step once; bf16|
+|             |                                             | weights (precision="bf16-true") are updated|
+|             |                                             | with stochastic rounding: no fp32 copy     |
 | "adafactor" | factored second moment, no first moment     | a few MB of state; loss falls more slowly  |
 """
 
@@ -81,7 +83,10 @@ def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float,
         return Adafactor(groups, lr=learning_rate, eps=(1e-30, 1e-3), scale_parameter=False,
                          relative_step=False, warmup_init=False)
     if optimizer == "adamw8bit":
-        return _adamw8bit_compiled_once()(groups, lr=learning_rate, eps=adam_epsilon, block_size=EIGHT_BIT_BLOCK)
+        # bf16 weights (no fp32 master copy) take each update rounded stochastically: unbiased, where rounding
+        # to nearest would drop every update smaller than half a bf16 step (tests/test_optimizers.py)
+        return _adamw8bit_compiled_once()(groups, lr=learning_rate, eps=adam_epsilon, block_size=EIGHT_BIT_BLOCK,
+                                          bf16_stochastic_round=True)
     device_types = {p.device.type for group in groups for p in group["params"]}
     fused = device_types <= {"cpu", "cuda"}
     return torch.optim.AdamW(groups, lr=learning_rate, eps=adam_epsilon, fused=fused)

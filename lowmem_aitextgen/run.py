@@ -24,11 +24,11 @@ from torch import nn
 
 from . import _compat, memory
 from .callbacks import NonFiniteGuard, SaveAndSample
-from .cpu import cpu_callbacks
+from .cpu import cpu_callbacks, freed_tensors_unmapped
 from .data import training_loader
 from .generation import Samples
 from .lightning_module import CausalLMModule
-from .lora import is_lora_model, merged_model
+from .lora import is_lora_model, merge_in_place
 from .oom import OutOfMemoryRecovery, cheaper_plan
 from .plan import CHECKPOINT_NAME, TrainPlan
 from .report import RunRecorder, StepProgressBar, describe_summary
@@ -78,15 +78,13 @@ class RunFiles:
         check_finite(trainer.lightning_module.model, "The weights to checkpoint")
         save_checkpoint(trainer, self.checkpoint_path)
 
-    def save_model(self, model: nn.Module, skipped_steps: int, plain: nn.Module | None = None,
-                   stopped_because: str | None = None) -> dict:
-        """Weights first, then the summary and plots that describe them; returns the summary."""
+    def save_model(self, model: nn.Module, skipped_steps: int, stopped_because: str | None = None) -> dict:
+        """Weights first (a LoRA model merged in the dtype the model was loaded in, with its adapter),
+        then the summary and plots that describe them; returns the summary."""
         output_dir = self.plan.output_dir
         if is_lora_model(model):
             model.peft_config[model.active_adapter].base_model_name_or_path = self.base_name
-            atomic_save(output_dir, plain or merged_model(model, self.dtype), self.tokenizer, adapter=model)
-        else:
-            atomic_save(output_dir, model, self.tokenizer)
+        atomic_save(output_dir, model, self.tokenizer, merged_dtype=self.dtype)
         summary = self.recorder.summary(model, output_dir, skipped_steps=skipped_steps,
                                         stopped_because=stopped_because)
         self.saved_at = summary["steps"]
@@ -136,16 +134,16 @@ class TrainingRun:
         outcome = Outcome(model=model, plan=plan, steps=0)
         try:
             model = self._fit(model, outcome)
+            outcome.steps = self.trainer.global_step if self.trainer else 0
+            outcome.stopped_because = self.guard.reason or self.signals.reason
+            outcome.terminated = outcome.terminated or self.signals.terminated
+            if self.trainer is not None and self.trainer.is_global_zero:
+                self._save_final(model, outcome)  # from the trained model, before it is merged in place
         finally:
             memory.set_requires_grad(frozen, True)
-            outcome.model = self.trained_model = finished_model(model, self.dtype)
+            outcome.model = self.trained_model = finished_model(model)
             if plan.args.seed is not None:
                 reset_seed()
-        outcome.steps = self.trainer.global_step if self.trainer else 0
-        outcome.stopped_because = self.guard.reason or self.signals.reason
-        outcome.terminated = outcome.terminated or self.signals.terminated
-        if self.trainer is not None and self.trainer.is_global_zero:
-            self._save_final(model, outcome)
         if self.guard.reason and outcome.diverged is None:
             outcome.diverged = (f"{self.guard.reason} The weights of step {outcome.steps:,}, the last good ones, "
                                 f"are saved in {plan.output_dir}.")
@@ -210,8 +208,7 @@ class TrainingRun:
         if outcome.diverged is None:
             logger.info(f"Saving trained model to {plan.output_dir}")
             try:
-                summary = self.files.save_model(trained, module.skipped_steps, plain=outcome.model,
-                                                stopped_because=outcome.stopped_because)
+                summary = self.files.save_model(trained, module.skipped_steps, stopped_because=outcome.stopped_because)
             except NonFiniteWeights as error:
                 outcome.diverged = f"{error} They were not saved; {self.files.kept()}."
             except OSError as error:
@@ -228,11 +225,14 @@ class TrainingRun:
             discard_checkpoint(self.files.checkpoint_path)
 
 
-def finished_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The trained model as a plain transformers model, ready to generate."""
+def finished_model(model: nn.Module) -> nn.Module:
+    """The trained model as a plain transformers model, ready to generate: a LoRA model with its adapters
+    merged into the base in place, in the dtype training held the base in (no second copy; the saved
+    model.safetensors holds the exact merge in the dtype the model was loaded in)."""
     memory.disable_gradient_checkpointing(model)
     if is_lora_model(model):
-        model = merged_model(model, dtype).to(next(model.parameters()).device)
+        with freed_tensors_unmapped():
+            model = merge_in_place(model)
     return model.eval()
 
 

@@ -1,5 +1,9 @@
 """Writing files without ever losing what was there: atomic saves, output_dir's preparation and lock.
 
+Model weights are streamed into model.safetensors a tensor at a time (safetensors' own save_file first
+serialises every tensor to bytes, a second copy of the model; a LoRA model's merged weights are made a
+tensor at a time too), so a save needs one tensor more than the model, not a model more.
+
 Every file is written under a temporary name in its own folder, flushed to disk, given the mode
 the process's umask asks for (0644 under the usual 022, like any other tool's files), then moved
 over the old one with os.replace, which is atomic on POSIX and Windows.  A crash at any moment
@@ -10,21 +14,26 @@ written over anything: a NaN model is worse than whatever it would replace.
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import math
 import os
 import secrets
 import shutil
 import socket
+import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _compat
-from .lora import ADAPTER_SUBFOLDER
+from .cpu import freed_tensors_unmapped
+from .lora import ADAPTER_SUBFOLDER, is_lora_model, merged_weights
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -99,14 +108,93 @@ def atomic_file(path: str) -> Iterator[Any]:
         raise
 
 
+# --- streamed weights -----------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """One tensor of a weights file: its name, dtype and shape, and how to make it when it is written."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+
+def model_weights(model: nn.Module) -> list[WeightSource]:
+    """A plain transformers model's weights as save_pretrained writes them: the state dict without the
+    tied copies (GPT-2's lm_head.weight is transformer.wte.weight)."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    weights, written = [], set()
+    for name, value in model.state_dict().items():
+        storage = value.untyped_storage().data_ptr()
+        if name in tied and storage in written:
+            continue
+        written.add(storage)
+        weights.append(WeightSource(name, value.dtype, tuple(value.shape), lambda value=value: value))
+    return weights
+
+
+def write_safetensors(path: str, weights: list[WeightSource]) -> None:
+    """A safetensors file (little-endian: the header's size, the JSON header, the tensors' bytes) written
+    one tensor at a time; the file is readable by safetensors, transformers and peft like any other."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for weight in weights:
+        size = math.prod(weight.shape) * weight.dtype.itemsize
+        header[weight.name] = {"dtype": SAFETENSORS_DTYPES[weight.dtype], "shape": list(weight.shape),
+                               "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for weight in weights:
+            tensor = weight.make().detach().to("cpu").contiguous()
+            if tensor.dtype != weight.dtype or tuple(tensor.shape) != weight.shape:
+                raise RuntimeError(f"{weight.name} came out {tensor.dtype} {tuple(tensor.shape)}, not "
+                                   f"{weight.dtype} {weight.shape}")
+            f.write(tensor.view(-1).view(torch.uint8).numpy().data)
+            del tensor
+
+
+def save_model_files(folder: str, model: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """config.json, generation_config.json and model.safetensors into `folder`, as save_pretrained writes
+    them; a LoRA model is saved merged (in `dtype`, default the weights'), a tensor at a time."""
+    plain = model.get_base_model() if is_lora_model(model) else model
+    weights = merged_weights(model, dtype) if is_lora_model(model) else model_weights(model)
+    config = plain.config
+    config.architectures = [type(plain).__name__]
+    floating = next((w.dtype for w in weights if w.dtype.is_floating_point), torch.float32)
+    config.dtype = str(floating).removeprefix("torch.")
+    config.save_pretrained(folder)
+    if getattr(plain, "generation_config", None) is not None and plain.can_generate():
+        plain.generation_config.save_pretrained(folder)
+    write_safetensors(os.path.join(folder, "model.safetensors"), weights)
+
+
 # --- models -------------------------------------------------------------------------
+
+
+# Elements checked at a time: isfinite of a whole weight makes temporaries several times its size (18 MB
+# for one 1024x4096 bf16 weight), more than a save of that model otherwise adds.
+FINITE_CHECK_ELEMENTS = 2**20
 
 
 def check_finite(model: nn.Module, what: str = "The model's weights") -> None:
     """Raise NonFiniteWeights naming the first parameter with a NaN or inf."""
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and not torch.isfinite(param).all():
-            raise NonFiniteWeights(f"{what} are not finite (NaN/inf in {name}).")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.reshape(-1)
+            if param.is_floating_point() and not all(
+                    torch.isfinite(flat[i:i + FINITE_CHECK_ELEMENTS]).all()
+                    for i in range(0, flat.numel(), FINITE_CHECK_ELEMENTS)):
+                raise NonFiniteWeights(f"{what} are not finite (NaN/inf in {name}).")
 
 
 def _fsync_tree(folder: str) -> None:
@@ -140,9 +228,10 @@ def leftovers(folder: str) -> list[str]:
 
 
 def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
-                adapter: nn.Module | None = None) -> None:
-    """Save model (+ tokenizer, + peft adapter in lora_adapter/) so a crash never corrupts output_dir;
-    weights that are not finite are refused before anything is written."""
+                merged_dtype: torch.dtype | None = None) -> None:
+    """Save model (+ tokenizer) so a crash never corrupts output_dir; a LoRA model is saved merged (in
+    `merged_dtype`) with its adapter in lora_adapter/.  Weights that are not finite are refused before
+    anything is written."""
     check_finite(model, f"The weights to save in {output_dir}")
     os.makedirs(output_dir, exist_ok=True)
     remove_leftovers(output_dir)
@@ -150,7 +239,8 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
     try:
         try:
             os.mkdir(staging)
-            _write_staged(staging, model, tokenizer, adapter)
+            with freed_tensors_unmapped():
+                _write_staged(staging, model, tokenizer, merged_dtype)
         except OSError as error:  # before the first rename: nothing in output_dir has changed
             raise OSError(error.errno, f"Saving the model to {output_dir} failed ({error.strerror or error}); the "
                                        "files already there are untouched. Free some disk space or choose another "
@@ -168,14 +258,14 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
                        "copies that file).")
 
 
-def _write_staged(staging: str, model: nn.Module, tokenizer: Any | None, adapter: nn.Module | None) -> None:
+def _write_staged(staging: str, model: nn.Module, tokenizer: Any | None, merged_dtype: torch.dtype | None) -> None:
     """Everything a save writes, into the staging folder, flushed and with the umask's modes."""
-    model.save_pretrained(staging)
+    save_model_files(staging, model, merged_dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
-    if adapter is not None:
+    if is_lora_model(model):
         adapter_dir = os.path.join(staging, ADAPTER_SUBFOLDER)
-        adapter.save_pretrained(adapter_dir)
+        model.save_pretrained(adapter_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(adapter_dir)
     apply_umask(staging)

@@ -1,4 +1,5 @@
-"""max_memory: the documented ladder, the effective batch kept, explicit arguments kept, clear failure."""
+"""budget: the fastest plan that fits, from tables of budgets; the effective batch and explicit arguments
+kept; a clear failure; and the fixed ladder out-of-memory recovery steps down."""
 
 import dataclasses
 import json
@@ -8,17 +9,24 @@ import pytest
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.budget import estimate_plan, fit_plan, ladder, parse_bytes
-from lowmem_aitextgen.estimate import memory_plan
+from lowmem_aitextgen.arguments import Arguments
+from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, ladder, open_choices, parse_bytes
+from lowmem_aitextgen.estimate import estimate_plan, memory_plan
+from lowmem_aitextgen.plan import ALL_BLOCKS
 
-# Activations dominate (8 blocks, 256 tokens, small vocabulary): every rung of the ladder saves memory.
+# Activations dominate (8 blocks, 256 tokens, small vocabulary): every choice moves the estimate.
 CONFIG = tiny_gpt2_config(n_layer=8, n_positions=256, dropout=0.1)
 BLOCK = 256
 
 
-def user_plan(batch_size=4, accumulation=2):
-    plan = memory_plan("32-true", False, None, batch_size, "adamw", chunked_loss=False)
-    return dataclasses.replace(plan, accumulation=accumulation)
+def user_plan(batch_size=1, accumulation=4, fixed=("precision",), pin=False, **fields):
+    plan = memory_plan("32-true", False, None, batch_size, "adamw", chunked_loss=True)
+    return dataclasses.replace(plan, accumulation=accumulation, n_layer=8, fixed=frozenset(fixed),
+                               args=Arguments({"pin_micro_batch": pin}, {}), **fields)
+
+
+def needs(plan) -> int:
+    return budgeted_bytes(plan, estimate_plan(CONFIG, plan, BLOCK))
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -34,8 +42,76 @@ def test_parse_bytes_refuses_what_is_not_an_amount(text):
         parse_bytes(text)
 
 
-# (budget: just above the estimate of this rung,
-#  expected plan: (checkpointing, precision, chunked, optimizer, micro, lora))
+def test_with_memory_to_spare_nothing_recomputes_and_the_micro_batch_is_the_whole_effective_batch():
+    chosen, _ = fit_plan(CONFIG, user_plan(batch_size=1, accumulation=4), BLOCK, 2**40)
+    assert (chosen.checkpointed_blocks, chosen.micro_batch_size, chosen.accumulation) == (0, 4, 1)
+    assert not chosen.hold_freed_heap  # glibc left alone: no refaults
+    assert "fastest plan within" in chosen.chosen_because
+
+
+def test_a_pinned_split_between_the_needs_checkpoints_the_fewest_blocks_that_fit():
+    """The documented table: micro-batch and precision fixed, each budget gets the fewest checkpointed
+    blocks whose plan fits it; none when everything fits, all when only that does."""
+    plan = user_plan(pin=True)
+    by_blocks = [needs(dataclasses.replace(plan, checkpointed_blocks=k)) for k in range(9)]
+    assert by_blocks[8] < by_blocks[4] < by_blocks[0]  # (one block alone adds its recompute: more than it saves)
+    for budget in by_blocks:
+        chosen, estimate = fit_plan(CONFIG, plan, BLOCK, budget)
+        assert chosen.checkpointed_blocks == min(k for k, need in enumerate(by_blocks) if need <= budget)
+        assert budgeted_bytes(chosen, estimate) <= budget
+        assert (chosen.micro_batch_size, chosen.accumulation) == (1, 4)  # pinned
+    assert len({fit_plan(CONFIG, plan, BLOCK, b)[0].checkpointed_blocks for b in by_blocks}) == 8  # 0 and 2..8
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.7, 0.4, 0.15, 0.0])
+def test_every_choice_fits_keeps_the_effective_batch_and_is_the_fastest_that_fits(fraction):
+    from lowmem_aitextgen.step_time import step_seconds
+
+    plan = user_plan(batch_size=2, accumulation=4)
+    all_needs = [needs(p) for p in open_choices(plan)]
+    budget = int(min(all_needs) + fraction * (max(all_needs) - min(all_needs)))
+    chosen, estimate = fit_plan(CONFIG, plan, BLOCK, budget)
+    assert budgeted_bytes(chosen, estimate) <= budget
+    assert chosen.effective_batch_size == 8 and chosen.precision == "32-true"  # precision was fixed
+
+    def seconds(p):
+        e = estimate_plan(CONFIG, p, BLOCK)
+        return step_seconds(p, CONFIG, BLOCK, e.gradients // 4, True, e.activations)
+
+    fitting = [p for p in open_choices(chosen) if needs(p) <= budget]
+    assert seconds(chosen) <= min(seconds(p) for p in fitting) + 1e-12
+
+
+def test_explicit_arguments_are_kept_and_lora_needs_auto():
+    plan = user_plan(fixed=("precision", "gradient_checkpointing", "optimizer"), pin=True)
+    smallest = needs(dataclasses.replace(plan, hold_freed_heap=True))
+    with pytest.raises(MemoryError, match=r"(?s)No plan fits max_memory=.*smallest one needs.*lora='auto'"):
+        fit_plan(CONFIG, plan, BLOCK, smallest - 1)
+    chosen, _ = fit_plan(CONFIG, plan, BLOCK, smallest)
+    assert chosen.checkpointed_blocks == 0 and chosen.hold_freed_heap  # the heap was the one choice left
+
+
+def test_train_with_max_memory_fits_and_keeps_the_effective_batch(corpus_file, tokenizer_file, tmp_path):
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=CONFIG)
+    plan = user_plan(batch_size=4, accumulation=2, pin=True)
+    budget = (needs(plan) + needs(dataclasses.replace(plan, checkpointed_blocks=ALL_BLOCKS))) // 2
+    ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=2, batch_size=4, fp16=False,
+             gradient_accumulation_steps=2, max_memory=budget, generate_every=0, pin_micro_batch=True)
+    with open(tmp_path / "out" / "training_summary.json", encoding="utf-8") as f:
+        chosen = json.load(f)["plan"]
+    assert 0 < chosen["checkpointed_blocks"] < 8 and chosen["precision"] == "32-true"  # fp16=False was explicit
+    assert (chosen["micro_batch_size"], chosen["gradient_accumulation_steps"]) == (4, 2)
+    assert "fastest plan within" in chosen["chosen_because"] and chosen["budget_bytes"] == budget
+
+
+def test_nothing_fits_fails_before_writing(corpus_file, tokenizer_file, tmp_path):
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=CONFIG)
+    with pytest.raises(MemoryError, match="No plan fits max_memory=1.00 MiB"):
+        ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=1, max_memory="1MiB")
+    assert not os.path.exists(tmp_path / "out")
+
+
+# (expected plan: (checkpointing, precision, chunked, optimizer, micro, lora))
 RUNGS = [
     (False, "32-true", False, "adamw", 4, False),  # the plan as given
     (True, "32-true", False, "adamw", 4, False),  # + gradient checkpointing
@@ -44,54 +120,16 @@ RUNGS = [
     (True, "bf16-mixed", True, "adamw8bit", 4, False),  # + 8-bit AdamW (torchao is a test dependency)
     (True, "bf16-mixed", True, "adamw8bit", 2, False),  # + micro-batch 2 x 4
     (True, "bf16-mixed", True, "adamw8bit", 1, False),  # + micro-batch 1 x 8
-    (True, "bf16-mixed", True, "adamw8bit", 1, True),  # + LoRA (lora="auto")
+    (True, "bf16-mixed", True, "adamw8bit", 1, True),  # + LoRA
 ]
 
 
-def describe(plan):
-    return (plan.gradient_checkpointing, plan.precision, bool(plan.loss_chunk_tokens), plan.optimizer,
-            plan.micro_batch_size, plan.lora is not None)
-
-
-def test_each_budget_gets_the_documented_rung_with_the_same_effective_batch():
-    plan = user_plan()
+def test_the_recovery_ladder_has_the_documented_rungs_each_cheaper():
+    plan = dataclasses.replace(memory_plan("32-true", False, None, 4, "adamw", chunked_loss=False), accumulation=2,
+                               n_layer=8)
     rungs = [candidate for _, candidate in ladder(plan, allow_lora=True)]
-    assert [describe(p) for p in rungs] == RUNGS
+    assert [(p.gradient_checkpointing, p.precision, bool(p.loss_chunk_tokens), p.optimizer, p.micro_batch_size,
+             p.lora is not None) for p in rungs] == RUNGS
     totals = [estimate_plan(CONFIG, p, BLOCK).total for p in rungs]
-    assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)  # each rung saves memory
-    for rung, total in enumerate(totals):
-        chosen, estimate = fit_plan(CONFIG, plan, BLOCK, total, allow_lora=True)
-        assert describe(chosen) == RUNGS[rung]
-        assert estimate.total <= total  # fits its own estimate
-        assert chosen.effective_batch_size == plan.effective_batch_size == 8
-
-
-def test_explicit_arguments_are_kept_and_lora_needs_auto():
-    plan = user_plan()
-    fixed = dataclasses.replace(plan, fixed=frozenset({"gradient_checkpointing", "precision", "optimizer"}))
-    rungs = [describe(p) for _, p in ladder(fixed, allow_lora=False)]
-    assert all(not ckpt and precision == "32-true" and optimizer == "adamw" and not lora
-               for ckpt, precision, _, optimizer, _, lora in rungs)
-    smallest = estimate_plan(CONFIG, [p for _, p in ladder(plan, allow_lora=False)][-1], BLOCK).total
-    with pytest.raises(MemoryError, match=r"(?s)No plan fits max_memory=.*the smallest one needs.*total.*lora='auto'"):
-        fit_plan(CONFIG, plan, BLOCK, smallest - 1, allow_lora=False)
-
-
-def test_train_with_max_memory_fits_and_keeps_the_effective_batch(corpus_file, tokenizer_file, tmp_path):
-    ai = aitextgen(tokenizer_file=tokenizer_file, config=CONFIG)
-    plan = memory_plan("32-true", False, None, 4, "adamw", chunked_loss=True)
-    checkpointed = memory_plan("32-true", True, None, 4, "adamw", chunked_loss=True)
-    budget = (estimate_plan(CONFIG, plan, BLOCK).total + estimate_plan(CONFIG, checkpointed, BLOCK).total) // 2
-    ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=2, batch_size=4, fp16=False,
-             gradient_accumulation_steps=2, max_memory=budget, generate_every=0)
-    with open(tmp_path / "out" / "training_summary.json", encoding="utf-8") as f:
-        chosen = json.load(f)["plan"]
-    assert chosen["gradient_checkpointing"] and chosen["precision"] == "32-true"  # fp16=False was explicit
-    assert chosen["micro_batch_size"] * chosen["gradient_accumulation_steps"] == 8
-
-
-def test_nothing_fits_fails_before_writing(corpus_file, tokenizer_file, tmp_path):
-    ai = aitextgen(tokenizer_file=tokenizer_file, config=CONFIG)
-    with pytest.raises(MemoryError, match="No plan fits max_memory=1.00 MiB"):
-        ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=1, max_memory="1MiB")
-    assert not os.path.exists(tmp_path / "out")
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)
+    assert all(p.effective_batch_size == 8 for p in rungs)

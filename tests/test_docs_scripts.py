@@ -30,7 +30,11 @@ def test_the_readme_generation_example(gpt2_cache, capsys):
     printed = capsys.readouterr().out
     assert printed.count("=" * 10) == 4 and "I believe in unicorns because" in printed
     written = [name for name in os.listdir(".") if name.startswith("ATG_") and name.endswith(".txt")]
-    assert len(written) == 1 and open(written[0], encoding="utf-8").read().count("=" * 20) == 10
+    assert len(written) == 1
+    # a random model may itself write runs of "=" (GPT-2 has such tokens): count the delimiter lines
+    texts = open(written[0], encoding="utf-8").read().split("\n" + "=" * 20 + "\n")
+    assert len(texts) == 11 and texts[-1] == "" and all(t.startswith("I believe in unicorns because")
+                                                         for t in texts[:-1])
 
 
 def test_the_dataset_docs(gpt2_cache, tmp_path):

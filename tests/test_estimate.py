@@ -1,7 +1,9 @@
 """The memory estimator against measurement: activations within 15% of the bytes autograd keeps in a real
 training forward; weights, gradients and optimizer states exact."""
 
+import dataclasses
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -12,9 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import estimate_memory
+from lowmem_aitextgen.arguments import Arguments
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
-from lowmem_aitextgen.estimate import memory_plan
-from lowmem_aitextgen.memory import apply_memory_plan
+from lowmem_aitextgen.estimate import TABLE_PLANS, fits_table, memory_plan, model_config, smallest_card
+from lowmem_aitextgen.memory import apply_memory_plan, format_bytes
 from lowmem_aitextgen.optimizers import build_optimizer
 from lowmem_aitextgen.plan import LoraSettings
 
@@ -132,3 +135,43 @@ def test_an_estimate_leaves_the_random_state_alone():
     torch.manual_seed(5)
     estimate_memory(tiny_gpt2_config(n_positions=128), block_size=64, lora=True)
     assert torch.equal(torch.rand(4), expected)
+
+
+# --- GPT-2 774M and 1558M: estimates from probe models (one or two blocks), nothing full-size built ---------
+
+
+def test_gpt2_xl_lora_fits_an_8gb_card_with_room():
+    lora = estimate_memory("1558M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True,
+                           lora=True, device="cuda")
+    assert lora.weights == 1_557_611_200 * 2 + lora.gradients  # a bf16 base; the adapters fp32
+    assert lora.total <= 3.6 * 2**30, format_bytes(lora.total)
+    assert smallest_card(lora.total) in ("4 GB", "6 GB")
+
+
+def test_a_gpu_plan_for_774m_within_6gib_holds_weights_in_16_bits(monkeypatch):
+    """max_memory="6GiB" on a GPU with bf16 (simulated: this machine has none): AdamW, even 8-bit, does not
+    fit a full fine-tune of 774M; 16-bit weights with 8-bit AdamW do, and the plan says why."""
+    from lowmem_aitextgen import budget, plan
+
+    for module in (budget, plan):
+        monkeypatch.setattr(module, "bf16_is_fast", lambda accelerator: True)
+        monkeypatch.setattr(module, "mixed_precision_usable", lambda accelerator: True)
+    config = model_config("774M")
+    user = dataclasses.replace(memory_plan("bf16-mixed", False, None, 1, "adamw", True, device="cuda"), n_layer=36,
+                               args=Arguments({"max_memory": "6GiB"}, {}))
+    chosen, estimate = budget.fit_plan(config, user, 1024, 6 * 2**30)
+    assert (chosen.precision, chosen.optimizer) == ("bf16-true", "adamw8bit")
+    assert estimate.total <= 6 * 2**30 and "16-bit weights with 8-bit AdamW" in chosen.chosen_because
+    eight_bit = estimate_memory("774M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True,
+                                optimizer="adamw8bit", device="cuda")
+    assert eight_bit.total > 6 * 2**30  # why the 16-bit tier was needed
+
+
+def test_the_readme_table_is_what_its_script_writes():
+    """README.md's "What fits my card" rows for 124M, regenerated here (the larger sizes' probes take
+    minutes; benchmarks/fits_table.py writes them all)."""
+    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8").read()
+    table = fits_table(models=("124M",))
+    for row in table.splitlines():
+        assert row in readme, row
+    assert readme.count("| 1558M |") == len(TABLE_PLANS)

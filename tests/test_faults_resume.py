@@ -77,11 +77,15 @@ def test_the_same_effective_batch_split_otherwise_resumes(interrupted, small_dat
 def test_a_resumed_run_keeps_the_optimizer_the_budget_chose(small_data, base_folder, tokenizer_file):
     """max_memory chose 8-bit AdamW; resuming with the same arguments keeps it even where more memory
     is free now (its state is in the checkpoint)."""
-    from lowmem_aitextgen.budget import estimate_plan
-    from lowmem_aitextgen.estimate import memory_plan
+    import dataclasses
+
+    from lowmem_aitextgen.budget import budgeted_bytes
+    from lowmem_aitextgen.estimate import estimate_plan, memory_plan
 
     config = tiny_gpt2_config()
-    tight = estimate_plan(config, memory_plan("bf16-mixed", True, None, 2, "adamw8bit", True), 32).total + 1
+    smallest_adamw = dataclasses.replace(memory_plan("bf16-mixed", True, None, 1, "adamw", True), n_layer=2,
+                                         accumulation=2, hold_freed_heap=True)
+    tight = budgeted_bytes(smallest_adamw, estimate_plan(config, smallest_adamw, 32)) - 1  # only 8-bit fits
     ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
     ai.train(small_data, output_dir="run", batch_size=2, max_memory=tight, callbacks=[CtrlC(1)], **COMMON)
     assert json.load(open("run/training_summary.json"))["plan"]["optimizer"] == "AdamW8bitCompiledOnce"

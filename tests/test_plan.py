@@ -44,7 +44,7 @@ def test_each_decision_is_made_from_the_arguments_in_one_place():
     model = GPT2LMHeadModel(tiny_gpt2_config())
     plan = plan_for(model, n_gpu=0, lora=True, lora_r=4, batch_size=2, gradient_accumulation_steps=3, seed=5)
     assert (plan.accelerator, plan.lora.r, plan.effective_batch_size, plan.data_seed) == ("cpu", 4, 6, 5)
-    assert plan.cpu_speedups and plan.hold_freed_heap and plan.loss_chunk_tokens == 128
+    assert plan.cpu_speedups and not plan.hold_freed_heap and plan.loss_chunk_tokens == 128  # budget.py may hold it
     assert plan.fixed == frozenset()  # nothing a budget may change was set
     fixed = plan_for(model, n_gpu=0, optimizer="adafactor", gradient_checkpointing=False).fixed
     assert fixed == {"optimizer", "gradient_checkpointing"}

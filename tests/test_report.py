@@ -50,6 +50,7 @@ def trained(tokenizer_file, corpus_file, tmp_path_factory):
     torch.manual_seed(0)
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
     ai.train(corpus_file, output_dir=output_dir, num_steps=8, batch_size=2, gradient_accumulation_steps=2,
+             pin_micro_batch=True,
              warmup_steps=3, save_every=0, generate_every=0, precision="32-true", loggers="csv")
     with open(os.path.join(output_dir, "training_summary.json")) as f:
         return ai, output_dir, json.load(f)

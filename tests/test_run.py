@@ -31,7 +31,8 @@ def recorded_gradients(tokenizer_file, corpus_file, **train_kwargs):
 def test_accumulation_equals_a_larger_batch(tokenizer_file, corpus_file):
     """4 micro-batches of 1 give the gradients of one batch of 4 (fp32, dropout off; rtol 1e-4)."""
     big = recorded_gradients(tokenizer_file, corpus_file, batch_size=4)
-    accumulated = recorded_gradients(tokenizer_file, corpus_file, batch_size=1, gradient_accumulation_steps=4)
+    accumulated = recorded_gradients(tokenizer_file, corpus_file, batch_size=1, gradient_accumulation_steps=4,
+                                     pin_micro_batch=True)
     assert len(big) == len(accumulated) == 2  # num_steps counts optimizer steps
     for name, grad in big[0].items():
         torch.testing.assert_close(accumulated[0][name], grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -51,3 +52,18 @@ def test_bf16_mixed_on_cpu_learns_and_stays_finite(tokenizer_file, corpus_file):
     assert next(ai.model.parameters()).dtype == torch.float32  # fp32 master weights
 
 
+
+
+def test_the_plan_regroups_the_micro_batch_with_the_same_gradients(tokenizer_file, corpus_file):
+    """batch_size=1 x 4 accumulation, memory to spare: the plan trains micro-batches of 4 in one step,
+    whose gradients are the pinned split's (fp32, dropout off; rtol 1e-4)."""
+    import json
+
+    pinned = recorded_gradients(tokenizer_file, corpus_file, batch_size=1, gradient_accumulation_steps=4,
+                                pin_micro_batch=True, output_dir="pinned")
+    regrouped = recorded_gradients(tokenizer_file, corpus_file, batch_size=1, gradient_accumulation_steps=4,
+                                   output_dir="regrouped")
+    plans = [json.load(open(f"{run}/training_summary.json"))["plan"] for run in ("pinned", "regrouped")]
+    assert [(p["micro_batch_size"], p["gradient_accumulation_steps"]) for p in plans] == [(1, 4), (4, 1)]
+    for name, grad in pinned[0].items():
+        torch.testing.assert_close(regrouped[0][name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -1,4 +1,4 @@
-"""Saves are atomic: a process killed mid-save leaves the previous model loadable."""
+"""saving: atomic saves (a process killed mid-save leaves the previous model loadable), streamed weights."""
 
 import os
 import random
@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
@@ -62,3 +63,81 @@ def test_safetensors_save_replaces_legacy_bin(tmp_path):
     saving.atomic_save(str(tmp_path / "m"), model)
     assert "pytorch_model.bin" not in os.listdir(tmp_path / "m")
     assert "model.safetensors" in os.listdir(tmp_path / "m")
+
+
+def lora_model_as_trained():
+    """A LoRA model as training leaves it: adapters that changed, the frozen base held in bf16."""
+    from lowmem_aitextgen.lora import add_lora
+    from lowmem_aitextgen.memory import cast_frozen_weights
+    from lowmem_aitextgen.plan import LoraSettings
+
+    torch.manual_seed(0)
+    model = add_lora(GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)), LoraSettings(r=4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.02)
+    cast_frozen_weights(model, torch.bfloat16)
+    return model
+
+
+def test_the_streamed_merged_save_holds_an_fp32_merge_and_loads_everywhere(tmp_path):
+    """model.safetensors written a tensor at a time holds exactly what merging the adapters into an fp32
+    copy of the (bf16-held) base gives, under save_pretrained's names; transformers, peft and aitextgen
+    load the folder; the merge in place (what the object keeps) is that merge rounded once to bf16."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    model = lora_model_as_trained()
+    reference = copy.deepcopy(model).float().merge_and_unload()
+    in_place = copy.deepcopy(model).merge_and_unload()
+    saving.atomic_save(str(tmp_path / "m"), model, merged_dtype=torch.float32)
+    written = load_file(tmp_path / "m" / "model.safetensors")
+    expected = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    assert written.keys() == expected.keys()
+    for key, value in expected.items():
+        assert written[key].dtype == torch.float32 and torch.equal(written[key], value), key
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert torch.equal(loaded.lm_head.weight, reference.lm_head.weight)
+    assert torch.equal(aitextgen(model_folder=str(tmp_path / "m")).model.transformer.h[0].attn.c_attn.weight,
+                       reference.transformer.h[0].attn.c_attn.weight)
+    assert os.path.isfile(tmp_path / "m" / "lora_adapter" / "adapter_model.safetensors")
+    for key, value in in_place.state_dict().items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, reference.state_dict()[key].to(value.dtype)), key
+
+
+SAVE_PEAK = textwrap.dedent("""
+    import sys
+    import pytorch_lightning as pl
+    from transformers import GPT2Config
+    from lowmem_aitextgen import aitextgen
+
+    def high_water_mark():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+    class AtTrainingEnd(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            marks["training"] = high_water_mark()
+
+    marks = {}
+    data, tokenizer, output_dir = sys.argv[1:4]
+    ai = aitextgen(tokenizer_file=tokenizer, config=GPT2Config(vocab_size=1000, n_positions=32, n_layer=6, n_embd=768,
+                                                               n_head=12, bos_token_id=0, eos_token_id=0))
+    ai.train(data, lora=True, num_steps=2, output_dir=output_dir, generate_every=0, save_every=0, fp16=True,
+             callbacks=[AtTrainingEnd()])
+    print(marks["training"], high_water_mark())
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM")
+def test_merging_and_saving_a_lora_model_adds_nothing_to_the_training_peak(corpus_file, tokenizer_file, tmp_path):
+    """A 43M-parameter model (170 MB in fp32): a merged copy for the save would raise the process's
+    high-water mark by ~170 MB; merged and written a tensor at a time, the save stays under the peak
+    training reached (+ one 9 MB tensor at most)."""
+    result = subprocess.run([sys.executable, "-c", SAVE_PEAK, corpus_file, tokenizer_file, str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    training, whole_run = (int(n) for n in result.stdout.split()[-2:])
+    assert whole_run - training <= 10 * 2**20, (training, whole_run)

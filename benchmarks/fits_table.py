@@ -1,0 +1,38 @@
+"""Writes README.md's "What fits my card" table from estimate_memory (GPU estimates, nothing downloaded).
+
+    python benchmarks/fits_table.py          # rewrites the table between its markers in README.md
+    python benchmarks/fits_table.py --print  # prints it
+
+tests/test_estimate.py checks that README.md holds exactly what this writes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+START, END = "<!-- fits-table: benchmarks/fits_table.py -->", "<!-- /fits-table -->"
+
+
+def readme_with_table(readme: str, table: str) -> str:
+    before, rest = readme.split(START, 1)
+    _, after = rest.split(END, 1)
+    return f"{before}{START}\n{table}\n{END}{after}"
+
+
+def main() -> None:
+    from lowmem_aitextgen.estimate import fits_table
+
+    table = fits_table()
+    if "--print" in sys.argv:
+        print(table)
+        return
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    with open(README, "w", encoding="utf-8") as f:
+        f.write(readme_with_table(text, table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""How long an optimizer step of a plan takes, roughly: the cost model budget.py ranks plans by.
+
+Only the ranking matters, so the model counts what differs between the plans the planner weighs, from
+the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
+
+| term                          | what changes it                                | where it comes from          |
+|-------------------------------|------------------------------------------------|------------------------------|
+| matmul work per token         | the model's width, depth, vocabulary, block     | 2 FLOPs a weight, attention  |
+| backward                      | 2x forward; LoRA or frozen: 1x (no weight grads)| autograd                     |
+| recompute                     | one more forward of each checkpointed block     | checkpointing                |
+| a trainable head, chunked     | the head's matmul once more                    | chunked_loss                 |
+| throughput                    | device and precision (bf16 is slower than fp32  | DEVICE_FLOPS, CPU_BF16_SPEED |
+|                               | on CPUs without native bf16)                   |                              |
+| micro-batch                   | tokens per micro-batch below a device's         | SATURATION_TOKENS            |
+|                               | saturation leave it partly idle                |                              |
+| per micro-batch               | Python, Lightning, kernel launches; each weight | MICRO_BATCH_OVERHEAD_S,      |
+|                               | cast or gradient accumulated once more          | MICRO_BATCH_S_PER_PARAMETER  |
+| optimizer                     | the parameters it updates, and how (8-bit AdamW | OPTIMIZER_S_PER_PARAMETER    |
+|                               | quantizes every state: much slower on CPU)     |                              |
+| CPU: the held heap            | a step's activations, given back to the OS     | REFAULT_S_PER_BYTE           |
+|   (plan.hold_freed_heap)      | before the optimizer step, fault back in next   |                              |
+
+Its error, checked against measured steps on the 2-core CPU here (tests/test_step_time.py holds the
+orderings it must get right): the times themselves can be off by tens of percent, the order of plans
+that differ in checkpointed blocks, micro-batch or optimizer comes out right.  The GPU constants are
+an H100's (benchmarks/gpu_session.sh measures them when a GPU is lent).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .plan import TrainPlan
+
+# Matmul throughput in FLOP/s a training step reaches, by device and computing dtype (CPU: fp32; bf16 is
+# CPU_BF16_SPEED times that).
+DEVICE_FLOPS = {("gpu", "16"): 250e12, ("gpu", "32"): 40e12, ("cpu", "32"): 110e9}
+# CPU bf16 autocast against fp32: with native bf16 (AVX512-BF16/AMX) measured 1.4-3x faster at widths
+# 64-1024 here; emulated, about half as fast (that CPU's default is fp32, bf16 only to fit).
+CPU_BF16_SPEED = {True: 1.9, False: 0.5}
+# Tokens per micro-batch at which the device is half as fast as when saturated (time grows by
+# SATURATION_TOKENS / tokens): a GPU needs thousands of rows per matmul, a CPU's few cores far fewer.
+SATURATION_TOKENS = {"gpu": 2048, "cpu": 32}
+# Each micro-batch: Python/Lightning/kernel launches, and a pass over every weight that trains or is
+# cast by autocast (the weights cast to bf16, the gradient accumulated): why fewer, larger micro-batches
+# are faster on CPU too.
+MICRO_BATCH_OVERHEAD_S = {"gpu": 0.01, "cpu": 0.02}
+MICRO_BATCH_S_PER_PARAMETER = {"gpu": 0.002e-9, "cpu": 1.8e-9}
+# Seconds per updated parameter for one optimizer step.
+OPTIMIZER_S_PER_PARAMETER = {("gpu", "adamw"): 0.4e-9, ("gpu", "adamw8bit"): 0.8e-9, ("gpu", "adafactor"): 0.6e-9,
+                             ("cpu", "adamw"): 1.2e-9, ("cpu", "adamw8bit"): 15e-9, ("cpu", "adafactor"): 3e-9}
+# CPU, plan.hold_freed_heap: the freed heap given back before each optimizer step is faulted back in
+# (kernel-zeroed pages) by the next step's activations: seconds per byte of a micro-batch's activations.
+REFAULT_S_PER_BYTE = 1.0 / 2**30
+
+
+def shape(config: Any) -> tuple[int, int, int]:
+    """(blocks, width, vocabulary) of a GPT-2-like config."""
+    n_layer = getattr(config, "n_layer", None) or config.num_hidden_layers
+    width = getattr(config, "n_embd", None) or config.hidden_size
+    return n_layer, width, config.vocab_size
+
+
+def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parameters: int,
+                 bf16_native: bool = True, activation_bytes: int = 0) -> float:
+    """Expected seconds of one optimizer step (plan.micro_batch_size x plan.accumulation sequences);
+    activation_bytes: what one micro-batch keeps for backward (the estimate's activations)."""
+    n_layer, width, vocab = shape(config)
+    block_flops = 24 * width * width + 4 * block_size * width  # per token: matmuls, then attention
+    head_flops = 2 * vocab * width
+    forward = n_layer * block_flops + head_flops
+    frozen_base = plan.lora is not None
+    backward = forward if frozen_base else 2 * forward
+    recompute = min(plan.checkpointed_blocks, n_layer) * block_flops
+    head_again = head_flops if plan.loss_chunk_tokens and not frozen_base else 0
+    flops_per_token = forward + backward + recompute + head_again
+    tokens_per_micro = plan.micro_batch_size * block_size
+    seconds_per_token = flops_per_token / throughput(plan, width, bf16_native)
+    seconds_per_token *= 1 + SATURATION_TOKENS[plan.accelerator] / tokens_per_micro
+    cast_or_accumulated = trainable_parameters if not frozen_base else 0  # LoRA's base is held in 16 bits
+    micro_batch = (tokens_per_micro * seconds_per_token + MICRO_BATCH_OVERHEAD_S[plan.accelerator]
+                   + cast_or_accumulated * MICRO_BATCH_S_PER_PARAMETER[plan.accelerator])
+    optimizer = trainable_parameters * OPTIMIZER_S_PER_PARAMETER[(plan.accelerator, plan.optimizer)]
+    refaults = activation_bytes * REFAULT_S_PER_BYTE if plan.hold_freed_heap else 0.0
+    return plan.accumulation * micro_batch + optimizer + refaults
+
+
+def throughput(plan: TrainPlan, width: int, bf16_native: bool) -> float:
+    """FLOP/s of this plan's matmuls on its device."""
+    if plan.accelerator == "cpu":
+        fp32 = DEVICE_FLOPS[("cpu", "32")]
+        return fp32 * CPU_BF16_SPEED[bf16_native] if plan.half_dtype is not None else fp32
+    return DEVICE_FLOPS[("gpu", "16" if plan.half_dtype is not None else "32")]
