@@ -7,6 +7,7 @@ writing files saving.py's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -17,8 +18,9 @@ import torch
 from aitextgen.aitextgen import aitextgen as _aitextgen
 from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import Strategy
+from torch.utils.data import Dataset
 
-from . import arguments, generation, loading, saving
+from . import arguments, generation, loading, saving, validation
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
@@ -226,6 +228,9 @@ class aitextgen(_aitextgen):
         max_memory: int | str | None = None,
         pin_micro_batch: bool = False,
         callbacks: list[pl.Callback] | None = None,
+        val_data: str | TokenDataset | float | None = None,
+        eval_every: int | None = None,
+        early_stopping_patience: int | None = None,
         **kwargs: Any,
     ) -> None:
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
@@ -233,15 +238,17 @@ class aitextgen(_aitextgen):
         chunked_loss=, optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
         from output_dir's checkpoint), max_memory= (fit the plan to a budget), pin_micro_batch= (keep
         batch_size x gradient_accumulation_steps as given), Lightning's strategy=, num_nodes=, devices=
-        and callbacks=.
+        and callbacks=, and val_data= (a text file, a TokenDataset, or a fraction of train_data to hold out:
+        output_dir then keeps the model with the lowest validation loss), eval_every= (optimizer steps
+        between evaluations) and early_stopping_patience= (evaluations without improvement before stopping).
         Other keyword arguments go to TokenDataset (e.g. line_by_line=True, block_size=256)."""
         args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
         loggers = make_loggers(args.loggers, args.output_dir)
-        plan, dataset = self._training_plan(args)
+        plan, dataset, val_dataset = self._training_plan(args)
         model = self._model_for(plan)
         model.config.line_by_line = getattr(dataset, "line_by_line", False)
         run = TrainingRun(model, self.tokenizer, self.model_source.name, plan, dataset, loggers,
-                          list(args.callbacks or []))
+                          list(args.callbacks or []), val_dataset)
         try:
             outcome = run.run()
         finally:  # however it ended, the object holds the trained model (LoRA merged), ready to generate
@@ -263,23 +270,27 @@ class aitextgen(_aitextgen):
         args = args.replace(output_dir=saving.check_folder_name("output_dir", args.output_dir))
         saving.check_output_dir(args.output_dir)
         check_train_data(args.train_data, args)
+        validation.check_arguments(args)
         check_optimizer(args.optimizer or "adamw")
         return args
 
-    def _training_plan(self, args: arguments.Arguments) -> tuple[TrainPlan, TokenDataset]:
-        """The plan (fitted to the memory budget) and the data, with a checkpoint to resume checked."""
+    def _training_plan(self, args: arguments.Arguments) -> tuple[TrainPlan, Dataset, Dataset | None]:
+        """The plan (fitted to the memory budget), the training data and the validation data (None without
+        val_data), with a checkpoint to resume checked."""
         resume_from = checkpoint_to_resume(args.resume, args.output_dir)
         resumed = read_run_description(resume_from)
         model = self.model_shape
         plan = build_plan(model, args, constructor_checkpointing=self.gradient_checkpointing,
                           freeze_by_default=self.openai_tf_gpt2 == "1558M",  # as aitextgen, to fit 1.5B
                           model_has_adapter=is_lora_model(model), resume_from=resume_from, resumed=resumed)
-        dataset = training_dataset(args.train_data, args, self.tokenizer, model.config, dict(
-            bos_token=self.bos_token, eos_token=self.eos_token, unk_token=self.unk_token))
+        encode = functools.partial(training_dataset, args=args, tokenizer=self.tokenizer, config=model.config,
+                                   special_tokens=dict(bos_token=self.bos_token, eos_token=self.eos_token,
+                                                       unk_token=self.unk_token))
+        dataset, val_dataset = validation.validation_datasets(encode(args.train_data), args, encode)
         plan = fit_to_budget(plan, model.config, dataset.block_size, weights_on_gpu(model))
         if resumed is not None:
             check_resumable(resume_from, resumed, plan, model)
-        return plan, dataset
+        return plan, dataset, val_dataset
 
     def cross_train(self, inputs: list, learning_rate: float | list[float] = 1e-4,
                     num_steps: int | list[int] = 4000, run_id: str | None = None, **kwargs: Any) -> None:

@@ -174,6 +174,12 @@ def sequence_of_text(fix: str) -> Rule:
     return rule
 
 
+def dataset(value: Any) -> str | None:
+    from torch.utils.data import Dataset
+
+    return None if isinstance(value, Dataset) else "must be a TokenDataset"
+
+
 def callbacks(value: Any) -> str | None:
     import pytorch_lightning as pl
 
@@ -249,6 +255,11 @@ TRAIN_RULES: dict[str, Rule] = {
     "pin_micro_batch": flag("True keeps batch_size x gradient_accumulation_steps as given"),
     "callbacks": optional(callbacks),
     "block_size": integer(1, "e.g. block_size=512"),
+    "val_data": optional(either(path(""), dataset, number(0, 0.5, "", low_open=True, high_open=True), says=(
+        "must be a text file, a TokenDataset, or a fraction of train_data to hold out in (0, 0.5), "
+        "e.g. val_data=0.1"))),
+    "eval_every": optional(integer(1, "it counts optimizer steps between evaluations, e.g. eval_every=100")),
+    "early_stopping_patience": optional(integer(1, "it counts evaluations without improvement, e.g. 3")),
 }
 
 # aitextgen 0.6 arguments that no longer apply: their defaults, and what happens instead.

@@ -65,31 +65,44 @@ class TextSamples(Protocol):
 
 
 class SaveAndSample(OptimizerStepCallback):
-    """Every save_every steps save a checkpoint and the model; every generate_every steps print samples.
+    """Every save_every steps save a checkpoint and the model (only the checkpoint with val_data, where
+    output_dir keeps the best model); every generate_every steps print samples.
 
     The checkpoint is also written when training stops early (Ctrl-C, SIGTERM, divergence),
     so resume=True continues from the latest state; a run that reaches num_steps needs
-    none (the run saves the model then, after Lightning has finished).
+    none (the run saves the model then, after Lightning has finished).  A step Lightning evaluates
+    (eval_every) is checkpointed after its evaluation, so the checkpoint's validation history has it.
     """
 
     def __init__(self, save_every: int, generate_every: int, files: RunFiles, samples: TextSamples,
-                 write: Callable[[str], None]) -> None:
+                 write: Callable[[str], None], save_models: bool = True, eval_every: int = 0) -> None:
         super().__init__()
+        self.save_models = save_models  # False: only checkpoints (validation.BestModel saves the model)
+        self.eval_every = eval_every  # Lightning evaluates these steps, and every step training stops at
+        self.checkpoint_after_validation = False
         self.save_every = save_every
         self.generate_every = generate_every
         self.files = files
         self.samples = samples
         self.write = write
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.checkpoint_after_validation:
+            self.checkpoint_after_validation = False
+            self.files.checkpoint(trainer)
+
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
         step = trainer.global_step
         finished = step >= trainer.max_steps
         periodic = bool(self.save_every) and step % self.save_every == 0 and not finished
-        if periodic or trainer.should_stop:
-            self.files.checkpoint(trainer)  # on every rank: sharded strategies save together
+        if periodic or (trainer.should_stop and not finished):
+            if self.eval_every and (step % self.eval_every == 0 or trainer.should_stop):
+                self.checkpoint_after_validation = True  # so that it holds this step's evaluation
+            else:
+                self.files.checkpoint(trainer)  # on every rank: sharded strategies save together
         if finished or trainer.should_stop or not trainer.is_global_zero:
             return
-        if periodic:
+        if periodic and self.save_models:
             self.write(f"\033[1m{step:,} steps reached: saving model.\033[0m")
             self.files.save_model(pl_module.model, skipped_steps=pl_module.skipped_steps)
         if self.generate_every and step % self.generate_every == 0:

@@ -74,7 +74,9 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
                 total += (log_normalizer - logits.gather(1, picked)).masked_fill(ignored, 0.0).sum()
                 if grad_hidden is not None:
                     grad_logits = logits.sub_(log_normalizer).exp_()  # softmax, in place of the logits
-                    grad_logits.scatter_add_(1, picked, torch.full(picked.shape, -1.0, device=picked.device))
+                    # dtype given: under precision="bf16-true" Lightning makes bf16 the default dtype
+                    grad_logits.scatter_add_(1, picked, torch.full(picked.shape, -1.0, dtype=grad_logits.dtype,
+                                                                   device=picked.device))
                     grad_logits.masked_fill_(ignored, 0.0)
                     grad_hidden[start:start + chunk_tokens] = grad_logits.to(weight.dtype) @ weight
         ctx.save_for_backward(grad_hidden)

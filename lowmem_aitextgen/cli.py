@@ -42,7 +42,12 @@ def train_cli(file_path: str, **kwargs: Any) -> None:
     dataset_kwargs = _accepted(TokenDataset.__init__, kwargs)
     dataset_kwargs.setdefault("block_size", ai.model.config.n_positions)
     dataset = TokenDataset(file_path, from_cache=from_cache, tokenizer=ai.tokenizer, **dataset_kwargs)
-    ai.train(dataset, **_accepted(ai.train, kwargs))
+    train_kwargs = _accepted(ai.train, kwargs)
+    val_data = train_kwargs.get("val_data")
+    if isinstance(val_data, str):  # a file, encoded as the training file is
+        train_kwargs["val_data"] = TokenDataset(val_data, from_cache=val_data.endswith(".tar.gz"),
+                                                tokenizer=ai.tokenizer, **dataset_kwargs)
+    ai.train(dataset, **train_kwargs)
 
 
 def generate_cli(to_file: bool = True, **kwargs: Any) -> None:

@@ -47,50 +47,54 @@ def check_train_data(train_data: Any, args: Arguments) -> None:
         raise TypeError(f"train_data must be a text file path or a TokenDataset, not {type(train_data).__name__}.")
 
 
-def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: Any, special_tokens: dict) -> Dataset:
-    """A TokenDataset as given (checked against the model), or encoded from a file in blocks of the
-    model's context (or fewer tokens, said so, when the whole text is shorter)."""
+def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: Any, special_tokens: dict,
+                     argument: str = "train_data", block_size: int | None = None) -> Dataset:
+    """A TokenDataset as given (checked against the model), or encoded from a file in blocks of
+    `block_size` tokens, by default block_size= or the model's context (or fewer tokens, said so, when
+    the whole text is shorter).  `argument` names it in messages (val_data is read the same way)."""
     dataset_kwargs = dict(args.extra)  # arguments.check_train let only TokenDataset's through
     if not isinstance(train_data, (str, os.PathLike)):
-        if dataset_kwargs:
+        if dataset_kwargs and argument == "train_data":
             logger.warning(f"{', '.join(sorted(dataset_kwargs))} ignored: train_data is already a TokenDataset "
                            "(pass them to TokenDataset() instead).")
-        check_tokens(train_data, config)
+        check_tokens(train_data, config, argument)
         return train_data
     for name in set(dataset_kwargs) & set(IGNORED_WITH_A_TOKENIZER):
         logger.warning(f"{name}={dataset_kwargs.pop(name)!r} ignored: train() encodes with the model's tokenizer.")
     context = context_length(config)
-    block_size = dataset_kwargs.pop("block_size", None) or context
+    block_size = block_size or dataset_kwargs.pop("block_size", None) or context
+    dataset_kwargs.pop("block_size", None)
     logger.info(f"Loading text from {train_data} with generation length of {block_size}.")
     dataset = TokenDataset(file_path=os.fspath(train_data), tokenizer=tokenizer, block_size=1, **special_tokens,
                            **dataset_kwargs)
     n_tokens = dataset.tokens.shape[0]
     if n_tokens < block_size:
         if n_tokens < 2:
-            raise ValueError(f"train_data={os.fspath(train_data)!r} encodes to {n_tokens} token; "
+            raise ValueError(f"{argument}={os.fspath(train_data)!r} encodes to {n_tokens} token; "
                              "there is nothing to learn. Add text.")
-        logger.warning(f"train_data has {n_tokens} tokens, fewer than the block of {block_size}: "
-                       f"training on blocks of {n_tokens} tokens.")
+        use = "training on" if argument == "train_data" else "evaluating"
+        logger.warning(f"{argument} has {n_tokens} tokens, fewer than the block of {block_size}: "
+                       f"{use} blocks of {n_tokens} tokens.")
         block_size = n_tokens
     dataset.set_block_size(block_size)
-    check_tokens(dataset, config)
+    check_tokens(dataset, config, argument)
     return dataset
 
 
-def check_tokens(dataset: Dataset, config: Any) -> None:
+def check_tokens(dataset: Dataset, config: Any, argument: str = "train_data") -> None:
     """Every token id below the model's vocabulary, every block within its context."""
     tokens = getattr(dataset, "tokens", None)
     if tokens is None:
         return
     vocab_size = getattr(config, "vocab_size", None)
     if tokens.size and vocab_size is not None and int(np.max(tokens)) >= vocab_size:
-        raise ValueError(f"train_data holds token id {int(np.max(tokens)):,}, but the model's vocabulary has "
+        raise ValueError(f"{argument} holds token id {int(np.max(tokens)):,}, but the model's vocabulary has "
                          f"{vocab_size:,} tokens: the TokenDataset was encoded with another tokenizer. Encode it "
                          "with this model's tokenizer (TokenDataset(..., tokenizer_file=...) or pass a file).")
     context = context_length(config)
     block_size = getattr(dataset, "block_size", None)
     if context is not None and block_size is not None and block_size > context:
-        raise ValueError(f"train_data's block_size={block_size} is above the model's context of {context} tokens; "
+        raise ValueError(f"{argument}'s block_size={block_size} is above the model's context of {context} tokens; "
                          f"build the TokenDataset with block_size<={context}.")
 
 

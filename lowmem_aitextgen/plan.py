@@ -29,6 +29,7 @@ ALL_BLOCKS = 1_000_000  # checkpointed_blocks at or above the model's block coun
 CHECKPOINTING_MIN_PARAMS = 300_000_000
 # The memory choices max_memory and out-of-memory recovery may make, and the argument that fixes each.
 FITTED_CHOICES = ("gradient_checkpointing", "fp16", "precision", "chunked_loss", "optimizer")
+EVALUATIONS_BY_DEFAULT = 10  # with val_data and save_every=0: eval_every = num_steps // 10
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class TrainPlan:
     budget: int | None = None  # bytes the plan was fitted to (budget.py), None if none
     chosen_because: str = ""  # what the planner weighed (budget.py), for the plan line and the summary
     fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES)
+    eval_every: int = 0  # optimizer steps between evaluations of val_data; 0: no validation
+    early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     args: Arguments = field(default_factory=lambda: Arguments({}, {}), compare=False, hash=False, repr=False)
 
     @property
@@ -259,6 +262,16 @@ def decide_lora(args: Arguments, model_has_adapter: bool, resumed: dict | None) 
     return None
 
 
+def validation_interval(args: Arguments) -> int:
+    """Optimizer steps between evaluations: eval_every, else save_every, else num_steps // 10; 0 without
+    val_data."""
+    if args.get("val_data") is None:
+        return 0
+    if args.get("eval_every") is not None:
+        return args.eval_every
+    return args.save_every or max(1, args.num_steps // EVALUATIONS_BY_DEFAULT)
+
+
 def decide_optimizer(args: Arguments, resumed: dict | None) -> str:
     """The user's, else the resumed run's (its state is in the checkpoint), else AdamW."""
     return args.optimizer or (resumed or {}).get("optimizer") or "adamw"
@@ -308,5 +321,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         data_seed=args.seed if args.seed is not None else int(torch.randint(2**31, ())),
         resume_from=resume_from,
         fixed=fixed_choices(args, constructor_checkpointing, resumed),
+        eval_every=validation_interval(args),
+        early_stopping_patience=args.get("early_stopping_patience"),
         args=args,
     )

@@ -167,8 +167,8 @@ class RunRecorder(OptimizerStepCallback):
         atomic_write_bytes(path, json.dumps(summary, indent=2).encode())
         written = [path]
         if matplotlib_available() and self.records:
-            written.append(save_png(loss_figure(self.records), os.path.join(output_dir, LOSS_PLOT),
-                                    loss_plot_data(self.records)))
+            data = loss_plot_data(self.records, summary.get("validation"))
+            written.append(save_png(loss_figure(data), os.path.join(output_dir, LOSS_PLOT), data))
             data = memory_plot_data(summary)
             written.append(save_png(memory_figure(data), os.path.join(output_dir, MEMORY_PLOT), data))
         return written
@@ -205,13 +205,15 @@ class StepProgressBar(ProgressBar):
             return
         if record.step % self.refresh_rate == 0 or record.step == self.total_steps:
             self.bar.update(record.step - self.bar.n)
-            self.bar.set_description(self.description(record))
+            self.bar.set_description(self.description(record, trainer.progress_bar_metrics.get("val_loss")))
 
-    def description(self, record: Any) -> str:
+    def description(self, record: Any, val_loss: float | None = None) -> str:
+        """The bar's text; val_loss is the latest evaluation's (logged by validation.ValidatedModule)."""
         memory = "GPU peak" if self.accelerator == "gpu" else "RSS peak"
         avg = float("nan") if record.avg_loss is None else record.avg_loss
+        val = "" if val_loss is None else f" — Val: {float(val_loss):.3f}"
         return (
-            f"Loss: {record.loss:.3f} — Avg: {avg:.3f} — {record.tokens_per_s:,.0f} tok/s — "
+            f"Loss: {record.loss:.3f} — Avg: {avg:.3f}{val} — {record.tokens_per_s:,.0f} tok/s — "
             f"{memory}: {format_bytes(record.peak_memory_bytes)}"
         )
 
@@ -234,11 +236,15 @@ def describe_summary(summary: dict[str, Any]) -> str:
     def loss(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.3f}"
 
+    validation = ""
+    if summary.get("best_step") is not None:
+        validation = (f"  validation: best {loss(summary['best_val_loss'])} at step {summary['best_step']:,} "
+                      f"(the model saved), {len(summary['validation'])} evaluations\n")
     return (
         f"Training summary: {summary['steps']:,} steps, {summary['tokens']:,} tokens in "
         f"{summary['wall_time_s']:.0f} s ({summary['tokens_per_s'] or 0:,.0f} tokens/s)\n"
         f"  loss: final {loss(summary['final_loss'])}, average {loss(summary['final_avg_loss'])}, "
-        f"best average {loss(summary['best_avg_loss'])}\n"
+        f"best average {loss(summary['best_avg_loss'])}\n{validation}"
         f"  memory: {summary['peak_memory_kind']} {format_bytes(summary['peak_memory_bytes'])}\n"
         f"  plan: {plan['precision']}, checkpointing "
         f"{describe_checkpointing(plan['checkpointed_blocks'], plan['blocks'])}, "
@@ -259,12 +265,17 @@ def matplotlib_available() -> bool:
     return True
 
 
-def loss_plot_data(records: list[StepRecord]) -> dict[str, list]:
-    return {
+def loss_plot_data(records: list[StepRecord], validation: list[dict] | None = None) -> dict[str, list]:
+    """The training loss per step, and the validation loss at each evaluation when there is one."""
+    data = {
         "step": [r.step for r in records],
         "loss": [r.loss for r in records],
         "avg_loss": [r.avg_loss for r in records],
     }
+    if validation is not None:
+        data["val_step"] = [e["step"] for e in validation]
+        data["val_loss"] = [e["loss"] for e in validation]
+    return data
 
 
 def memory_plot_data(summary: dict[str, Any]) -> dict[str, Any]:
@@ -281,12 +292,13 @@ def _figure():
     return Figure(figsize=(7, 4), dpi=100)
 
 
-def loss_figure(records: list[StepRecord]):
-    data = loss_plot_data(records)
+def loss_figure(data: dict[str, list]):
     figure = _figure()
     axes = figure.add_subplot()
     axes.plot(data["step"], data["loss"], alpha=0.35, label="loss per step")
     axes.plot(data["step"], [math.nan if v is None else v for v in data["avg_loss"]], label="moving average")
+    if "val_loss" in data:
+        axes.plot(data["val_step"], data["val_loss"], marker="o", label="validation loss")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss")
     axes.legend()

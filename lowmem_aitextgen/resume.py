@@ -104,7 +104,17 @@ def run_description(plan: TrainPlan, base: dict[str, list[int]]) -> dict[str, An
     """What a resumed run must share with the one that wrote the checkpoint."""
     return {"base_parameters": base, "lora": asdict(plan.lora) if plan.lora else None,
             "optimizer": plan.optimizer, "effective_batch_size": plan.effective_batch_size,
-            "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and plan.lora is None else None}
+            "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and plan.lora is None else None,
+            "validation": held_out(plan)}
+
+
+def held_out(plan: TrainPlan) -> dict[str, Any] | None:
+    """What a run evaluates on: None without val_data; the fraction of train_data it holds out (None for a
+    file or TokenDataset).  A resumed run must hold out the same blocks, or they would be trained on."""
+    if not plan.eval_every:
+        return None
+    val_data = plan.args.get("val_data")
+    return {"held_out_fraction": val_data if isinstance(val_data, float) else None}
 
 
 # --- which checkpoint, and whether it fits ---------------------------------------------
@@ -158,7 +168,7 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, model: nn
     """The checkpoint fits this run: same model, LoRA, optimizer and effective batch, steps left."""
     ours = run_description(plan, base_parameters(model))
     mismatch = next((key for key in ("base_parameters", "lora", "frozen_layers", "optimizer",
-                                     "effective_batch_size") if saved.get(key) != ours[key]), None)
+                                     "effective_batch_size", "validation") if saved.get(key) != ours[key]), None)
     fixes = {
         "base_parameters": "construct aitextgen with the same model as the interrupted run",
         "lora": "call train() with the same lora, lora_r, lora_alpha, lora_dropout and lora_target_modules",
@@ -166,6 +176,8 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, model: nn
         "optimizer": f"pass optimizer={saved.get('optimizer')!r}",
         "effective_batch_size": (f"pass batch_size and gradient_accumulation_steps whose product is "
                                  f"{saved.get('effective_batch_size')}"),
+        "validation": ("call train() with the same val_data (a held-out fraction of train_data must be the same, "
+                       "or blocks trained on would be evaluated)"),
     }
     if mismatch is not None:
         difference = _difference(saved.get(mismatch), ours[mismatch])

@@ -34,6 +34,15 @@ from .plan import CHECKPOINT_NAME, TrainPlan
 from .report import RunRecorder, StepProgressBar, describe_summary
 from .resume import DiskCheckpointIO, StopOnSignal, discard_checkpoint, save_checkpoint
 from .saving import NonFiniteWeights, OutputDirLock, atomic_save, check_finite, prepare_output_dir
+from .validation import (
+    EARLY_STOPPING,
+    BestModel,
+    EvaluateLastStep,
+    ValidatedModule,
+    ValidationHistory,
+    keep_best_in_memory,
+    validation_loader,
+)
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -51,19 +60,21 @@ class Outcome:
     out_of_memory: BaseException | None = None  # with nothing cheaper left to try
     out_of_memory_at: int | None = None
     save_error: OSError | None = None  # the final save failed (a full disk): the model is only in memory
+    early_stopped: bool = False  # the validation loss stopped improving: the run is complete
 
 
 class RunFiles:
     """What a run writes into output_dir: the resumable checkpoint, the model (a LoRA model as its
-    adapter and the merged model) and the summary with its plots."""
+    adapter and the merged model) and the summary with its plots (and the validation history, if any)."""
 
     def __init__(self, plan: TrainPlan, tokenizer: Any, base_name: str | None, recorder: RunRecorder,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, history: ValidationHistory | None = None) -> None:
         self.plan = plan
         self.tokenizer = tokenizer
         self.base_name = base_name
         self.recorder = recorder
         self.dtype = dtype
+        self.history = history
         self.checkpoint_path = os.path.join(plan.output_dir, CHECKPOINT_NAME)
         self.saved_at: int | None = None  # the step of this run's latest model save
 
@@ -85,10 +96,16 @@ class RunFiles:
         if is_lora_model(model):
             model.peft_config[model.active_adapter].base_model_name_or_path = self.base_name
         atomic_save(output_dir, model, self.tokenizer, merged_dtype=self.dtype)
-        summary = self.recorder.summary(model, output_dir, skipped_steps=skipped_steps,
-                                        stopped_because=stopped_because)
+        summary = self.write_summary(model, skipped_steps, stopped_because)
         self.saved_at = summary["steps"]
-        self.recorder.write(output_dir, summary)
+        return summary
+
+    def write_summary(self, model: nn.Module, skipped_steps: int, stopped_because: str | None = None) -> dict:
+        """The summary and plots of the run so far, beside the model output_dir holds; returns the summary."""
+        extra = self.history.summary_fields() if self.history is not None else {}
+        summary = self.recorder.summary(model, self.plan.output_dir, skipped_steps=skipped_steps,
+                                        stopped_because=stopped_because, **extra)
+        self.recorder.write(self.plan.output_dir, summary)
         return summary
 
 
@@ -96,16 +113,18 @@ class TrainingRun:
     """Trains `model` by `plan` on `dataset`; run() does it once."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, base_name: str | None, plan: TrainPlan, dataset: Any,
-                 loggers: list[Logger], callbacks: list[pl.Callback]) -> None:
+                 loggers: list[Logger], callbacks: list[pl.Callback], val_dataset: Any = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.plan = plan
         self.dataset = dataset
+        self.val_dataset = val_dataset if plan.eval_every else None
         self.loggers = loggers
         self.extra_callbacks = callbacks
         self.dtype = next(model.parameters()).dtype
         self.recorder = RunRecorder(plan)
-        self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype)
+        self.history = ValidationHistory() if self.val_dataset is not None else None
+        self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype, self.history)
         self.signals = StopOnSignal()
         self.guard = NonFiniteGuard()
         self.recovery: OutOfMemoryRecovery | None = None
@@ -135,7 +154,9 @@ class TrainingRun:
         try:
             model = self._fit(model, outcome)
             outcome.steps = self.trainer.global_step if self.trainer else 0
-            outcome.stopped_because = self.guard.reason or self.signals.reason
+            outcome.early_stopped = self.history is not None and self.history.stopped_early
+            outcome.stopped_because = (self.guard.reason or self.signals.reason
+                                       or (EARLY_STOPPING if outcome.early_stopped else None))
             outcome.terminated = outcome.terminated or self.signals.terminated
             if self.trainer is not None and self.trainer.is_global_zero:
                 self._save_final(model, outcome)  # from the trained model, before it is merged in place
@@ -144,6 +165,8 @@ class TrainingRun:
             outcome.model = self.trained_model = finished_model(model)
             if plan.args.seed is not None:
                 reset_seed()
+        if self.history is not None and not self.guard.reason and outcome.diverged is None:
+            keep_best_in_memory(outcome.model, self.history, outcome.steps, plan.output_dir)
         if self.guard.reason and outcome.diverged is None:
             outcome.diverged = (f"{self.guard.reason} The weights of step {outcome.steps:,}, the last good ones, "
                                 f"are saved in {plan.output_dir}.")
@@ -155,12 +178,15 @@ class TrainingRun:
         resume_from = self.plan.resume_from
         while True:
             self.recovery = OutOfMemoryRecovery(self.files.checkpoint)
-            self.module = CausalLMModule(model, self.plan)
+            validating = self.val_dataset is not None
+            self.module = (ValidatedModule if validating else CausalLMModule)(model, self.plan)
             loader, data_order = training_loader(self.dataset, self.plan)
+            val_loader = validation_loader(self.val_dataset, self.plan) if validating else None
             self.trainer = self._trainer(self.plan, data_order)
             try:
                 with _compat.without_warning(_compat.LIGHTNING_LEAFSPEC, FutureWarning):
-                    self.trainer.fit(self.module, train_dataloaders=loader, ckpt_path=resume_from, weights_only=True)
+                    self.trainer.fit(self.module, train_dataloaders=loader, val_dataloaders=val_loader,
+                                     ckpt_path=resume_from, weights_only=True)
                 return model
             except SIGTERMException:  # Lightning's own handler, before ours was installed
                 outcome.terminated = True
@@ -187,11 +213,20 @@ class TrainingRun:
         progress = StepProgressBar(self.recorder, plan.args.num_steps,
                                    plan.args.progress_bar_refresh_rate, plan.accelerator)
         saves = SaveAndSample(plan.args.save_every, plan.args.generate_every, self.files,
-                              Samples(self.tokenizer, plan.args.n_generate), progress.write)
+                              Samples(self.tokenizer, plan.args.n_generate), progress.write,
+                              save_models=self.history is None,  # with val_data, BestModel saves the model
+                              eval_every=plan.eval_every)
+        validating, validation = [], {}
+        if self.history is not None:
+            # BestModel before `saves`: a checkpoint written after an evaluation holds it
+            validating = [EvaluateLastStep(plan.eval_every),
+                          BestModel(self.history, self.files, plan.early_stopping_patience, progress.write)]
+            # every eval_every optimizer steps, counted in micro-batches across epochs
+            validation = dict(val_check_interval=plan.eval_every * plan.accumulation, check_val_every_n_epoch=None)
         # the recorder first (the progress bar shows what it recorded); the callbacks that stop
         # training before the one that saves
-        callbacks = [self.recorder, progress, self.guard, self.signals, saves, data_order, self.recovery,
-                     *cpu_callbacks(plan), *self.extra_callbacks]
+        callbacks = [self.recorder, progress, self.guard, self.signals, *validating, saves, data_order,
+                     self.recovery, *cpu_callbacks(plan), *self.extra_callbacks]
         return pl.Trainer(
             accelerator=plan.accelerator, devices=list(plan.devices) if isinstance(plan.devices, tuple)
             else plan.devices, strategy=plan.strategy, num_nodes=plan.num_nodes, precision=plan.precision,
@@ -199,16 +234,19 @@ class TrainingRun:
             gradient_clip_val=plan.args.max_grad_norm or None, logger=self.loggers or False, callbacks=callbacks,
             plugins=[DiskCheckpointIO()],
             use_distributed_sampler=False,  # data.py splits the data between ranks
-            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, **validation,
         )
 
     def _save_final(self, trained: nn.Module, outcome: Outcome) -> None:
         """The model (unless its weights went bad), the summary, and the checkpoint's fate."""
         module, plan = self.module, self.plan
+        keeps_best = self.history is not None and self.history.best_step is not None
         if outcome.diverged is None:
-            logger.info(f"Saving trained model to {plan.output_dir}")
+            if not keeps_best:
+                logger.info(f"Saving trained model to {plan.output_dir}")
             try:
-                summary = self.files.save_model(trained, module.skipped_steps, stopped_because=outcome.stopped_because)
+                save = self.files.write_summary if keeps_best else self.files.save_model
+                summary = save(trained, module.skipped_steps, stopped_because=outcome.stopped_because)
             except NonFiniteWeights as error:
                 outcome.diverged = f"{error} They were not saved; {self.files.kept()}."
             except OSError as error:
@@ -219,7 +257,7 @@ class TrainingRun:
             logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
         if self.signals.reason:
             logger.warning(f"Training {self.signals.reason}.")
-        finished = outcome.steps >= plan.args.num_steps
+        finished = outcome.steps >= plan.args.num_steps or outcome.early_stopped
         if finished and not (outcome.stopped_because or outcome.diverged or outcome.out_of_memory
                              or outcome.save_error):
             discard_checkpoint(self.files.checkpoint_path)

@@ -1,5 +1,7 @@
 """Chunked LM loss: the standard loss and gradients, without full-sequence logits."""
 
+import json
+
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
@@ -152,3 +154,13 @@ def test_a_frozen_head_runs_once_per_chunk_and_backward_recomputes_nothing():
     assert loss.dtype == grad.dtype == torch.float32
     torch.testing.assert_close(loss, reference, rtol=1e-2, atol=1e-2)
     assert (grad - expected).norm() < 0.02 * expected.norm()
+
+
+def test_a_frozen_head_trains_under_precision_bf16_true(tokenizer_file, corpus_file):
+    """Lightning's "bf16-true" makes bf16 torch's default dtype while training: the frozen-head loss (LoRA's
+    path) must not build fp32-only tensors from that default."""
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    ai.train(corpus_file, num_steps=2, lora=True, precision="bf16-true", batch_size=2, save_every=0,
+             generate_every=0, seed=1, block_size=16)
+    with open("trained_model/training_summary.json") as f:
+        assert json.load(f)["steps"] == 2

