@@ -257,9 +257,8 @@ class TrainingRun:
             logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
         if self.signals.reason:
             logger.warning(f"Training {self.signals.reason}.")
-        finished = outcome.steps >= plan.args.num_steps or outcome.early_stopped
-        if finished and not (outcome.stopped_because or outcome.diverged or outcome.out_of_memory
-                             or outcome.save_error):
+        complete = outcome.early_stopped or (outcome.steps >= plan.args.num_steps and not outcome.stopped_because)
+        if complete and not (outcome.diverged or outcome.out_of_memory or outcome.save_error):
             discard_checkpoint(self.files.checkpoint_path)
 
 

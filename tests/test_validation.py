@@ -55,8 +55,9 @@ def mean_token_cross_entropy(model: torch.nn.Module, blocks: torch.Tensor) -> fl
 def overfitting_run(tokenizer_file: str, output_dir: str, **kwargs) -> aitextgen:
     """A 128-wide model over-fits 2,000 characters within 200 steps at this rate."""
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_embd=128))
-    ai.train("train.txt", output_dir=output_dir, val_data="val.txt", num_steps=200, eval_every=10,
-             learning_rate=1e-3, batch_size=4, save_every=0, generate_every=0, seed=1, **kwargs)
+    ai.train("train.txt", output_dir=output_dir, **{**dict(
+        val_data="val.txt", num_steps=200, eval_every=10, learning_rate=1e-3, batch_size=4, save_every=0,
+        generate_every=0, seed=1), **kwargs})
     return ai
 
 
@@ -87,7 +88,7 @@ def test_an_overfitting_run_keeps_its_best_model(tokenizer_file):
 
 def test_early_stopping_stops_and_keeps_the_best(tokenizer_file, capsys):
     write_texts()
-    overfitting_run(tokenizer_file, "out", early_stopping_patience=3)
+    overfitting_run(tokenizer_file, "out", early_stopping_patience=3, save_every=20)  # checkpoints on the way
     result = summary("out")
     losses = [e["loss"] for e in result["validation"]]
     assert result["stopped_because"] == "early_stopping" and result["steps"] < 200
