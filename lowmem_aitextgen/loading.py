@@ -134,15 +134,20 @@ class DeferredModel:
     def load(self, dtype: Any = None) -> nn.Module:
         """The model with its weights, in `dtype` (None: as transformers reads them), sharing the
         skeleton's config (so that what was set on it is kept)."""
-        if dtype is None or not self._plain():
+        if dtype is None or not self._names_every_parameter():
             kwargs = {"dtype": dtype} if dtype is not None else {}
             return from_folder(self.folder, self.what, config=self.skeleton.config, **kwargs)
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        with torch.device("meta"):
+        if any(True for _ in self.skeleton.buffers()):
+            # buffers are computed by the constructor (transformers 5.0's GPT-2 causal mask), not read from the
+            # file: it must run for real, its weights already in `dtype` and overwritten below
             model = AutoModelForCausalLM.from_config(self.skeleton.config, dtype=dtype)
-        model.to_empty(device="cpu")
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.skeleton.config, dtype=dtype)
+            model.to_empty(device="cpu")
         model.tie_weights()
         try:
             read_safetensors_into(model, os.path.join(self.folder, "model.safetensors"))
@@ -152,11 +157,9 @@ class DeferredModel:
             model.generation_config = GenerationConfig.from_pretrained(self.folder, local_files_only=True)
         return model.eval()  # as from_pretrained returns it
 
-    def _plain(self) -> bool:
-        """Whether the file names every parameter (tied ones aside) and the model has no buffers: then
-        read_safetensors_into reads it exactly as transformers would."""
-        if any(True for _ in self.skeleton.buffers()):
-            return False
+    def _names_every_parameter(self) -> bool:
+        """Whether the file names every parameter (tied ones aside): then read_safetensors_into reads it
+        exactly as transformers would."""
         names = set(_file_keys(os.path.join(self.folder, "model.safetensors"), self.skeleton))
         return all(name in names for name in _untied_parameter_names(self.skeleton))
 
