@@ -284,7 +284,8 @@ def test_val_data_as_a_tokendataset_is_evaluated_as_the_file_is(tokenizer_file):
         ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
         torch.manual_seed(0)
         ai.model.load_state_dict(GPT2LMHeadModel(tiny_gpt2_config()).state_dict())
-        ai.train("train.txt", output_dir=name, val_data=val_data, num_steps=4, eval_every=2, learning_rate=1e-3,
+        ai.train("train.txt", output_dir=name, val_data=val_data, num_steps=5, eval_every=2, learning_rate=1e-3,
                  batch_size=2, save_every=0, generate_every=0, seed=1)
         results.append(summary(name)["validation"])
-    assert results[0] == results[1] and len(results[0]) == 2
+    assert results[0] == results[1]
+    assert [e["step"] for e in results[0]] == [2, 4, 5]  # the last step is evaluated too
