@@ -5,7 +5,7 @@ step for step and file for file.
 
 | piece | what it does | what it costs |
 |---|---|---|
-| `validation_datasets` | val_data as blocks: a file or TokenDataset in consecutive, non-overlapping blocks of the training block size (the last partial block left out), or a fraction of train_data held out | the held-out text is not trained on |
+| `validation_datasets` | val_data as blocks: a file in consecutive, non-overlapping blocks of the training block size, a TokenDataset in such blocks of its own block_size (the last partial block left out), or a fraction of train_data held out | the held-out text is not trained on |
 | `ValidatedModule` | Lightning's validation loop: eval mode, the plan's precision, chunked loss and micro-batch; the mean token cross-entropy, summed over every rank's share | a forward pass over the validation blocks every eval_every steps, no gradients or optimizer memory |
 | `EvaluateLastStep` | the final step is evaluated too, so the model training ends with is weighed against the best | one more evaluation when num_steps is not a multiple of eval_every |
 | `BestModel` | output_dir holds the best model by validation loss (saved atomically when the loss improves), early stopping, the history in the checkpoint | a model save at each improvement, in place of the periodic ones |
