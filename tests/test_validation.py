@@ -3,6 +3,7 @@ changed for runs without it."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -289,3 +290,31 @@ def test_val_data_as_a_tokendataset_is_evaluated_as_the_file_is(tokenizer_file):
         results.append(summary(name)["validation"])
     assert results[0] == results[1]
     assert [e["step"] for e in results[0]] == [2, 4, 5]  # the last step is evaluated too
+
+
+def test_sigterm_with_val_data_evaluates_checkpoints_and_resumes(small_data, base_folder, tokenizer_file):
+    """SIGTERM stops after the step, evaluates it, checkpoints with that evaluation and exits 143; the
+    resumed run continues the same evaluation history."""
+    def start(resume):
+        return subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "train_until_signalled.py"), small_data,
+                                 tokenizer_file, base_folder, "stopped", "8", str(int(resume)), "0.2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    child = start(resume=False)
+    for line in child.stdout:
+        if line.strip().endswith("step 2"):  # after the progress bar's redraw on the same line
+            break
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 143, err[-2000:]
+    stopped_at = torch.load("stopped/last.ckpt", weights_only=True)["global_step"]
+    first = summary("stopped")
+    assert [e["step"] for e in first["validation"]] == list(range(1, stopped_at + 1))  # eval_every: 8 // 10 -> 1
+    resumed = start(resume=True)
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0 and "returned" in out, err[-2000:]
+    final = summary("stopped")
+    assert [e["step"] for e in final["validation"]] == list(range(1, 9))
+    assert final["validation"][:stopped_at] == first["validation"]
+    assert final["best_val_loss"] == min(e["loss"] for e in final["validation"])
+    assert not os.path.exists("stopped/last.ckpt")
