@@ -62,8 +62,8 @@ def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: A
     for name in set(dataset_kwargs) & set(IGNORED_WITH_A_TOKENIZER):
         logger.warning(f"{name}={dataset_kwargs.pop(name)!r} ignored: train() encodes with the model's tokenizer.")
     context = context_length(config)
-    block_size = block_size or dataset_kwargs.pop("block_size", None) or context
-    dataset_kwargs.pop("block_size", None)
+    asked = dataset_kwargs.pop("block_size", None)
+    block_size = block_size or asked or context
     logger.info(f"Loading text from {train_data} with generation length of {block_size}.")
     dataset = TokenDataset(file_path=os.fspath(train_data), tokenizer=tokenizer, block_size=1, **special_tokens,
                            **dataset_kwargs)
