@@ -18,9 +18,12 @@ accumulation) and every argument given are kept.  What it may change, and the tr
 | precision (unless fp16/precision| bf16 where the device has it    | bf16 (half the activations)          |
 | was given)                      | natively, else fp32             |                                      |
 | chunked loss (if turned off)    | off for a trainable head        | on                                   |
-| CPU heap (cpu.ReleaseFreedHeap) | glibc left alone                | held in a step, released before the  |
-|                                 |                                 | optimizer step: no allocator slack,  |
-|                                 |                                 | activations faulted in every step    |
+| LoRA's frozen base in fp32      | fp32                            | bf16, upcast per layer (storage16.py)|
+| plans (unless fp16/precision    |                                 |                                      |
+| was given)                      |                                 |                                      |
+| CPU heap (cpu.ReleaseFreedHeap) | glibc left alone                | held in a block, released at every   |
+|                                 |                                 | block: no allocator slack, the       |
+|                                 |                                 | activations faulted in every block   |
 Only when no such plan fits, in turn: 8-bit AdamW (torchao installed; a quarter of AdamW's state,
 slower steps), then weights and gradients in bf16 with no fp32 copy (precision="bf16-true"; 8-bit AdamW
 rounds each update stochastically), then LoRA with lora="auto" (adapters instead of every weight).
@@ -41,6 +44,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from . import storage16
 from .chunked_loss import default_chunk_tokens
 from .cpu import glibc_heap_available, release_freed_heap
 from .estimate import MemoryEstimate, estimate_plan
@@ -58,10 +62,12 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 GPU_MARGIN_FRACTION, GPU_MARGIN_MIN = 0.10, 512 * 2**20
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1024 * 2**20
 # CPU resident size beyond the tensors: torch, transformers and Lightning (measured 0.45 GiB), and glibc's
-# slack over the estimate, left alone or with the heap held and released (measured within 3% of each
-# other, both at or below the estimate: benchmarks/RESULTS.md).
+# slack over the estimate, left alone or with the heap held and released at every block (cpu.py).  Left
+# alone, each checkpointed block also leaves about 0.45 of its activations' size in freed heap that
+# stays resident (355M at block 512, LoRA and full fine-tune: benchmarks/RESULTS.md).
 CPU_LIBRARIES_BYTES = 480 * 2**20
 HEAP_SLACK = {False: 1.03, True: 1.0}
+FRAGMENTED_PER_CHECKPOINTED_BLOCK = 0.45
 
 
 def parse_bytes(max_memory: int | float | str) -> int:
@@ -135,7 +141,11 @@ def budgeted_bytes(plan: TrainPlan, estimate: MemoryEstimate) -> int:
     and the allocator's slack)."""
     if plan.accelerator == "gpu":
         return estimate.total
-    return CPU_LIBRARIES_BYTES + int(estimate.total * HEAP_SLACK[plan.hold_freed_heap])
+    fragmented = 0.0
+    if not plan.hold_freed_heap:
+        fragmented = FRAGMENTED_PER_CHECKPOINTED_BLOCK * min(plan.checkpointed_blocks, plan.n_layer or 0) \
+            * estimate.block_activations
+    return CPU_LIBRARIES_BYTES + int(estimate.total * HEAP_SLACK[plan.hold_freed_heap] + fragmented)
 
 
 def budget_for(plan: TrainPlan, resident: int) -> tuple[int, str] | None:
@@ -152,9 +162,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def open_choices(plan: TrainPlan) -> Iterator[TrainPlan]:
+def open_choices(plan: TrainPlan, upcast_ok: bool = False) -> Iterator[TrainPlan]:
     """Every combination of the choices the user left open (checkpointed blocks, micro-batch,
-    precision, chunked loss, CPU heap policy), the effective batch kept."""
+    precision, chunked loss, CPU heap policy, and with `upcast_ok` (the model's layers are all ones
+    storage16.py computes for) LoRA's base in bf16 under fp32), the effective batch kept."""
     fixed = plan.fixed
     blocks = [plan.checkpointed_blocks] if "gradient_checkpointing" in fixed else range(plan.n_layer + 1)
     pinned = plan.args.get("pin_micro_batch", False)
@@ -167,15 +178,21 @@ def open_choices(plan: TrainPlan) -> Iterator[TrainPlan]:
     if "chunked_loss" not in fixed and not plan.loss_chunk_tokens:
         chunks.append(default_chunk_tokens(plan.accelerator))
     heaps = [False, True] if plan.accelerator == "cpu" and glibc_heap_available() else [False]
+    # a bf16 base computed in fp32 (storage16.py), for LoRA in fp32 only: mixed precision holds it in 16 bits
+    # anyway, and fp16=False/precision= given asks for fp32 weights
+    upcast = [False, True] if upcast_ok and plan.lora is not None and not fixed & {"fp16", "precision"} else [False]
     effective = plan.effective_batch_size
-    for k, m, precision, chunk, heap in itertools.product(blocks, micro, precisions, chunks, heaps):
+    for k, m, precision, chunk, heap, base in itertools.product(blocks, micro, precisions, chunks, heaps, upcast):
+        if base and precision != "32-true":
+            continue
         yield dataclasses.replace(plan, checkpointed_blocks=k, micro_batch_size=m, accumulation=effective // m,
-                                  precision=precision, loss_chunk_tokens=chunk, hold_freed_heap=heap)
+                                  precision=precision, loss_chunk_tokens=chunk, hold_freed_heap=heap,
+                                  bf16_frozen_base=base)
 
 
-def tiers(plan: TrainPlan) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
+def tiers(plan: TrainPlan, upcast_ok: bool = False) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
     """The plans to weigh, in groups; a later group only when nothing in an earlier one fits."""
-    yield "", open_choices(plan)
+    yield "", open_choices(plan, upcast_ok)
     if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
         yield "8-bit AdamW", open_choices(plan)
@@ -184,7 +201,7 @@ def tiers(plan: TrainPlan) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
             sixteen = dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})
             yield "16-bit weights with 8-bit AdamW", open_choices(sixteen)
     if plan.args.get("lora") == "auto" and plan.lora is None:
-        yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()))
+        yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), upcast_ok)
 
 
 def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
@@ -195,13 +212,13 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
     plan = dataclasses.replace(plan, n_layer=plan.n_layer or block_count(config))
     native = bf16_is_fast(plan.accelerator)
     smallest: tuple[int, MemoryEstimate] | None = None
-    for needed, candidates in tiers(plan):
+    for needed, candidates in tiers(plan, storage16.supports_config(config)):
         ranked, too_big = [], []
         for candidate in candidates:
             estimate = estimate_plan(config, candidate, block_size)
             gradient_bytes = 2 if candidate.precision.endswith("-true") and candidate.half_dtype else 4
             seconds = step_seconds(candidate, config, block_size, estimate.gradients // gradient_bytes, native,
-                                   estimate.activations)
+                                   estimate.activations, estimate.block_activations)
             needs = budgeted_bytes(candidate, estimate)
             (ranked if needs <= budget else too_big).append((seconds, needs, candidate, estimate))
             if smallest is None or needs < smallest[0]:
@@ -229,7 +246,9 @@ def explain(plan: TrainPlan, needs: int, budget: int, source: str, needed: str, 
 
     def short(p: TrainPlan) -> str:
         return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
-                f"{p.micro_batch_size}x{p.accumulation}, {p.precision}")
+                f"{p.micro_batch_size}x{p.accumulation}, {p.precision}"
+                + (" with a bf16 LoRA base" if p.upcasts_frozen_base else "")
+                + (", heap released every block" if p.hold_freed_heap else ""))
 
     where = source if source == "max_memory" else f"{source} less a margin"
     why = (f"chosen as the fastest plan within {format_bytes(budget)} ({where}): {short(plan)}"

@@ -100,11 +100,13 @@ def _is_plain_linear(head: nn.Module) -> bool:
     return type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
 
 
-def _in_compute_dtype(param: torch.Tensor) -> torch.Tensor:
-    """A head's weight or bias in autocast's dtype (cast once for all chunks), or as it is
-    without autocast."""
+def _in_compute_dtype(param: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """A head's weight or bias in autocast's dtype, else in the hidden states' where given (a 16-bit
+    frozen head computing in fp32, storage16.py): cast once for all chunks."""
     device = param.device.type
-    return param.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else param
+    if torch.is_autocast_enabled(device):
+        return param.to(torch.get_autocast_dtype(device))
+    return param if hidden is None else param.to(hidden.dtype)
 
 
 def _head_cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -135,7 +137,8 @@ def chunked_lm_loss(
     count = (targets != IGNORE_INDEX).sum().clamp(min=1)
     frozen = not (head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad))
     if frozen and _is_plain_linear(head):
-        weight, bias = _in_compute_dtype(head.weight), None if head.bias is None else _in_compute_dtype(head.bias)
+        weight = _in_compute_dtype(head.weight, hidden)
+        bias = None if head.bias is None else _in_compute_dtype(head.bias, hidden)
         return _FrozenHeadCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens) / count
     head_function = _head_cast_once(head)
     total = hidden.new_zeros((), dtype=torch.float32)

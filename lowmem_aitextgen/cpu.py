@@ -13,7 +13,7 @@ fails: `CpuSpeedups` (the swaps) and `ReleaseFreedHeap` (glibc's allocator polic
 |   (only under autocast)           |                                        |                            |
 | pin_mmap_threshold (glibc)        | heap fragmentation in peak RSS         | page faults on big tensors |
 | hold_freed_heap (glibc)           | page faults: freed memory reused in a  | freed memory resident till |
-|   + release_freed_heap            | step                                   | the optimizer step         |
+|   + release_freed_heap            | block                                  | the next block, refaulted  |
 
 Dropout. torch draws a CPU dropout mask one float at a time from its Mersenne Twister
 (``bernoulli_``), the largest single cost of a CPU LoRA step with checkpointing (GPT-2's
@@ -313,23 +313,43 @@ class WhileTraining(Callback):
 
 class ReleaseFreedHeap(WhileTraining):
     """glibc: big freed tensors go back to the OS at once, smaller freed memory is kept for reuse within
-    a step and given back before each optimizer step and when training ends; glibc's settings are then
-    set back as they were."""
+    a transformer block and given back at each block's start in forward and end in backward, before each
+    optimizer step and when training ends; glibc's settings are then set back as they were.
+
+    Why at every block: each block leaves a few long-lived tensors (a checkpointed block's input, the
+    autograd graph's) above the memory its temporaries freed, so the next block's temporaries do not fit
+    the holes and glibc grows the heap: left alone, a checkpointed 355M LoRA step at block 512 kept about
+    1.2 GB of freed heap resident (benchmarks/RESULTS.md)."""
 
     def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
         super().__init__(self._hold)
         self.release = release
 
     def _hold(self, model: nn.Module) -> Callable[[], None]:
+        from .memory import transformer_blocks
+
         undos = [undo for undo in (pin_mmap_threshold(), hold_freed_heap()) if undo is not None]
+        hooks = [block.register_forward_pre_hook(self._at_block) for block in transformer_blocks(model)]
         self.release()
 
         def stop_holding() -> None:
+            for hook in hooks:
+                hook.remove()
             for undo in reversed(undos):
                 undo()
             self.release()
 
         return stop_holding
+
+    def _at_block(self, block: nn.Module, args: tuple) -> None:
+        """Release now, and once more when backward has passed this block (its input's gradient is made)."""
+        self.release()
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if hidden is not None and hidden.requires_grad and torch.is_grad_enabled():
+            hidden.register_hook(self._after_block_backward)
+
+    def _after_block_backward(self, grad: torch.Tensor) -> None:
+        self.release()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self.release()

@@ -74,6 +74,7 @@ class MemoryEstimate:
     logits_loss: int  # saved for backward by the LM head and the loss
     overhead: int  # backward's transients: recomputed block, activation gradients, a chunk's logits
     plan: dict = field(default_factory=dict)
+    block_activations: int = 0  # one block's activations at this micro-batch (in overhead; for the CPU heap)
 
     @property
     def total(self) -> int:
@@ -122,6 +123,10 @@ def _as_probed_for(config: object, device: str) -> object:
         if hasattr(config, name):
             setattr(config, name, 0.0)
     return config
+
+
+def _width(config: object) -> int:
+    return getattr(config, "n_embd", None) or config.hidden_size
 
 
 def _n_layer(config: object) -> int:
@@ -240,12 +245,13 @@ def probe_plan(plan: TrainPlan) -> TrainPlan:
     layers are left out: a one-block probe cannot freeze "the first N" blocks (frozen blocks save less
     for backward, so the estimate stays on the safe side)."""
     return TrainPlan(accelerator=plan.accelerator, precision=plan.precision, lora=plan.lora,
-                     loss_chunk_tokens=plan.loss_chunk_tokens)
+                     bf16_frozen_base=plan.bf16_frozen_base, loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
 def state_plan(plan: TrainPlan) -> TrainPlan:
     """What the parameter state (weights, gradients, optimizer states) depends on, and nothing else."""
-    return TrainPlan(precision=plan.precision, lora=plan.lora, freeze_layers=plan.freeze_layers,
+    return TrainPlan(precision=plan.precision, lora=plan.lora, bf16_frozen_base=plan.bf16_frozen_base,
+                     freeze_layers=plan.freeze_layers,
                      num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer)
 
 
@@ -312,6 +318,8 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
         recompute = block(tokens)
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
+    if plan.upcasts_frozen_base:  # the LM head's fp32 copy while the loss is made (storage16.py)
+        logits_transient += config.vocab_size * _width(config) * 4
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,
@@ -319,9 +327,11 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
         activations=max(0, int(batch_size * activations)),
         logits_loss=max(0, int(batch_size * loss(tokens))),
         overhead=int(batch_size * (recompute + block(tokens)) + logits_transient),
+        block_activations=max(0, int(batch_size * block(tokens))),
         plan={"block_size": block_size, "batch_size": batch_size, "precision": plan.precision,
               "gradient_checkpointing": kept if 0 < kept < n_layer else bool(kept),
               "lora": plan.lora is not None, "optimizer": plan.optimizer,
+              **({"bf16_frozen_base": True} if plan.upcasts_frozen_base else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device},
     )
 

@@ -6,6 +6,7 @@
 |   (all blocks, or the first k)| but its input                           | checkpointed block             |
 | freeze_layers                 | gradients + optimizer state of frozen   | those layers do not adapt      |
 | cast_frozen_weights           | half of every frozen weight (no fp32)   | frozen weights rounded to 16 b |
+| (in fp32, storage16.py)       | the same, computing in fp32             | and an upcast of each per use  |
 | (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
 | (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | a trainable head's matmul twice|
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from . import storage16
 from .lora import add_lora, is_lora_model
 from .plan import TrainPlan
 
@@ -37,10 +39,12 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, lis
             # the base in 16 bits before the adapters are added, as when train() reads a saved model
             # straight into 16 bits (aitextgen.DeferredModel): peft initialises adapters in the base's
             # dtype, so both ways start from the same adapters
-            if plan.half_dtype is not None:
-                model.to(plan.half_dtype)
+            if plan.weights_dtype is not None:
+                model.to(plan.weights_dtype)
             model = add_lora(model, plan.lora)
-        if plan.half_dtype is not None:
+        if plan.upcasts_frozen_base:
+            storage16.store_frozen_weights(model)
+        elif plan.half_dtype is not None:
             cast_frozen_weights(model, plan.half_dtype)
     elif plan.freeze_layers:
         frozen = layers_to_freeze(model, plan.num_layers_freeze)

@@ -54,6 +54,7 @@ class TrainPlan:
     checkpointed_blocks: int = 0  # the first k of the model's n_layer blocks recompute in backward
     n_layer: int = 0  # the model's transformer blocks
     lora: LoraSettings | None = None
+    bf16_frozen_base: bool = False  # LoRA's frozen base held in bf16 though the plan computes in fp32 (storage16.py)
     freeze_layers: bool = False
     num_layers_freeze: int | None = None
     micro_batch_size: int = 1
@@ -100,13 +101,22 @@ class TrainPlan:
     def weights_dtype(self) -> torch.dtype | None:
         """The 16-bit dtype every weight of the model is held in while training (LoRA's frozen base under
         mixed precision, or 16-bit "-true" precision), or None where the trained weights stay fp32."""
+        if self.upcasts_frozen_base:
+            return torch.bfloat16  # storage16.STORAGE_DTYPE
         if self.lora is not None or self.precision.endswith("-true"):
             return self.half_dtype
         return None
 
+    @property
+    def upcasts_frozen_base(self) -> bool:
+        """LoRA's base held in bf16 and upcast layer by layer to compute in fp32 (storage16.py)."""
+        return self.lora is not None and self.bf16_frozen_base and self.half_dtype is None
+
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
         lora = f"LoRA r={self.lora.r}" if self.lora else "off"
+        if self.upcasts_frozen_base:
+            lora += " (base stored in bf16, computed in fp32)"
         scale_out = self.strategy != "auto" or self.num_nodes > 1 or self.devices not in (1, "auto")
         return (
             f"Training plan: device={self.accelerator}, precision={self.precision}, "

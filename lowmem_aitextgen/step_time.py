@@ -15,10 +15,12 @@ the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
 |                               | saturation leave it partly idle                |                              |
 | per micro-batch               | Python, Lightning, kernel launches; each weight | MICRO_BATCH_OVERHEAD_S,      |
 |                               | cast or gradient accumulated once more          | MICRO_BATCH_S_PER_PARAMETER  |
+| LoRA's base in bf16 under fp32| each frozen weight upcast in forward, backward | UPCAST_S_PER_PARAMETER       |
+|   (storage16.py)              | and each recompute                             |                              |
 | optimizer                     | the parameters it updates, and how (8-bit AdamW | OPTIMIZER_S_PER_PARAMETER    |
 |                               | quantizes every state: much slower on CPU)     |                              |
-| CPU: the held heap            | a step's activations, given back to the OS     | REFAULT_S_PER_BYTE           |
-|   (plan.hold_freed_heap)      | before the optimizer step, fault back in next   |                              |
+| CPU: the held heap            | each block's activations, given back to the OS | REFAULT_S_PER_BYTE           |
+|   (plan.hold_freed_heap)      | after it, fault back in at the next block      |                              |
 
 Its error, checked against measured steps on the 2-core CPU here (tests/test_step_time.py holds the
 orderings it must get right): the times themselves can be off by tens of percent, the order of plans
@@ -46,11 +48,13 @@ SATURATION_TOKENS = {"gpu": 2048, "cpu": 32}
 # are faster on CPU too.
 MICRO_BATCH_OVERHEAD_S = {"gpu": 0.01, "cpu": 0.02}
 MICRO_BATCH_S_PER_PARAMETER = {"gpu": 0.002e-9, "cpu": 1.8e-9}
+# A bf16 weight upcast to fp32 (storage16.py): memory-bound, measured 1.2-1.5 ns a weight on the 2-core CPU.
+UPCAST_S_PER_PARAMETER = {"gpu": 0.002e-9, "cpu": 1.3e-9}
 # Seconds per updated parameter for one optimizer step.
 OPTIMIZER_S_PER_PARAMETER = {("gpu", "adamw"): 0.4e-9, ("gpu", "adamw8bit"): 0.8e-9, ("gpu", "adafactor"): 0.6e-9,
                              ("cpu", "adamw"): 1.2e-9, ("cpu", "adamw8bit"): 15e-9, ("cpu", "adafactor"): 3e-9}
-# CPU, plan.hold_freed_heap: the freed heap given back before each optimizer step is faulted back in
-# (kernel-zeroed pages) by the next step's activations: seconds per byte of a micro-batch's activations.
+# CPU, plan.hold_freed_heap: the freed heap given back at every block is faulted back in (kernel-zeroed
+# pages) by the next block's activations: seconds per byte.
 REFAULT_S_PER_BYTE = 1.0 / 2**30
 
 
@@ -62,9 +66,10 @@ def shape(config: Any) -> tuple[int, int, int]:
 
 
 def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parameters: int,
-                 bf16_native: bool = True, activation_bytes: int = 0) -> float:
+                 bf16_native: bool = True, activation_bytes: int = 0, block_bytes: int = 0) -> float:
     """Expected seconds of one optimizer step (plan.micro_batch_size x plan.accumulation sequences);
-    activation_bytes: what one micro-batch keeps for backward (the estimate's activations)."""
+    activation_bytes: what one micro-batch keeps for backward (the estimate's activations), block_bytes:
+    one block's activations (the estimate's block_activations)."""
     n_layer, width, vocab = shape(config)
     block_flops = 24 * width * width + 4 * block_size * width  # per token: matmuls, then attention
     head_flops = 2 * vocab * width
@@ -79,10 +84,24 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
     seconds_per_token *= 1 + SATURATION_TOKENS[plan.accelerator] / tokens_per_micro
     cast_or_accumulated = trainable_parameters if not frozen_base else 0  # LoRA's base is held in 16 bits
     micro_batch = (tokens_per_micro * seconds_per_token + MICRO_BATCH_OVERHEAD_S[plan.accelerator]
-                   + cast_or_accumulated * MICRO_BATCH_S_PER_PARAMETER[plan.accelerator])
+                   + cast_or_accumulated * MICRO_BATCH_S_PER_PARAMETER[plan.accelerator]
+                   + upcast_seconds(plan, n_layer, width, vocab))
     optimizer = trainable_parameters * OPTIMIZER_S_PER_PARAMETER[(plan.accelerator, plan.optimizer)]
-    refaults = activation_bytes * REFAULT_S_PER_BYTE if plan.hold_freed_heap else 0.0
+    refaults = 0.0
+    if plan.hold_freed_heap:  # every block's activations, in forward and once more where recomputed
+        refaulted = activation_bytes + (n_layer + min(plan.checkpointed_blocks, n_layer)) * block_bytes
+        refaults = plan.accumulation * refaulted * REFAULT_S_PER_BYTE
     return plan.accumulation * micro_batch + optimizer + refaults
+
+
+def upcast_seconds(plan: TrainPlan, n_layer: int, width: int, vocab: int) -> float:
+    """A micro-batch's upcasts of a bf16 base computed in fp32: every weight in forward and backward,
+    a checkpointed block's once more."""
+    if not plan.upcasts_frozen_base:
+        return 0.0
+    block = 12 * width * width
+    upcasts = (2 * n_layer + min(plan.checkpointed_blocks, n_layer)) * block + 2 * vocab * width
+    return upcasts * UPCAST_S_PER_PARAMETER[plan.accelerator]
 
 
 def throughput(plan: TrainPlan, width: int, bf16_native: bool) -> float:

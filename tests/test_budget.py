@@ -76,7 +76,7 @@ def test_every_choice_fits_keeps_the_effective_batch_and_is_the_fastest_that_fit
 
     def seconds(p):
         e = estimate_plan(CONFIG, p, BLOCK)
-        return step_seconds(p, CONFIG, BLOCK, e.gradients // 4, True, e.activations)
+        return step_seconds(p, CONFIG, BLOCK, e.gradients // 4, True, e.activations, e.block_activations)
 
     fitting = [p for p in open_choices(chosen) if needs(p) <= budget]
     assert seconds(chosen) <= min(seconds(p) for p in fitting) + 1e-12

@@ -1,0 +1,147 @@
+"""Weights stored in 16 bits, computed in fp32: LoRA's frozen base at half the memory on any CPU.
+
+Under mixed precision LoRA's frozen base is held in bf16 and autocast computes in bf16 (memory.py).
+A CPU without native bf16 (no AVX512-BF16/AMX) emulates bf16 matmuls several times slower than fp32,
+so there the plan computes in fp32, and the base used to be held in fp32 too: twice the memory of the
+largest thing a LoRA run holds.  Here the base stays in bf16 and each layer upcasts its weight for the
+one matmul that needs it, as QLoRA dequantizes its 4-bit base:
+
+| choice                              | memory of the frozen base          | cost                              |
+|-------------------------------------|------------------------------------|-----------------------------------|
+| fp32 base, fp32 compute             | 4 bytes a weight                   | none                              |
+| bf16 base, bf16 autocast            | 2 bytes a weight                   | bf16 math: fast only with native  |
+|                                     |                                    | bf16; weights rounded to bf16     |
+| bf16 base, fp32 compute (this file) | 2 bytes a weight, and one layer's  | each weight upcast in forward,    |
+|                                     | fp32 copy at a time                | recompute and backward; weights   |
+|                                     |                                    | rounded to bf16                   |
+
+`_UpcastMatmul` keeps the 16-bit weight for backward, not its fp32 copy (autograd would keep every
+layer's copy until backward: the fp32 base again), and upcasts it once more there.  A layer whose weight
+trains gets its gradient in the weight's dtype.  Only where a layer's weight and its input differ in
+dtype and no autocast runs does the upcast path run; anything else is the layer's own forward, so a
+model left with these forwards computes as before once its weights are fp32 again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+STORAGE_DTYPE = torch.bfloat16  # bf16, not fp16: fp32's exponent range, so no weight overflows
+
+
+class _UpcastMatmul(torch.autograd.Function):
+    """``x @ weight`` (``x @ weight.T`` when `transposed`) in x's dtype, `weight` held in 16 bits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+        ctx.transposed = transposed
+        ctx.save_for_backward(weight, x if ctx.needs_input_grad[1] else None)
+        upcast = weight.to(x.dtype)
+        return x @ (upcast.T if transposed else upcast)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        weight, x = ctx.saved_tensors
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            upcast = weight.to(grad.dtype)
+            grad_x = grad @ (upcast if ctx.transposed else upcast.T)
+        if ctx.needs_input_grad[1]:
+            flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+            grad_weight = (flat_grad.T @ flat_x if ctx.transposed else flat_x.T @ flat_grad).to(weight.dtype)
+        return grad_x, grad_weight, None
+
+
+def _upcasting(module: nn.Module, x: torch.Tensor) -> bool:
+    return module.weight.dtype != x.dtype and x.is_floating_point() and not torch.is_autocast_enabled(x.device.type)
+
+
+def _bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    return None if module.bias is None else module.bias.to(x.dtype)
+
+
+def _conv1d_forward(self: Conv1D, x: torch.Tensor) -> torch.Tensor:
+    if not _upcasting(self, x):
+        return type(self).forward(self, x)
+    out = _UpcastMatmul.apply(x, self.weight, False)
+    return out + _bias(self, x) if self.bias is not None else out
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not _upcasting(self, x):
+        return type(self).forward(self, x)
+    out = _UpcastMatmul.apply(x, self.weight, True)
+    return out + _bias(self, x) if self.bias is not None else out
+
+
+def _layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    if self.weight is None or not _upcasting(self, x):
+        return type(self).forward(self, x)
+    return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), _bias(self, x), self.eps)
+
+
+def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    if self.weight.dtype == torch.float32 or torch.is_autocast_enabled(ids.device.type):
+        return type(self).forward(self, ids)
+    rows = F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                       self.sparse)
+    return rows.float()  # the rows only: the table itself is never upcast
+
+
+FORWARDS: dict[type, Callable] = {Conv1D: _conv1d_forward, nn.Linear: _linear_forward,
+                                  nn.LayerNorm: _layer_norm_forward, nn.Embedding: _embedding_forward}
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def supported(model: nn.Module) -> bool:
+    """Whether every layer holding weights is one this file computes for (GPT-2's are)."""
+    return all(type(m) in FORWARDS for m in model.modules() if _holds_parameters(m))
+
+
+def supports_config(config: object) -> bool:
+    """supported() of a model built from `config` on the meta device (nothing allocated)."""
+    return _supports_config_json(config.to_json_string())
+
+
+@functools.lru_cache(maxsize=16)
+def _supports_config_json(config_json: str) -> bool:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return supported(AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config_json))))
+
+
+def compute_in_fp32(model: nn.Module) -> None:
+    """Give every supported layer of `model` the forward that upcasts a 16-bit weight; undo:
+    restore_forwards.  Idempotent."""
+    for module in model.modules():
+        forward = FORWARDS.get(type(module))
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+
+
+def restore_forwards(model: nn.Module) -> None:
+    """The layers' own forwards again."""
+    for module in model.modules():
+        if type(module) in FORWARDS and "forward" in module.__dict__:
+            del module.forward
+
+
+def store_frozen_weights(model: nn.Module) -> int:
+    """Frozen floating-point weights held in STORAGE_DTYPE and computed in fp32; returns bytes saved."""
+    from .memory import cast_frozen_weights
+
+    saved = cast_frozen_weights(model, STORAGE_DTYPE)
+    compute_in_fp32(model)
+    return saved

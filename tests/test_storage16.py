@@ -1,0 +1,171 @@
+"""storage16: LoRA's frozen base held in bf16 and computed in fp32 trains exactly as an fp32 base of the
+same (rounded) weights, keeps no fp32 copy of a weight for backward, and is chosen only where the memory
+needs it and the layers allow it."""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.pytorch_utils import Conv1D
+
+from conftest import tiny_gpt2_config
+from lowmem_aitextgen import aitextgen, budget, storage16
+from lowmem_aitextgen import plan as plan_module
+from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
+from lowmem_aitextgen.chunked_loss import causal_lm_loss
+from lowmem_aitextgen.estimate import estimate_plan, memory_plan
+from lowmem_aitextgen.memory import apply_memory_plan
+from lowmem_aitextgen.plan import ALL_BLOCKS, LoraSettings, TrainPlan
+
+CONFIG = tiny_gpt2_config(vocab_size=300, n_positions=64)
+
+
+def rounded_model(config=CONFIG):
+    """A random fp32 model whose weights are exactly representable in bf16."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    return model
+
+
+def trained_step(model, plan, adapters=None):
+    """(loss, adapter gradients, adapters) of one step of `plan`; `adapters` given: those values."""
+    model, _ = apply_memory_plan(copy.deepcopy(model), plan)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                if adapters is None:  # lora_B starts at zero: give the adapters a gradient path both ways
+                    param.normal_(generator=torch.Generator().manual_seed(len(name)))
+                else:
+                    param.copy_(adapters[name])
+    ids = torch.randint(CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss = causal_lm_loss(model, ids, plan.loss_chunk_tokens)
+    loss.backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return loss, {n: p.grad for n, p in trainable.items()}, {n: p.detach().clone() for n, p in trainable.items()}, model
+
+
+@pytest.mark.parametrize("checkpointed", [0, ALL_BLOCKS])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_a_bf16_base_computed_in_fp32_trains_as_the_fp32_base_of_the_same_weights(checkpointed, chunk):
+    base = rounded_model()
+    fp32 = TrainPlan(lora=LoraSettings(dropout=0.0), checkpointed_blocks=checkpointed, loss_chunk_tokens=chunk)
+    loss, grads, adapters, _ = trained_step(base, fp32)
+    loss16, grads16, _, model16 = trained_step(base, dataclasses.replace(fp32, bf16_frozen_base=True), adapters)
+    frozen = {p.dtype for p in model16.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16} and {p.dtype for p in grads16.values()} == {torch.float32}
+    assert loss16.dtype == torch.float32 and torch.equal(loss16, loss)
+    assert grads16.keys() == grads.keys() and all(torch.equal(grads16[k], grads[k]) for k in grads)
+
+
+def test_no_fp32_copy_of_a_weight_is_kept_for_backward():
+    """Autograd would keep each layer's upcast weight until backward: the fp32 base again."""
+    plan = TrainPlan(lora=LoraSettings(dropout=0.0), bf16_frozen_base=True, loss_chunk_tokens=16)
+    model, _ = apply_memory_plan(rounded_model(), plan)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    shapes |= {s[::-1] for s in shapes}
+    kept = []
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in weights and tuple(tensor.shape) in shapes:
+            kept.append((tuple(tensor.shape), tensor.dtype))
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        causal_lm_loss(model, torch.randint(CONFIG.vocab_size, (1, 32)), 16)
+    assert kept == []
+
+
+@pytest.mark.parametrize("layer", [Conv1D(48, 32), torch.nn.Linear(32, 48)])
+def test_a_16_bit_weight_that_trains_gets_its_gradient_in_its_own_dtype(layer):
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        reference.weight.copy_(reference.weight.bfloat16().float())
+    layer.to(torch.bfloat16)
+    storage16.compute_in_fp32(layer)
+    x = torch.randn(3, 5, 32)
+    out, expected = layer(x), reference(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=1e-2)  # the bias was rounded
+    out.square().sum().backward()
+    expected_x = x.clone().requires_grad_()
+    reference(expected_x).square().sum().backward()
+    assert layer.weight.grad.dtype == torch.bfloat16
+    assert torch.allclose(layer.weight.grad.float(), reference.weight.grad, rtol=2e-2, atol=1e-2)
+
+
+def test_the_forwards_are_the_layers_own_for_fp32_weights_and_after_the_undo():
+    model = rounded_model()
+    ids = torch.randint(CONFIG.vocab_size, (1, 16))
+    expected = model(ids).logits
+    storage16.compute_in_fp32(model)
+    assert torch.equal(model(ids).logits, expected)  # fp32 weights: nothing upcast, the same math
+    storage16.restore_forwards(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_only_models_whose_layers_it_computes_for_are_offered_it():
+    llama = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=4)
+    assert storage16.supports_config(CONFIG) and not storage16.supports_config(llama)
+    lora = dataclasses.replace(memory_plan("32-true", True, LoraSettings(), 1, "adamw", True), n_layer=1)
+    assert any(p.bf16_frozen_base for p in budget.open_choices(lora, upcast_ok=True))
+    assert not any(p.bf16_frozen_base for p in budget.open_choices(lora, upcast_ok=False))
+    fixed = dataclasses.replace(lora, fixed=frozenset({"precision"}))  # fp32 asked for: weights not rounded
+    assert not any(p.bf16_frozen_base for p in budget.open_choices(fixed, upcast_ok=True))
+    full = dataclasses.replace(lora, lora=None)
+    assert not any(p.bf16_frozen_base for p in budget.open_choices(full, upcast_ok=True))
+
+
+WIDE = tiny_gpt2_config(n_positions=64, n_layer=4, n_embd=256)  # the tokenizer fixture's 1,000 tokens
+
+
+def lora_plan(**fields):
+    plan = memory_plan("32-true", True, LoraSettings(), 1, "adamw", True)
+    return dataclasses.replace(plan, n_layer=4, **fields)
+
+
+def needs(plan):
+    return budgeted_bytes(plan, estimate_plan(WIDE, plan, 64))
+
+
+@pytest.fixture
+def bf16_emulated(monkeypatch):
+    """This test's machine, as a CPU without native bf16 (where the choice matters): bf16 autocast
+    weighed at its emulated speed whatever this CPU has."""
+    monkeypatch.setattr(budget, "bf16_is_fast", lambda accelerator: False)
+    monkeypatch.setattr(plan_module, "bf16_is_fast", lambda accelerator: False)
+
+
+def test_the_planner_stores_the_base_in_bf16_only_where_an_fp32_base_does_not_fit(bf16_emulated):
+    fp32, upcast = needs(lora_plan()), needs(lora_plan(bf16_frozen_base=True))
+    assert upcast < fp32
+    roomy, _ = fit_plan(WIDE, lora_plan(), 64, 2**40)
+    assert not roomy.bf16_frozen_base  # the upcasts cost time
+    tight, estimate = fit_plan(WIDE, lora_plan(), 64, (fp32 + upcast) // 2)
+    assert tight.upcasts_frozen_base and tight.precision == "32-true"  # faster than emulated bf16 autocast
+    assert budgeted_bytes(tight, estimate) <= (fp32 + upcast) // 2
+    assert "base stored in bf16" in tight.describe(1, 2, 3)
+
+
+def test_train_with_max_memory_stores_the_base_in_bf16_and_saves_a_loadable_model(
+        bf16_emulated, tokenizer_file, corpus_file, tmp_path):
+    fp32, upcast = needs(lora_plan()), needs(lora_plan(bf16_frozen_base=True))
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=WIDE)
+    out = tmp_path / "out"
+    ai.train(corpus_file, output_dir=str(out), num_steps=3, save_every=0, generate_every=0, lora=True,
+             gradient_checkpointing=True, max_memory=(fp32 + upcast) // 2, block_size=64, learning_rate=1e-3)
+    with open(out / "training_summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["plan"]["bf16_frozen_base"] and summary["plan"]["precision"] == "32-true"
+    assert {p.dtype for p in ai.model.parameters()} == {torch.bfloat16}  # one model, as training held it
+    assert isinstance(ai.generate_one(max_length=8), str)  # computed in fp32 from the bf16 weights
+    saved = aitextgen(model_folder=str(out), tokenizer_file=tokenizer_file).model.state_dict()
+    held = ai.model.state_dict()
+    assert saved.keys() == held.keys() and {t.dtype for t in saved.values()} == {torch.float32}
+    assert all(torch.equal(saved[k].bfloat16(), held[k]) for k in held)  # the exact merge, rounded once
