@@ -162,10 +162,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def open_choices(plan: TrainPlan, upcast_ok: bool = False) -> Iterator[TrainPlan]:
+def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[TrainPlan]:
     """Every combination of the choices the user left open (checkpointed blocks, micro-batch,
-    precision, chunked loss, CPU heap policy, and with `upcast_ok` (the model's layers are all ones
-    storage16.py computes for) LoRA's base in bf16 under fp32), the effective batch kept."""
+    precision, chunked loss, CPU heap policy, and LoRA's base in bf16 under fp32 where the layers of a
+    model of `config` are all ones storage16.py computes for), the effective batch kept."""
     fixed = plan.fixed
     blocks = [plan.checkpointed_blocks] if "gradient_checkpointing" in fixed else range(plan.n_layer + 1)
     pinned = plan.args.get("pin_micro_batch", False)
@@ -180,7 +180,10 @@ def open_choices(plan: TrainPlan, upcast_ok: bool = False) -> Iterator[TrainPlan
     heaps = [False, True] if plan.accelerator == "cpu" and glibc_heap_available() else [False]
     # a bf16 base computed in fp32 (storage16.py), for LoRA in fp32 only: mixed precision holds it in 16 bits
     # anyway, and fp16=False/precision= given asks for fp32 weights
-    upcast = [False, True] if upcast_ok and plan.lora is not None and not fixed & {"fp16", "precision"} else [False]
+    upcast = [False]
+    if plan.lora is not None and not fixed & {"fp16", "precision"} and config is not None \
+            and storage16.supports_config(config):
+        upcast.append(True)
     effective = plan.effective_batch_size
     for k, m, precision, chunk, heap, base in itertools.product(blocks, micro, precisions, chunks, heaps, upcast):
         if base and precision != "32-true":
@@ -190,9 +193,9 @@ def open_choices(plan: TrainPlan, upcast_ok: bool = False) -> Iterator[TrainPlan
                                   bf16_frozen_base=base)
 
 
-def tiers(plan: TrainPlan, upcast_ok: bool = False) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
+def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
     """The plans to weigh, in groups; a later group only when nothing in an earlier one fits."""
-    yield "", open_choices(plan, upcast_ok)
+    yield "", open_choices(plan, config)
     if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
         yield "8-bit AdamW", open_choices(plan)
@@ -201,7 +204,7 @@ def tiers(plan: TrainPlan, upcast_ok: bool = False) -> Iterator[tuple[str, Itera
             sixteen = dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})
             yield "16-bit weights with 8-bit AdamW", open_choices(sixteen)
     if plan.args.get("lora") == "auto" and plan.lora is None:
-        yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), upcast_ok)
+        yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), config)
 
 
 def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
@@ -212,7 +215,7 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
     plan = dataclasses.replace(plan, n_layer=plan.n_layer or block_count(config))
     native = bf16_is_fast(plan.accelerator)
     smallest: tuple[int, MemoryEstimate] | None = None
-    for needed, candidates in tiers(plan, storage16.supports_config(config)):
+    for needed, candidates in tiers(plan, config):
         ranked, too_big = [], []
         for candidate in candidates:
             estimate = estimate_plan(config, candidate, block_size)

@@ -36,6 +36,7 @@ from .chunked_loss import body_and_head, chunked_lm_loss, default_chunk_tokens
 from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
 from .plan import ALL_BLOCKS, PRECISIONS, LoraSettings, TrainPlan
+from .step_time import shape
 
 # OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
 GPT2_SIZES = {
@@ -123,10 +124,6 @@ def _as_probed_for(config: object, device: str) -> object:
         if hasattr(config, name):
             setattr(config, name, 0.0)
     return config
-
-
-def _width(config: object) -> int:
-    return getattr(config, "n_embd", None) or config.hidden_size
 
 
 def _n_layer(config: object) -> int:
@@ -319,7 +316,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
     if plan.upcasts_frozen_base:  # the LM head's fp32 copy while the loss is made (storage16.py)
-        logits_transient += config.vocab_size * _width(config) * 4
+        logits_transient += config.vocab_size * shape(config)[1] * 4
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,

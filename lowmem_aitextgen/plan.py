@@ -16,6 +16,7 @@ import torch
 
 from .arguments import Arguments
 from .chunked_loss import default_chunk_tokens
+from .storage16 import STORAGE_DTYPE
 
 # Lightning's precision strings (and the short aliases Lightning also accepts).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -102,7 +103,7 @@ class TrainPlan:
         """The 16-bit dtype every weight of the model is held in while training (LoRA's frozen base under
         mixed precision, or 16-bit "-true" precision), or None where the trained weights stay fp32."""
         if self.upcasts_frozen_base:
-            return torch.bfloat16  # storage16.STORAGE_DTYPE
+            return STORAGE_DTYPE
         if self.lora is not None or self.precision.endswith("-true"):
             return self.half_dtype
         return None

@@ -114,12 +114,13 @@ def test_only_models_whose_layers_it_computes_for_are_offered_it():
                         num_attention_heads=4, num_key_value_heads=4)
     assert storage16.supports_config(CONFIG) and not storage16.supports_config(llama)
     lora = dataclasses.replace(memory_plan("32-true", True, LoraSettings(), 1, "adamw", True), n_layer=1)
-    assert any(p.bf16_frozen_base for p in budget.open_choices(lora, upcast_ok=True))
-    assert not any(p.bf16_frozen_base for p in budget.open_choices(lora, upcast_ok=False))
+    assert any(p.bf16_frozen_base for p in budget.open_choices(lora, CONFIG))
+    assert not any(p.bf16_frozen_base for p in budget.open_choices(lora, llama))
+    assert not any(p.bf16_frozen_base for p in budget.open_choices(lora))  # no model to check
     fixed = dataclasses.replace(lora, fixed=frozenset({"precision"}))  # fp32 asked for: weights not rounded
-    assert not any(p.bf16_frozen_base for p in budget.open_choices(fixed, upcast_ok=True))
+    assert not any(p.bf16_frozen_base for p in budget.open_choices(fixed, CONFIG))
     full = dataclasses.replace(lora, lora=None)
-    assert not any(p.bf16_frozen_base for p in budget.open_choices(full, upcast_ok=True))
+    assert not any(p.bf16_frozen_base for p in budget.open_choices(full, CONFIG))
 
 
 WIDE = tiny_gpt2_config(n_positions=64, n_layer=4, n_embd=256)  # the tokenizer fixture's 1,000 tokens
