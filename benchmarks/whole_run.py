@@ -97,7 +97,7 @@ def main() -> None:
               "from_folder": args.from_folder,
               "plan": {"precision": plan.precision, "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer),
                        "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}",
-                       "bf16_frozen_base": plan.upcasts_frozen_base},
+                       "upcast_bf16_weights": plan.upcasts_bf16_weights},
               "estimate_bytes": estimate.total, **{f"{k}_peak_bytes": v for k, v in marks.items()},
               "whole_run_peak_bytes": max(marks.values())}
     print(" | ".join(f"{k} {v / GIB:.2f} GiB" for k, v in result.items() if k.endswith("_bytes")))

@@ -25,8 +25,9 @@ accumulation) and every argument given are kept.  What it may change, and the tr
 |                                 |                                 | block: no allocator slack, the       |
 |                                 |                                 | activations faulted in every block   |
 Only when no such plan fits, in turn: 8-bit AdamW (torchao installed; a quarter of AdamW's state,
-slower steps), then weights and gradients in bf16 with no fp32 copy (precision="bf16-true"; 8-bit AdamW
-rounds each update stochastically), then LoRA with lora="auto" (adapters instead of every weight).
+slower steps), then weights and gradients in bf16 with no fp32 copy (precision="bf16-true", or computed in fp32 by
+storage16.py where that is faster, as on a CPU without native bf16; 8-bit AdamW rounds each update
+stochastically), then LoRA with lora="auto" (adapters instead of every weight).
 pin_micro_batch=True keeps the micro-batch and accumulation exactly as given.
 
 `ladder` is the older, fixed order of cheaper plans; out-of-memory recovery (oom.py) steps down it.
@@ -178,19 +179,26 @@ def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[Trai
     if "chunked_loss" not in fixed and not plan.loss_chunk_tokens:
         chunks.append(default_chunk_tokens(plan.accelerator))
     heaps = [False, True] if plan.accelerator == "cpu" and glibc_heap_available() else [False]
-    # a bf16 base computed in fp32 (storage16.py), for LoRA in fp32 only: mixed precision holds it in 16 bits
-    # anyway, and fp16=False/precision= given asks for fp32 weights
-    upcast = [False]
-    if plan.lora is not None and not fixed & {"fp16", "precision"} and config is not None \
-            and storage16.supports_config(config):
-        upcast.append(True)
     effective = plan.effective_batch_size
+    upcast = _upcast_choices(plan, config)
     for k, m, precision, chunk, heap, base in itertools.product(blocks, micro, precisions, chunks, heaps, upcast):
         if base and precision != "32-true":
             continue
         yield dataclasses.replace(plan, checkpointed_blocks=k, micro_batch_size=m, accumulation=effective // m,
                                   precision=precision, loss_chunk_tokens=chunk, hold_freed_heap=heap,
-                                  bf16_frozen_base=base)
+                                  upcast_bf16_weights=base)
+
+
+def _upcast_choices(plan: TrainPlan, config: object | None) -> list[bool]:
+    """Whether weights may be held in bf16 and computed in fp32 (storage16.py): a tier that asks for it keeps
+    it; else offered for LoRA's base in fp32 only (mixed precision holds it in 16 bits anyway, and
+    fp16=False/precision= given asks for fp32 weights), on models whose layers storage16.py computes for."""
+    if plan.upcast_bf16_weights:
+        return [True]
+    if plan.lora is not None and not plan.fixed & {"fp16", "precision"} and config is not None \
+            and storage16.supports_config(config):
+        return [False, True]
+    return [False]
 
 
 def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
@@ -202,7 +210,12 @@ def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, 
         if not plan.fixed & {"fp16", "precision"} and mixed_precision_usable(plan.accelerator) and (
                 plan.accelerator == "cpu" or bf16_is_fast("gpu")):
             sixteen = dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})
-            yield "16-bit weights with 8-bit AdamW", open_choices(sixteen)
+            choices = [open_choices(sixteen)]
+            if config is not None and storage16.supports_config(config):  # the same bf16 weights, fp32 math
+                upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
+                                             upcast_bf16_weights=True)
+                choices.append(open_choices(upcast))
+            yield "16-bit weights with 8-bit AdamW", itertools.chain(*choices)
     if plan.args.get("lora") == "auto" and plan.lora is None:
         yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), config)
 
@@ -219,7 +232,10 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
         ranked, too_big = [], []
         for candidate in candidates:
             estimate = estimate_plan(config, candidate, block_size)
-            gradient_bytes = 2 if candidate.precision.endswith("-true") and candidate.half_dtype else 4
+            # bytes a trained weight's gradient takes: 16 bits where the trained weights are held in 16 bits
+            sixteen = (candidate.precision.endswith("-true") and candidate.half_dtype) or (
+                candidate.lora is None and candidate.upcasts_bf16_weights)
+            gradient_bytes = 2 if sixteen else 4
             seconds = step_seconds(candidate, config, block_size, estimate.gradients // gradient_bytes, native,
                                    estimate.activations, estimate.block_activations)
             needs = budgeted_bytes(candidate, estimate)
@@ -250,7 +266,7 @@ def explain(plan: TrainPlan, needs: int, budget: int, source: str, needed: str, 
     def short(p: TrainPlan) -> str:
         return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
                 f"{p.micro_batch_size}x{p.accumulation}, {p.precision}"
-                + (" with a bf16 LoRA base" if p.upcasts_frozen_base else "")
+                + ((" with a bf16 LoRA base" if p.lora else " with bf16 weights") if p.upcasts_bf16_weights else "")
                 + (", heap released every block" if p.hold_freed_heap else ""))
 
     where = source if source == "max_memory" else f"{source} less a margin"

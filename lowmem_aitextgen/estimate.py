@@ -242,12 +242,12 @@ def probe_plan(plan: TrainPlan) -> TrainPlan:
     layers are left out: a one-block probe cannot freeze "the first N" blocks (frozen blocks save less
     for backward, so the estimate stays on the safe side)."""
     return TrainPlan(accelerator=plan.accelerator, precision=plan.precision, lora=plan.lora,
-                     bf16_frozen_base=plan.bf16_frozen_base, loss_chunk_tokens=plan.loss_chunk_tokens)
+                     upcast_bf16_weights=plan.upcast_bf16_weights, loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
 def state_plan(plan: TrainPlan) -> TrainPlan:
     """What the parameter state (weights, gradients, optimizer states) depends on, and nothing else."""
-    return TrainPlan(precision=plan.precision, lora=plan.lora, bf16_frozen_base=plan.bf16_frozen_base,
+    return TrainPlan(precision=plan.precision, lora=plan.lora, upcast_bf16_weights=plan.upcast_bf16_weights,
                      freeze_layers=plan.freeze_layers,
                      num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer)
 
@@ -315,7 +315,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
         recompute = block(tokens)
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
-    if plan.upcasts_frozen_base:  # the LM head's fp32 copy while the loss is made (storage16.py)
+    if plan.upcasts_bf16_weights:  # the LM head's fp32 copy while the loss is made (storage16.py)
         logits_transient += config.vocab_size * shape(config)[1] * 4
     return MemoryEstimate(
         weights=weights,
@@ -328,7 +328,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
         plan={"block_size": block_size, "batch_size": batch_size, "precision": plan.precision,
               "gradient_checkpointing": kept if 0 < kept < n_layer else bool(kept),
               "lora": plan.lora is not None, "optimizer": plan.optimizer,
-              **({"bf16_frozen_base": True} if plan.upcasts_frozen_base else {}),
+              **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device},
     )
 

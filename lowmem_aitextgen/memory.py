@@ -42,13 +42,17 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, lis
             if plan.weights_dtype is not None:
                 model.to(plan.weights_dtype)
             model = add_lora(model, plan.lora)
-        if plan.upcasts_frozen_base:
+        if plan.upcasts_bf16_weights:
             storage16.store_frozen_weights(model)
         elif plan.half_dtype is not None:
             cast_frozen_weights(model, plan.half_dtype)
-    elif plan.freeze_layers:
-        frozen = layers_to_freeze(model, plan.num_layers_freeze)
-        set_requires_grad(frozen, False)
+    else:
+        if plan.upcasts_bf16_weights:  # every weight in bf16, updated by 8-bit AdamW's stochastic rounding
+            model.to(storage16.STORAGE_DTYPE)
+            storage16.compute_in_fp32(model)
+        if plan.freeze_layers:
+            frozen = layers_to_freeze(model, plan.num_layers_freeze)
+            set_requires_grad(frozen, False)
     if plan.checkpointed_blocks:
         enable_gradient_checkpointing(model, plan.checkpointed_blocks)
     return model, frozen

@@ -55,7 +55,7 @@ class TrainPlan:
     checkpointed_blocks: int = 0  # the first k of the model's n_layer blocks recompute in backward
     n_layer: int = 0  # the model's transformer blocks
     lora: LoraSettings | None = None
-    bf16_frozen_base: bool = False  # LoRA's frozen base held in bf16 though the plan computes in fp32 (storage16.py)
+    upcast_bf16_weights: bool = False  # weights held in bf16 though the plan computes in fp32 (storage16.py)
     freeze_layers: bool = False
     num_layers_freeze: int | None = None
     micro_batch_size: int = 1
@@ -102,25 +102,29 @@ class TrainPlan:
     def weights_dtype(self) -> torch.dtype | None:
         """The 16-bit dtype every weight of the model is held in while training (LoRA's frozen base under
         mixed precision, or 16-bit "-true" precision), or None where the trained weights stay fp32."""
-        if self.upcasts_frozen_base:
+        if self.upcasts_bf16_weights:
             return STORAGE_DTYPE
         if self.lora is not None or self.precision.endswith("-true"):
             return self.half_dtype
         return None
 
     @property
-    def upcasts_frozen_base(self) -> bool:
-        """LoRA's base held in bf16 and upcast layer by layer to compute in fp32 (storage16.py)."""
-        return self.lora is not None and self.bf16_frozen_base and self.half_dtype is None
+    def upcasts_bf16_weights(self) -> bool:
+        """The weights (LoRA's frozen base, or all of them with 8-bit AdamW's stochastic rounding) held in bf16
+        and upcast layer by layer to compute in fp32 (storage16.py)."""
+        return self.upcast_bf16_weights and self.half_dtype is None
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
         lora = f"LoRA r={self.lora.r}" if self.lora else "off"
-        if self.upcasts_frozen_base:
+        precision = self.precision
+        if self.upcasts_bf16_weights and self.lora:
             lora += " (base stored in bf16, computed in fp32)"
+        elif self.upcasts_bf16_weights:
+            precision += " (weights stored in bf16)"
         scale_out = self.strategy != "auto" or self.num_nodes > 1 or self.devices not in (1, "auto")
         return (
-            f"Training plan: device={self.accelerator}, precision={self.precision}, "
+            f"Training plan: device={self.accelerator}, precision={precision}, "
             f"checkpointing={describe_checkpointing(self.checkpointed_blocks, self.n_layer)}, LoRA={lora}, "
             f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, optimizer={self.optimizer}, "
             + (f"strategy={self.strategy}, nodes={self.num_nodes}, devices={self.devices}, " if scale_out else "")

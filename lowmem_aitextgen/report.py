@@ -147,7 +147,7 @@ class RunRecorder(OptimizerStepCallback):
                 "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer or plan.checkpointed_blocks),
                 "blocks": plan.n_layer,
                 "lora": asdict(plan.lora) if plan.lora else None,
-                "bf16_frozen_base": plan.upcasts_frozen_base,  # stored in bf16, computed in fp32 (storage16.py)
+                "upcast_bf16_weights": plan.upcasts_bf16_weights,  # stored in bf16, computed in fp32 (storage16.py)
                 "chunked_loss": plan.loss_chunk_tokens is not None,
                 "micro_batch_size": plan.micro_batch_size,
                 "gradient_accumulation_steps": plan.accumulation,
@@ -233,8 +233,8 @@ def describe_summary(summary: dict[str, Any]) -> str:
     """The summary as the few lines logged at the end of train()."""
     plan = summary["plan"]
     lora = f"LoRA r={plan['lora']['r']}" if plan["lora"] else "full fine-tune"
-    if plan.get("bf16_frozen_base"):
-        lora += " (base in bf16, computed in fp32)"
+    if plan.get("upcast_bf16_weights"):
+        lora += f" ({'base' if plan['lora'] else 'weights'} in bf16, computed in fp32)"
 
     def loss(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.3f}"

@@ -15,7 +15,7 @@ the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
 |                               | saturation leave it partly idle                |                              |
 | per micro-batch               | Python, Lightning, kernel launches; each weight | MICRO_BATCH_OVERHEAD_S,      |
 |                               | cast or gradient accumulated once more          | MICRO_BATCH_S_PER_PARAMETER  |
-| LoRA's base in bf16 under fp32| each frozen weight upcast in forward, backward | UPCAST_S_PER_PARAMETER       |
+| weights in bf16 under fp32    | each weight upcast in forward and backward     | UPCAST_S_PER_PARAMETER       |
 |   (storage16.py)              | and each recompute                             |                              |
 | optimizer                     | the parameters it updates, and how (8-bit AdamW | OPTIMIZER_S_PER_PARAMETER    |
 |                               | quantizes every state: much slower on CPU)     |                              |
@@ -97,7 +97,7 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
 def upcast_seconds(plan: TrainPlan, n_layer: int, width: int, vocab: int) -> float:
     """A micro-batch's upcasts of a bf16 base computed in fp32: every weight in forward and backward,
     a checkpointed block's once more."""
-    if not plan.upcasts_frozen_base:
+    if not plan.upcasts_bf16_weights:
         return 0.0
     block = 12 * width * width
     upcasts = (2 * n_layer + min(plan.checkpointed_blocks, n_layer)) * block + 2 * vocab * width

@@ -1,4 +1,5 @@
-"""Weights stored in 16 bits, computed in fp32: LoRA's frozen base at half the memory on any CPU.
+"""Weights stored in 16 bits, computed in fp32: LoRA's frozen base, or a full fine-tune's weights under
+8-bit AdamW, at half the memory on any CPU.
 
 Under mixed precision LoRA's frozen base is held in bf16 and autocast computes in bf16 (memory.py).
 A CPU without native bf16 (no AVX512-BF16/AMX) emulates bf16 matmuls several times slower than fp32,
@@ -14,6 +15,11 @@ one matmul that needs it, as QLoRA dequantizes its 4-bit base:
 | bf16 base, fp32 compute (this file) | 2 bytes a weight, and one layer's  | each weight upcast in forward,    |
 |                                     | fp32 copy at a time                | recompute and backward; weights   |
 |                                     |                                    | rounded to bf16                   |
+
+A full fine-tune is the same with every weight trainable: its gradients come out in bf16 (each the fp32
+gradient rounded once; the tied embedding sums two rounded ones), and 8-bit AdamW rounds each update to
+bf16 stochastically (optimizers.py), as under precision="bf16-true", whose bf16 math the planner weighs
+against this one's upcasts (budget.py).
 
 `_UpcastMatmul` keeps the 16-bit weight for backward, not its fp32 copy (autograd would keep every
 layer's copy until backward: the fp32 base again), and upcasts it once more there.  A layer whose weight

@@ -117,14 +117,16 @@ def test_adamw8bit_falls_back_to_torchaos_own_step_when_its_update_changes(monke
     assert type(optimizers.build_optimizer(torch.nn.Linear(64, 64), 0.0, 1e-3, 1e-8, "adamw8bit")) is not AdamW8bit
 
 
-def losses_of(corpus_file, tokenizer_file, seed, precision, optimizer, learning_rate, steps=60):
+def losses_of(corpus_file, tokenizer_file, seed, precision, optimizer, learning_rate, steps=60, **options):
+    """(the losses, the object) of a tiny model's run; precision/optimizer None: left to the planner."""
     data = TokenDataset(corpus_file, tokenizer_file=tokenizer_file, block_size=32)
     torch.manual_seed(0)  # the same initial weights every time; `seed` draws the data order and dropout
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_embd=128, dropout=0.1))
     recorder = LossRecorder()
+    chosen = {"optimizer": optimizer, "precision": precision}
     ai.train(data, num_steps=steps, learning_rate=learning_rate, batch_size=4, save_every=0, generate_every=0,
-             seed=seed, optimizer=optimizer, precision=precision, gradient_checkpointing=False,
-             pin_micro_batch=True, callbacks=[recorder], output_dir=f"run_{seed}_{precision}")
+             seed=seed, gradient_checkpointing=False, pin_micro_batch=True, callbacks=[recorder],
+             output_dir=f"run_{seed}_{precision}", **{k: v for k, v in chosen.items() if v is not None}, **options)
     return recorder.losses, ai
 
 

@@ -56,7 +56,7 @@ def test_a_bf16_base_computed_in_fp32_trains_as_the_fp32_base_of_the_same_weight
     base = rounded_model()
     fp32 = TrainPlan(lora=LoraSettings(dropout=0.0), checkpointed_blocks=checkpointed, loss_chunk_tokens=chunk)
     loss, grads, adapters, _ = trained_step(base, fp32)
-    loss16, grads16, _, model16 = trained_step(base, dataclasses.replace(fp32, bf16_frozen_base=True), adapters)
+    loss16, grads16, _, model16 = trained_step(base, dataclasses.replace(fp32, upcast_bf16_weights=True), adapters)
     frozen = {p.dtype for p in model16.parameters() if not p.requires_grad}
     assert frozen == {torch.bfloat16} and {p.dtype for p in grads16.values()} == {torch.float32}
     assert loss16.dtype == torch.float32 and torch.equal(loss16, loss)
@@ -65,7 +65,7 @@ def test_a_bf16_base_computed_in_fp32_trains_as_the_fp32_base_of_the_same_weight
 
 def test_no_fp32_copy_of_a_weight_is_kept_for_backward():
     """Autograd would keep each layer's upcast weight until backward: the fp32 base again."""
-    plan = TrainPlan(lora=LoraSettings(dropout=0.0), bf16_frozen_base=True, loss_chunk_tokens=16)
+    plan = TrainPlan(lora=LoraSettings(dropout=0.0), upcast_bf16_weights=True, loss_chunk_tokens=16)
     model, _ = apply_memory_plan(rounded_model(), plan)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
@@ -114,13 +114,13 @@ def test_only_models_whose_layers_it_computes_for_are_offered_it():
                         num_attention_heads=4, num_key_value_heads=4)
     assert storage16.supports_config(CONFIG) and not storage16.supports_config(llama)
     lora = dataclasses.replace(memory_plan("32-true", True, LoraSettings(), 1, "adamw", True), n_layer=1)
-    assert any(p.bf16_frozen_base for p in budget.open_choices(lora, CONFIG))
-    assert not any(p.bf16_frozen_base for p in budget.open_choices(lora, llama))
-    assert not any(p.bf16_frozen_base for p in budget.open_choices(lora))  # no model to check
+    assert any(p.upcast_bf16_weights for p in budget.open_choices(lora, CONFIG))
+    assert not any(p.upcast_bf16_weights for p in budget.open_choices(lora, llama))
+    assert not any(p.upcast_bf16_weights for p in budget.open_choices(lora))  # no model to check
     fixed = dataclasses.replace(lora, fixed=frozenset({"precision"}))  # fp32 asked for: weights not rounded
-    assert not any(p.bf16_frozen_base for p in budget.open_choices(fixed, CONFIG))
+    assert not any(p.upcast_bf16_weights for p in budget.open_choices(fixed, CONFIG))
     full = dataclasses.replace(lora, lora=None)
-    assert not any(p.bf16_frozen_base for p in budget.open_choices(full, CONFIG))
+    assert not any(p.upcast_bf16_weights for p in budget.open_choices(full, CONFIG))
 
 
 WIDE = tiny_gpt2_config(n_positions=64, n_layer=4, n_embd=256)  # the tokenizer fixture's 1,000 tokens
@@ -144,29 +144,93 @@ def bf16_emulated(monkeypatch):
 
 
 def test_the_planner_stores_the_base_in_bf16_only_where_an_fp32_base_does_not_fit(bf16_emulated):
-    fp32, upcast = needs(lora_plan()), needs(lora_plan(bf16_frozen_base=True))
+    fp32, upcast = needs(lora_plan()), needs(lora_plan(upcast_bf16_weights=True))
     assert upcast < fp32
     roomy, _ = fit_plan(WIDE, lora_plan(), 64, 2**40)
-    assert not roomy.bf16_frozen_base  # the upcasts cost time
+    assert not roomy.upcast_bf16_weights  # the upcasts cost time
     tight, estimate = fit_plan(WIDE, lora_plan(), 64, (fp32 + upcast) // 2)
-    assert tight.upcasts_frozen_base and tight.precision == "32-true"  # faster than emulated bf16 autocast
+    assert tight.upcasts_bf16_weights and tight.precision == "32-true"  # faster than emulated bf16 autocast
     assert budgeted_bytes(tight, estimate) <= (fp32 + upcast) // 2
     assert "base stored in bf16" in tight.describe(1, 2, 3)
 
 
 def test_train_with_max_memory_stores_the_base_in_bf16_and_saves_a_loadable_model(
         bf16_emulated, tokenizer_file, corpus_file, tmp_path):
-    fp32, upcast = needs(lora_plan()), needs(lora_plan(bf16_frozen_base=True))
+    fp32, upcast = needs(lora_plan()), needs(lora_plan(upcast_bf16_weights=True))
     ai = aitextgen(tokenizer_file=tokenizer_file, config=WIDE)
     out = tmp_path / "out"
     ai.train(corpus_file, output_dir=str(out), num_steps=3, save_every=0, generate_every=0, lora=True,
              gradient_checkpointing=True, max_memory=(fp32 + upcast) // 2, block_size=64, learning_rate=1e-3)
     with open(out / "training_summary.json", encoding="utf-8") as f:
         summary = json.load(f)
-    assert summary["plan"]["bf16_frozen_base"] and summary["plan"]["precision"] == "32-true"
+    assert summary["plan"]["upcast_bf16_weights"] and summary["plan"]["precision"] == "32-true"
     assert {p.dtype for p in ai.model.parameters()} == {torch.bfloat16}  # one model, as training held it
     assert isinstance(ai.generate_one(max_length=8), str)  # computed in fp32 from the bf16 weights
     saved = aitextgen(model_folder=str(out), tokenizer_file=tokenizer_file).model.state_dict()
     held = ai.model.state_dict()
     assert saved.keys() == held.keys() and {t.dtype for t in saved.values()} == {torch.float32}
     assert all(torch.equal(saved[k].bfloat16(), held[k]) for k in held)  # the exact merge, rounded once
+
+
+@pytest.mark.parametrize("checkpointed, chunk", [(0, None), (ALL_BLOCKS, 16)])
+def test_every_weight_in_bf16_computed_in_fp32_gets_the_fp32_gradient_rounded(checkpointed, chunk):
+    """A full fine-tune held in bf16 (storage16 for 8-bit AdamW): the fp32 model's loss of the same weights,
+    and each gradient that fp32 model's, rounded to bf16 once; the tied embedding sums two rounded gradients."""
+    base = rounded_model()
+    ids = torch.randint(CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    results = []
+    for upcast in (False, True):
+        plan = TrainPlan(checkpointed_blocks=checkpointed, loss_chunk_tokens=chunk, optimizer="adamw8bit",
+                         upcast_bf16_weights=upcast)
+        model, _ = apply_memory_plan(copy.deepcopy(base), plan)
+        loss = causal_lm_loss(model, ids, chunk)
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}, model))
+    (loss, grads, _), (loss16, grads16, model16) = results
+    assert {p.dtype for p in model16.parameters()} == {torch.bfloat16} == {g.dtype for g in grads16.values()}
+    assert loss16.dtype == torch.float32 and torch.equal(loss16, loss)
+    tied = "transformer.wte.weight"
+    assert all(torch.equal(grads16[k], grads[k].bfloat16()) for k in grads if k != tied)
+    assert torch.allclose(grads16[tied].float(), grads[tied], rtol=2**-6, atol=2**-7 * grads[tied].abs().max())
+
+
+def full_plan(**fields):
+    plan = memory_plan("32-true", True, None, 1, "adamw", True)
+    return dataclasses.replace(plan, n_layer=4, **fields)
+
+
+def test_a_full_fine_tune_is_held_in_bf16_only_where_8_bit_adamw_in_fp32_does_not_fit(bf16_emulated):
+    eight_bit = needs(full_plan(optimizer="adamw8bit"))
+    upcast = needs(full_plan(optimizer="adamw8bit", upcast_bf16_weights=True))
+    assert upcast < eight_bit
+    roomy, _ = fit_plan(WIDE, full_plan(), 64, eight_bit)
+    assert not roomy.upcast_bf16_weights
+    tight, estimate = fit_plan(WIDE, full_plan(), 64, (eight_bit + upcast) // 2)
+    assert (tight.upcasts_bf16_weights, tight.precision, tight.optimizer) == (True, "32-true", "adamw8bit")
+    assert "16-bit weights with 8-bit AdamW" in tight.chosen_because and "with bf16 weights" in tight.chosen_because
+    assert budgeted_bytes(tight, estimate) <= (eight_bit + upcast) // 2
+    assert "weights stored in bf16" in tight.describe(1, 2, 3)
+    fixed = dataclasses.replace(full_plan(), fixed=frozenset({"precision"}))  # fp32 asked for
+    with pytest.raises(Exception, match="max_memory"):
+        fit_plan(WIDE, fixed, 64, (eight_bit + upcast) // 2)
+
+
+def test_a_full_fine_tune_in_bf16_computed_in_fp32_follows_fp32_adamw_within_seed_noise(
+        bf16_emulated, corpus_file, tokenizer_file):
+    """The plan max_memory= picks where 8-bit AdamW in fp32 does not fit learns as fp32 AdamW does: the last
+    steps' mean loss is as close to fp32's as two fp32 seeds are."""
+    from test_optimizers import losses_of, tail_mean
+
+    config = tiny_gpt2_config(n_embd=128, dropout=0.1)
+    plan = dataclasses.replace(full_plan(optimizer="adamw8bit", checkpointed_blocks=0), n_layer=2,
+                               micro_batch_size=4)
+    fp32_8bit = budgeted_bytes(plan, estimate_plan(config, plan, 32))
+    upcast = budgeted_bytes(plan, estimate_plan(config, dataclasses.replace(plan, upcast_bf16_weights=True), 32))
+    fp32 = [tail_mean(losses_of(corpus_file, tokenizer_file, seed, "32-true", "adamw", 3e-3)[0]) for seed in (1, 2)]
+    losses, ai = losses_of(corpus_file, tokenizer_file, 1, None, None, 3e-3, max_memory=(fp32_8bit + upcast) // 2)
+    with open("run_1_None/training_summary.json", encoding="utf-8") as f:
+        chosen = json.load(f)["plan"]
+    assert chosen["upcast_bf16_weights"] and chosen["precision"] == "32-true" and "8bit" in chosen["optimizer"]
+    assert {p.dtype for p in ai.model.parameters()} == {torch.bfloat16}  # held in bf16 throughout
+    assert tail_mean(losses) < losses[0] - 0.5
+    assert abs(tail_mean(losses) - fp32[0]) <= 2 * abs(fp32[0] - fp32[1]) + 0.02, (tail_mean(losses), fp32)
