@@ -47,7 +47,7 @@ import torch
 
 from . import storage16
 from .chunked_loss import default_chunk_tokens
-from .cpu import glibc_heap_available, release_freed_heap
+from .cpu import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
 from .estimate import MemoryEstimate, estimate_plan
 from .memory import format_bytes
 from .optimizers import eight_bit_available
@@ -283,7 +283,10 @@ def fit_to_budget(plan: TrainPlan, config: object, block_size: int, weights_on_g
     budget = budget_for(plan, weights_on_gpu)
     if budget is None:
         return plan
-    fitted, _ = fit_plan(config, plan, block_size, *budget)
+    # the probes make and free model blocks at the model's width on the CPU: each goes back to the OS when
+    # freed, not into glibc's heap, where it would stay resident under the training it plans
+    with freed_tensors_unmapped():
+        fitted, _ = fit_plan(config, plan, block_size, *budget)
     return fitted
 
 
