@@ -10,6 +10,7 @@
 #   run(command="bash benchmarks/gpu_session.sh targets", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh techniques", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh plan", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh xl", carry=[".whl"], timeout_s=600)
 # Results come back as $OUT/gpu_<group>.jsonl and $OUT/gpu_<group>.log.
 set -euo pipefail
 group="${1:-targets}"
@@ -22,7 +23,10 @@ case "$group" in
   # issue 19's: the fastest plan that fits, batch_size=1 x 8 accumulation (full >= 1.5x the baseline, LoRA
   # faster than full, the max_memory rows within their budgets), and the step-time model's GPU constants
   plan) only=(baseline ours_accum8 ours_lora_accum8 ours_accum8_max_8gib ours_accum8_max_4gib) ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh targets|techniques|plan" >&2; exit 2 ;;
+  # issue 20's: 1558M LoRA at block 1024 (estimated <= 3.6 GiB) and 774M with max_memory="6GiB" (the plan:
+  # bf16 weights + 8-bit AdamW, estimated <= 6 GiB), each measured
+  xl) only=() ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh targets|techniques|plan|xl" >&2; exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1  # the package from this tree, without installing it
@@ -32,8 +36,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, transformers, pytorch_lightning, peft; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'pytorch-lightning', pytorch_lightning.__version__, 'peft', \
 peft.__version__)" | tee -a "$out/gpu_$group.log"
-python3 benchmarks/memory_speed.py --device gpu --steps 12 "${only[@]/#/--only=}" --out "$out/gpu_$group.jsonl" \
-  2>&1 | tee -a "$out/gpu_$group.log"
+if [ "$group" = xl ]; then
+  BENCH_SIZE=1558M python3 benchmarks/memory_speed.py --device gpu --steps 6 --only=ours_lora \
+    --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$out/gpu_$group.log"
+  BENCH_SIZE=774M python3 benchmarks/memory_speed.py --device gpu --steps 6 --only=ours_max_6gib \
+    --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$out/gpu_$group.log"
+else
+  python3 benchmarks/memory_speed.py --device gpu --steps 12 "${only[@]/#/--only=}" --out "$out/gpu_$group.jsonl" \
+    2>&1 | tee -a "$out/gpu_$group.log"
+fi
 if [ "$group" = techniques ]; then  # torchao's 8-bit step beside ours, compiled once
   python3 benchmarks/optimizer_step.py --device cuda --width 1024 2>&1 | tee -a "$out/gpu_$group.log"
 fi

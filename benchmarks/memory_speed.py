@@ -62,6 +62,7 @@ CONFIGS = {
                          dict(lora=True, gradient_accumulation_steps=8), "sdpa"),
     "ours_accum8_max_8gib": ("lowmem, gradient_accumulation_steps=8, max_memory='8GiB'",
                              dict(gradient_accumulation_steps=8, max_memory="8GiB"), "sdpa"),
+    "ours_max_6gib": ("lowmem, max_memory='6GiB' (full fine-tune; issue 20: 774M)", dict(max_memory="6GiB"), "sdpa"),
     "ours_accum8_max_4gib": ("lowmem, gradient_accumulation_steps=8, max_memory='4GiB'",
                              dict(gradient_accumulation_steps=8, max_memory="4GiB"), "sdpa"),
     "ours_full_keep_heap": ("lowmem defaults, full fine-tune, heap not released", dict(), "sdpa"),
@@ -143,7 +144,7 @@ def dataset(block: int):
 
 
 def build_model(attention: str, turned_off: str | None = None):
-    """The 355M architecture; `turned_off` names a plan field (a CPU technique) the run leaves out."""
+    """The 355M architecture (BENCH_SIZE: another); `turned_off` names a plan field (a CPU technique) the run leaves out."""
     import dataclasses
 
     from transformers import GPT2Config
@@ -152,11 +153,16 @@ def build_model(attention: str, turned_off: str | None = None):
 
     class WithoutOne(aitextgen):
         def _training_plan(self, args):
-            plan, data = super()._training_plan(args)
-            return dataclasses.replace(plan, **{turned_off: False}), data
+            plan, *data = super()._training_plan(args)
+            return dataclasses.replace(plan, **{turned_off: False}), *data
 
-    # BENCH_N_LAYER: a quicker smoke test of this script (the results are for 24 layers)
-    config = GPT2Config(n_layer=int(os.environ.get("BENCH_N_LAYER", 24)), n_embd=1024, n_head=16)
+    # BENCH_SIZE: another GPT-2 size ("774M", "1558M"); BENCH_N_LAYER: a quicker smoke test of this script
+    # (the results are for the size's own layers)
+    from lowmem_aitextgen.estimate import GPT2_SIZES
+
+    size = dict(GPT2_SIZES[os.environ.get("BENCH_SIZE", "355M")])
+    size["n_layer"] = int(os.environ.get("BENCH_N_LAYER", size["n_layer"]))
+    config = GPT2Config(**size)
     config._attn_implementation = attention
     return (WithoutOne if turned_off else aitextgen)(config=config)
 
