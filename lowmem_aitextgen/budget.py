@@ -207,15 +207,16 @@ def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, 
     if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
         yield "8-bit AdamW", open_choices(plan)
-        if not plan.fixed & {"fp16", "precision"} and mixed_precision_usable(plan.accelerator) and (
-                plan.accelerator == "cpu" or bf16_is_fast("gpu")):
-            sixteen = dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})
-            choices = [open_choices(sixteen)]
-            if config is not None and storage16.supports_config(config):  # the same bf16 weights, fp32 math
-                upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
-                                             upcast_bf16_weights=True)
-                choices.append(open_choices(upcast))
-            yield "16-bit weights with 8-bit AdamW", itertools.chain(*choices)
+    # also where 8-bit AdamW was given or resumed: a run resumed from this tier must find it again
+    if plan.optimizer == "adamw8bit" and not plan.fixed & {"fp16", "precision"} \
+            and mixed_precision_usable(plan.accelerator) and (plan.accelerator == "cpu" or bf16_is_fast("gpu")):
+        sixteen = dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})
+        choices = [open_choices(sixteen)]
+        if config is not None and storage16.supports_config(config):  # the same bf16 weights, fp32 math
+            upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
+                                         upcast_bf16_weights=True)
+            choices.append(open_choices(upcast))
+        yield "16-bit weights with 8-bit AdamW", itertools.chain(*choices)
     if plan.args.get("lora") == "auto" and plan.lora is None:
         yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), config)
 

@@ -210,6 +210,9 @@ def test_a_full_fine_tune_is_held_in_bf16_only_where_8_bit_adamw_in_fp32_does_no
     assert "16-bit weights with 8-bit AdamW" in tight.chosen_because and "with bf16 weights" in tight.chosen_because
     assert budgeted_bytes(tight, estimate) <= (eight_bit + upcast) // 2
     assert "weights stored in bf16" in tight.describe(1, 2, 3)
+    resumed = full_plan(optimizer="adamw8bit", fixed=frozenset({"optimizer"}))  # a resumed run's optimizer
+    again, _ = fit_plan(WIDE, resumed, 64, (eight_bit + upcast) // 2)
+    assert again.upcasts_bf16_weights and again.checkpointed_blocks == tight.checkpointed_blocks  # resumable
     fixed = dataclasses.replace(full_plan(), fixed=frozenset({"precision"}))  # fp32 asked for
     with pytest.raises(Exception, match="max_memory"):
         fit_plan(WIDE, fixed, 64, (eight_bit + upcast) // 2)
