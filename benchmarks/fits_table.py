@@ -1,9 +1,10 @@
-"""Writes README.md's "What fits my card" table from estimate_memory (GPU estimates, nothing downloaded).
+"""Writes README.md's "What fits my card" table: train()'s planner on each card of hardware.CARDS, presented
+(lowmem_aitextgen/cards.py; estimates only, nothing downloaded or trained).
 
     python benchmarks/fits_table.py          # rewrites the table between its markers in README.md
     python benchmarks/fits_table.py --print  # prints it
 
-tests/test_estimate.py checks that README.md holds exactly what this writes.
+tests/test_cards.py checks that README.md holds exactly what this writes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def readme_with_table(readme: str, table: str) -> str:
 
 
 def main() -> None:
-    from lowmem_aitextgen.estimate import fits_table
+    from lowmem_aitextgen.cards import fits_table
 
     table = fits_table()
     if "--print" in sys.argv:

@@ -27,7 +27,8 @@ from memory_speed import dataset  # noqa: E402
 from transformers import GPT2Config  # noqa: E402
 
 from lowmem_aitextgen import aitextgen  # noqa: E402
-from lowmem_aitextgen.plan import ALL_BLOCKS, LoraSettings, bf16_is_fast  # noqa: E402
+from lowmem_aitextgen.hardware import bf16_native  # noqa: E402
+from lowmem_aitextgen.plan import ALL_BLOCKS, LoraSettings  # noqa: E402
 from lowmem_aitextgen.step_time import step_seconds  # noqa: E402
 
 SIZES = {"355M": dict(n_layer=24, n_embd=1024, n_head=16), "124M": dict(n_layer=12, n_embd=768, n_head=12),
@@ -86,7 +87,7 @@ def measure(size: str, block: int, steps: int, name: str, fields: dict, device: 
         plan = probe_plan(ai, out)
     measured = statistics.median(probe.times)
     trainable = sum(p.numel() for p in ai.model.parameters()) if "lora" not in fields else plan["trainable_parameters"]
-    predicted = step_seconds(rebuild(fields, config, device), config, block, trainable, bf16_is_fast(device))
+    predicted = step_seconds(rebuild(fields, config, device), config, block, trainable, bf16_native(device))
     return {"size": size, "block": block, "device": device, "plan": name, "measured_s": measured,
             "predicted_s": predicted}
 

@@ -39,28 +39,29 @@ import dataclasses
 import gc
 import itertools
 import logging
-import os
 import re
 from collections.abc import Iterable, Iterator
 
-import torch
-
-from . import storage16
+from . import hardware, storage16
 from .chunked_loss import default_chunk_tokens
 from .cpu import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
-from .estimate import MemoryEstimate, estimate_plan
-from .memory import format_bytes
+from .estimate import MemoryEstimate, config_jsons, estimate_plan
+from .hardware import format_bytes
 from .optimizers import eight_bit_available
-from .plan import LoraSettings, TrainPlan, bf16_is_fast, mixed_precision_usable, resolve_precision
+from .plan import Budget, LoraSettings, TrainPlan, mixed_precision
 from .step_time import step_seconds
 
 logger = logging.getLogger("lowmem_aitextgen")
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# Left free when no max_memory is given: on a GPU the CUDA context, allocator fragmentation and what the
-# estimate does not see; on CPU other programs' growth.
-GPU_MARGIN_FRACTION, GPU_MARGIN_MIN = 0.10, 512 * 2**20
+# Left free when no max_memory is given.  On a GPU: what the CUDA libraries load on first use (kernels, loaded
+# lazily, and cuBLAS's handles; the context itself is paid by the time mem_get_info answers) and the
+# caching allocator's fragmentation, a fraction of what training may use.  Never a fraction of the card's
+# total: on a shared card that is more than is free.  On CPU: other programs' growth.
+GPU_LIBRARIES_BYTES = 384 * 2**20
+GPU_FRAGMENTATION = 0.05
+NAMED_HOLDINGS = 256 * 2**20  # what else holds a card is named, when nothing fits, from this size up
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1024 * 2**20
 # CPU resident size beyond the tensors: torch, transformers and Lightning (measured 0.45 GiB), and glibc's
 # slack over the estimate, left alone or with the heap held and released at every block (cpu.py).  Left
@@ -85,56 +86,29 @@ def parse_bytes(max_memory: int | float | str) -> int:
 # --- the budget ----------------------------------------------------------------------------
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            text = f.read().split()[0]
-    except (OSError, IndexError):
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def cpu_available_bytes() -> int | None:
-    """What this process may still take: MemAvailable, and at most a cgroup's limit less its usage."""
-    available = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and usage is not None and limit < 2**60:  # v1 says "no limit" with a huge one
-            available = min(available, limit - usage) if available is not None else limit - usage
-    return available
-
-
-def device_budget(accelerator: str, resident: int) -> tuple[int, str] | None:
-    """Bytes training may use on this device, and where that comes from; `resident` is what the model's
+def device_budget(accelerator: str, resident: int) -> Budget | None:
+    """What training may use on this device (hardware.py's answers); `resident` is what the model's
     weights already hold on a GPU.  None where nothing can be read (then the plan is left as built)."""
     if accelerator == "gpu":
-        if not torch.cuda.is_available():
-            return None
-        free, total = torch.cuda.mem_get_info()
-        return int(free + resident - max(GPU_MARGIN_MIN, GPU_MARGIN_FRACTION * total)), "free GPU memory"
+        card = hardware.gpu()
+        return gpu_budget(card, resident) if card is not None else None
     gc.collect()  # what earlier runs in this process freed is this run's too: give it back to the OS first
     release_freed_heap()
-    available, own = cpu_available_bytes(), resident_set_bytes()
-    if available is None or own is None:
+    machine = hardware.cpu()
+    if machine.available is None or machine.resident is None:
         return None
-    return int(available + own - max(CPU_MARGIN_MIN, CPU_MARGIN_FRACTION * available)), "available memory"
+    margin = int(max(CPU_MARGIN_MIN, CPU_MARGIN_FRACTION * machine.available))
+    available = machine.available + machine.resident
+    return Budget(max(0, available - margin), "available memory", str(machine), available, margin)
 
 
-def resident_set_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+def gpu_budget(card: hardware.GPU, resident: int) -> Budget:
+    """The card's free memory, what this process's allocator caches (free to it alone) and the model's own
+    weights, less the margin: what this process has not loaded yet and fragmentation.  Never negative."""
+    available = card.free + card.cached + resident
+    margin = GPU_LIBRARIES_BYTES + int(GPU_FRAGMENTATION * available)
+    return Budget(max(0, available - margin), "free GPU memory", str(card), available, margin,
+                  this_process_elsewhere=max(0, card.allocated - resident), other_processes=card.held_elsewhere)
 
 
 def budgeted_bytes(plan: TrainPlan, estimate: MemoryEstimate) -> int:
@@ -149,10 +123,10 @@ def budgeted_bytes(plan: TrainPlan, estimate: MemoryEstimate) -> int:
     return CPU_LIBRARIES_BYTES + int(estimate.total * HEAP_SLACK[plan.hold_freed_heap] + fragmented)
 
 
-def budget_for(plan: TrainPlan, resident: int) -> tuple[int, str] | None:
+def budget_for(plan: TrainPlan, resident: int) -> Budget | None:
     max_memory = plan.args.get("max_memory")
     if max_memory is not None:
-        return parse_bytes(max_memory), "max_memory"
+        return Budget(parse_bytes(max_memory), "max_memory")
     return device_budget(plan.accelerator, resident)
 
 
@@ -173,8 +147,7 @@ def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[Trai
     micro = [plan.micro_batch_size] if pinned else divisors(plan.effective_batch_size)
     precisions = [plan.precision]
     if not fixed & {"fp16", "precision"}:
-        mixed = resolve_precision(True, None, plan.accelerator) if mixed_precision_usable(plan.accelerator) else None
-        precisions += [p for p in (mixed, "32-true") if p is not None and p != plan.precision]
+        precisions += [p for p in (mixed_precision(plan.accelerator), "32-true") if p not in (None, plan.precision)]
     chunks = [plan.loss_chunk_tokens]
     if "chunked_loss" not in fixed and not plan.loss_chunk_tokens:
         chunks.append(default_chunk_tokens(plan.accelerator))
@@ -208,10 +181,10 @@ def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, 
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
         yield "8-bit AdamW", open_choices(plan)
     # also where 8-bit AdamW was given or resumed: a run resumed from this tier must find it again
-    if plan.optimizer == "adamw8bit" and not plan.fixed & {"fp16", "precision"} \
-            and mixed_precision_usable(plan.accelerator) and (plan.accelerator == "cpu" or bf16_is_fast("gpu")):
-        sixteen = dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})
-        choices = [open_choices(sixteen)]
+    if plan.optimizer == "adamw8bit" and not plan.fixed & {"fp16", "precision"}:
+        choices = []
+        if hardware.bf16_native(plan.accelerator):  # bf16 math: where emulated, storage16's fp32 math is faster
+            choices.append(open_choices(dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})))
         if config is not None and storage16.supports_config(config):  # the same bf16 weights, fp32 math
             upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
                                          upcast_bf16_weights=True)
@@ -221,18 +194,21 @@ def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, 
         yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), config)
 
 
-def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
-             source: str = "max_memory") -> tuple[TrainPlan, MemoryEstimate]:
-    """The fastest plan whose estimate fits `budget` bytes, with why it was chosen, or a clear error."""
+def fit_plan(config: object, plan: TrainPlan, block_size: int,
+             budget: int | Budget) -> tuple[TrainPlan, MemoryEstimate]:
+    """The fastest plan whose estimate fits the budget (bytes: max_memory), with why it was chosen, or a
+    clear error."""
     from .plan import block_count
 
+    budget = budget if isinstance(budget, Budget) else Budget(budget, "max_memory")
     plan = dataclasses.replace(plan, n_layer=plan.n_layer or block_count(config))
-    native = bf16_is_fast(plan.accelerator)
+    native = hardware.bf16_native(plan.accelerator)
+    jsons = config_jsons(config, plan.accelerator)
     smallest: tuple[int, MemoryEstimate] | None = None
     for needed, candidates in tiers(plan, config):
         ranked, too_big = [], []
         for candidate in candidates:
-            estimate = estimate_plan(config, candidate, block_size)
+            estimate = estimate_plan(config, candidate, block_size, jsons)
             # bytes a trained weight's gradient takes: 16 bits where the trained weights are held in 16 bits
             sixteen = (candidate.precision.endswith("-true") and candidate.half_dtype) or (
                 candidate.lora is None and candidate.upcasts_bf16_weights)
@@ -240,27 +216,40 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int,
             seconds = step_seconds(candidate, config, block_size, estimate.gradients // gradient_bytes, native,
                                    estimate.activations, estimate.block_activations)
             needs = budgeted_bytes(candidate, estimate)
-            (ranked if needs <= budget else too_big).append((seconds, needs, candidate, estimate))
+            (ranked if needs <= budget.bytes else too_big).append((seconds, needs, candidate, estimate))
             if smallest is None or needs < smallest[0]:
                 smallest = needs, estimate
         if ranked:
             seconds, needs, chosen, estimate = min(ranked, key=lambda r: r[:2])
             faster = sorted((r for r in too_big if r[0] < seconds * 0.999), key=lambda r: r[:2])[:2]
-            why = explain(chosen, needs, budget, source, needed, faster)
+            why = explain(chosen, needs, budget, needed, faster)
             logger.info(f"{why}.\n{estimate}")
             return dataclasses.replace(chosen, budget=budget, chosen_because=why), estimate
+    raise MemoryError(nothing_fits(plan, budget, *smallest))
+
+
+def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEstimate) -> str:
+    """Why no plan fits: the budget and what made it, the smallest plan's needs, what else holds the
+    card where that is known, and the fixes."""
     fixed = ", ".join(sorted(plan.fixed)) or "none"
-    hint = "" if plan.args.get("lora") == "auto" or plan.lora else " or allow lora='auto'"
-    where = f"max_memory={format_bytes(budget)}" if source == "max_memory" else \
-        f"the memory budget of {format_bytes(budget)} ({source} less a margin)"
-    raise MemoryError(
-        f"No plan fits {where}: the smallest one needs "
-        f"{format_bytes(smallest[0])} (arguments you fixed: {fixed}).\n{smallest[1]}\n"
-        f"Raise max_memory, use a smaller block_size or model{hint}."
-    )
+    lora = "" if plan.args.get("lora") == "auto" or plan.lora else "lora=True (or lora='auto'), "
+    where = budget if budget.source == "max_memory" else f"the memory budget of {budget}"
+    lines = [f"No plan fits {where}: the smallest one needs {format_bytes(needs)} "
+             f"(arguments you fixed: {fixed}).", str(estimate)]
+    if budget.this_process_elsewhere >= NAMED_HOLDINGS:
+        lines.append(f"This process already holds {format_bytes(budget.this_process_elsewhere)} of GPU tensors "
+                     "besides this model (an earlier model or run in this notebook?): delete them (del old_ai), "
+                     "then run gc.collect() and torch.cuda.empty_cache().")
+    if budget.other_processes >= NAMED_HOLDINGS:
+        lines.append(f"Other processes hold {format_bytes(budget.other_processes)} of this card (nvidia-smi lists "
+                     "them).")
+    raise_it = "raise max_memory, " if budget.source == "max_memory" else \
+        "free memory on the device, give max_memory= to plan for another budget, "
+    lines.append(f"To train: {raise_it}use {lora}a smaller block_size or a smaller model.")
+    return "\n".join(lines)
 
 
-def explain(plan: TrainPlan, needs: int, budget: int, source: str, needed: str, faster: list) -> str:
+def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: list) -> str:
     """The plan line's 'why': the budget, the estimate, and the faster plans that did not fit."""
     from .plan import describe_checkpointing
 
@@ -270,8 +259,7 @@ def explain(plan: TrainPlan, needs: int, budget: int, source: str, needed: str, 
                 + ((" with a bf16 LoRA base" if p.lora else " with bf16 weights") if p.upcasts_bf16_weights else "")
                 + (", heap released every block" if p.hold_freed_heap else ""))
 
-    where = source if source == "max_memory" else f"{source} less a margin"
-    why = (f"chosen as the fastest plan within {format_bytes(budget)} ({where}): {short(plan)}"
+    why = (f"chosen as the fastest plan within {budget}: {short(plan)}"
            + (f", needing {needed}" if needed else "") + f", estimated {format_bytes(needs)}")
     if faster:
         why += "; faster but too big: " + "; ".join(f"{short(p)} ({format_bytes(total)})" for _, total, p, _ in faster)
@@ -287,7 +275,7 @@ def fit_to_budget(plan: TrainPlan, config: object, block_size: int, weights_on_g
     # the probes make and free model blocks at the model's width on the CPU: each goes back to the OS when
     # freed, not into glibc's heap, where it would stay resident under the training it plans
     with freed_tensors_unmapped():
-        fitted, _ = fit_plan(config, plan, block_size, *budget)
+        fitted, _ = fit_plan(config, plan, block_size, budget)
     return fitted
 
 
@@ -311,8 +299,8 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     if "gradient_checkpointing" not in explicit and not plan.checkpoints_every_block:
         plan = plan.checkpointing_all()
         yield "gradient checkpointing", plan
-    if not explicit & {"fp16", "precision"} and plan.half_dtype is None:
-        plan = dataclasses.replace(plan, precision=resolve_precision(True, None, plan.accelerator))
+    if not explicit & {"fp16", "precision"} and plan.half_dtype is None and mixed_precision(plan.accelerator):
+        plan = dataclasses.replace(plan, precision=mixed_precision(plan.accelerator))
         yield "mixed precision", plan
     if "chunked_loss" not in explicit and not plan.loss_chunk_tokens:
         plan = dataclasses.replace(plan, loss_chunk_tokens=default_chunk_tokens(plan.accelerator))

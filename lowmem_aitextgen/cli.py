@@ -19,7 +19,7 @@ from typing import Any
 import fire
 
 from .aitextgen import aitextgen
-from .estimate import estimate_memory, fits_table
+from .estimate import estimate_memory
 from .TokenDataset import TokenDataset
 from .tokenizers import train_tokenizer
 
@@ -62,8 +62,10 @@ def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
 
 def estimate_cli(model: str = "355M", table: bool = False, **kwargs: Any) -> None:
     """Print the memory one training step needs: a GPT-2 size name, a config.json or a model folder;
-    --table: for a GPT-2 size, every way of training at blocks 512 and 1024, and the smallest GPU each fits."""
+    --table: for a GPT-2 size, the plan train() makes on each common GPU (full fine-tune and LoRA)."""
     if table:
+        from .cards import fits_table
+
         print(fits_table((model,)))
         return
     if os.path.isdir(model):
@@ -93,7 +95,7 @@ COMMANDS: dict[str, tuple[Callable, list[Callable], Callable[[], list[str]]]] = 
     "generate": (generate_cli, [generate_cli, aitextgen.__init__, aitextgen.generate_to_file, aitextgen.generate],
                  _generation_settings),
     "train_tokenizer": (train_tokenizer_cli, [train_tokenizer], list),
-    "estimate": (estimate_cli, [estimate_memory], list),
+    "estimate": (estimate_cli, [estimate_cli, estimate_memory], list),
 }
 
 

@@ -30,10 +30,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from transformers import AutoConfig
 
 from .chunked_loss import body_and_head, chunked_lm_loss, default_chunk_tokens
-from .memory import apply_memory_plan, format_bytes, unique_tensor_bytes
+from .hardware import format_bytes
+from .memory import apply_memory_plan, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
 from .plan import ALL_BLOCKS, PRECISIONS, LoraSettings, TrainPlan
 from .step_time import shape
@@ -190,7 +193,26 @@ def _probe(config: object, n_layer: int, plan: TrainPlan, lengths: tuple[int, ..
     if plan.precision.endswith("-true") and plan.half_dtype is not None:
         model = model.to(plan.half_dtype)
     model, _ = apply_memory_plan(model, plan)
-    return {t: saved_bytes(model, torch.randint(model.config.vocab_size, (1, t)), plan) for t in lengths}
+    with _ZeroMatmuls():
+        return {t: saved_bytes(model, torch.randint(model.config.vocab_size, (1, t)), plan) for t in lengths}
+
+
+class _ZeroMatmuls(TorchDispatchMode):
+    """The probes' matrix products made as zeros of the shape, strides and dtype the real ones have (their meta
+    kernels say which).  What autograd saves depends on those, not on values (the weights are zeros too),
+    and a 16-bit matmul where the CPU only emulates it was most of an estimate's time: 38 s for 355M's
+    bf16 probes on an AVX2 CPU (benchmarks/RESULTS.md).  Autocast and autograd sit above this mode, so the
+    dtypes and saved tensors are theirs."""
+
+    MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                         torch.ops.aten.baddbmm.default})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.MATMULS:
+            return func(*args, **kwargs)
+        meta = func(*tree_map(lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a, args), **kwargs)
+        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).zero_()
 
 
 def _fit_quadratic(values: tuple[int, ...], lengths: tuple[int, ...]) -> Callable[[int], float]:
@@ -199,7 +221,7 @@ def _fit_quadratic(values: tuple[int, ...], lengths: tuple[int, ...]) -> Callabl
     return lambda t: float(np.polyval(coefficients, t))
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=256)
 def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Callable, Callable]:
     """Saved bytes per sequence as functions of its length: one block, everything else in the
     body (embeddings, final norm, the first block's difference), and the loss.
@@ -279,7 +301,7 @@ def estimate_memory(
     return estimate_plan(model_config(model), plan, block_size)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int]:
     """Weights, gradients and optimizer states, exactly, from a model on the meta device (nothing is
     allocated).  Cached: a planner weighs many plans with the same parameter state."""
@@ -298,12 +320,21 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int]:
             optimizer_state_bytes(trainable, plan.optimizer))
 
 
+def config_jsons(config: object, accelerator: str) -> tuple[str, str]:
+    """The keys estimate_plan caches by: the config as JSON, and as the probes run it on `accelerator`."""
+    device = "cuda" if accelerator == "gpu" else "cpu"
+    return config.to_json_string(), _as_probed_for(config, device).to_json_string()
+
+
 @torch.random.fork_rng(devices=[])
-def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEstimate:
-    """Peak memory of one training step of `plan` for a model of `config` at `block_size` tokens."""
-    weights, gradients, optimizer_states = _state_bytes(config.to_json_string(), state_plan(plan))
+def estimate_plan(config: object, plan: TrainPlan, block_size: int,
+                  jsons: tuple[str, str] | None = None) -> MemoryEstimate:
+    """Peak memory of one training step of `plan` for a model of `config` at `block_size` tokens; `jsons`:
+    config_jsons(config, plan.accelerator), where the caller weighs many plans of one config (making
+    them was most of a planner's time)."""
+    full_json, config_json = jsons or config_jsons(config, plan.accelerator)
+    weights, gradients, optimizer_states = _state_bytes(full_json, state_plan(plan))
     device = "cuda" if plan.accelerator == "gpu" else "cpu"
-    config_json = _as_probed_for(config, device).to_json_string()
     probed = probe_plan(plan)
     block, rest, loss = _per_block_and_rest(config_json, probed)
     n_layer, tokens, batch_size = _n_layer(config), block_size, plan.micro_batch_size
@@ -331,42 +362,3 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int) -> MemoryEst
               **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device},
     )
-
-
-# --- what fits which card -------------------------------------------------------------------
-
-COMMON_GPUS_GB = (4, 6, 8, 12, 16, 24)
-# How each row trains, in the least memory our plans use: every block recomputed, mixed precision, the
-# loss in chunks, micro-batch 1.
-TABLE_PLANS = {
-    "full fine-tune": dict(precision="bf16-mixed", optimizer="adamw"),
-    "full, 8-bit AdamW": dict(precision="bf16-mixed", optimizer="adamw8bit"),
-    "full, bf16 weights + 8-bit AdamW": dict(precision="bf16-true", optimizer="adamw8bit"),
-    "LoRA": dict(precision="bf16-mixed", optimizer="adamw", lora=True),
-}
-
-
-def smallest_card(needed: int) -> str:
-    """The smallest common GPU whose memory, less the margin train() leaves on a GPU (the CUDA context
-    and fragmentation: 10%, at least 0.5 GiB), holds `needed` bytes."""
-    for gigabytes in COMMON_GPUS_GB:
-        card = gigabytes * 2**30
-        if needed <= card - max(512 * 2**20, card // 10):
-            return f"{gigabytes} GB"
-    return "more than 24 GB"
-
-
-def fits_table(models: tuple[str, ...] = tuple(GPT2_SIZES), blocks: tuple[int, ...] = (512, 1024)) -> str:
-    """A markdown table: for each GPT-2 size and way of training, the estimated GPU memory at each block
-    length and the smallest common card it fits."""
-    header = "| model | training | " + " | ".join(f"block {b}" for b in blocks) + " |"
-    rows = [header, "|---|---|" + "---|" * len(blocks)]
-    for model in models:
-        for label, plan in TABLE_PLANS.items():
-            cells = []
-            for block in blocks:
-                total = estimate_memory(model, block_size=block, gradient_checkpointing=True, device="cuda",
-                                        **plan).total
-                cells.append(f"{format_bytes(total)} → {smallest_card(total)}")
-            rows.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)

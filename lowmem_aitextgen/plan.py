@@ -8,15 +8,20 @@ beyond asking what the hardware supports.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from . import hardware
 from .arguments import Arguments
 from .chunked_loss import default_chunk_tokens
+from .hardware import format_bytes
 from .storage16 import STORAGE_DTYPE
+
+logger = logging.getLogger("lowmem_aitextgen")
 
 # Lightning's precision strings (and the short aliases Lightning also accepts).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -44,6 +49,25 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """The memory a plan is fitted to (budget.py), and what it was made of (bytes)."""
+
+    bytes: int
+    source: str  # "max_memory", "free GPU memory" or "available memory"
+    device: str = ""  # the card or CPU it was read from
+    available: int | None = None  # what the device had for this run, before the margin
+    margin: int = 0  # left unused (budget.py says why)
+    this_process_elsewhere: int = 0  # GPU tensors this process holds besides the model (an earlier run)
+    other_processes: int = 0  # GPU memory other processes hold
+
+    def __str__(self) -> str:
+        if self.source == "max_memory":
+            return f"max_memory={format_bytes(self.bytes)}"
+        return (f"{format_bytes(self.bytes)} ({self.source} on {self.device}: {format_bytes(self.available or 0)}, "
+                f"less a margin of {format_bytes(self.margin)})")
+
+
+@dataclass(frozen=True)
 class TrainPlan:
     """How one train() call runs.  `args` holds the call's own values (schedule, saves, seed)."""
 
@@ -68,7 +92,7 @@ class TrainPlan:
     output_dir: str = ""
     data_seed: int = 0  # the order of the blocks; the seed when given, else drawn once
     resume_from: str | None = None  # a checkpoint written by an earlier run
-    budget: int | None = None  # bytes the plan was fitted to (budget.py), None if none
+    budget: Budget | None = None  # what the plan was fitted to (budget.py), None if nothing could be read
     chosen_because: str = ""  # what the planner weighed (budget.py), for the plan line and the summary
     fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES)
     eval_every: int = 0  # optimizer steps between evaluations of val_data; 0: no validation
@@ -145,32 +169,23 @@ def describe_checkpointing(blocks: int, n_layer: int) -> str:
 # --- one function per decision ------------------------------------------------------
 
 
-def bf16_is_fast(accelerator: str) -> bool:
-    """Whether the device computes bf16 natively (so bf16 autocast is a speed-up)."""
-    if accelerator == "gpu":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    # No public API tells whether oneDNN has native bf16 kernels (AVX512-BF16/AMX);
-    # without them bf16 autocast on CPU is emulated and slower than fp32.
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def mixed_precision_usable(accelerator: str) -> bool:
-    """Whether any 16-bit autocast works here: bf16 on CPU, fp16 from CUDA capability 5.3 (native half math)."""
-    if accelerator == "gpu":
-        return torch.cuda.is_available() and (
-            torch.cuda.is_bf16_supported() or torch.cuda.get_device_capability() >= (5, 3))
-    return torch.amp.is_autocast_available("cpu")
+def mixed_precision(accelerator: str) -> str | None:
+    """The mixed precision this device computes natively: bf16 where it has bf16 (no loss scaling needed),
+    else fp16 with dynamic loss scaling on a GPU from capability 5.3; None where neither is native (a CPU
+    without AVX512-BF16/AMX, an older GPU), where 16-bit math is emulated and slower than fp32."""
+    if hardware.bf16_native(accelerator):
+        return "bf16-mixed"
+    if accelerator == "gpu" and hardware.native_half_precision("gpu"):
+        return "16-mixed"
+    return None
 
 
 def resolve_precision(fp16: bool | None, precision: str | None, accelerator: str) -> str:
     """Lightning precision string for aitextgen's `fp16` flag or an explicit `precision`.
 
-    fp16=True means "mixed precision": bf16 where the device has it (no loss
-    scaling needed), fp16 with dynamic loss scaling otherwise.  fp16=None (not
-    given) picks bf16-mixed where the device computes bf16 natively, else fp32.
+    fp16=True means "mixed precision, for speed and memory": the device's native mixed precision
+    (mixed_precision), and fp32 where it has none (precision_note says why).  fp16=None (not given) picks
+    bf16-mixed where the device computes bf16 natively, else fp32.  An explicit precision is kept.
     """
     if precision is not None:
         resolved = PRECISION_ALIASES.get(str(precision), str(precision))
@@ -185,21 +200,36 @@ def resolve_precision(fp16: bool | None, precision: str | None, accelerator: str
     if fp16 is False:
         return "32-true"
     if fp16 is None:
-        return "bf16-mixed" if bf16_is_fast(accelerator) else "32-true"
-    if not mixed_precision_usable(accelerator):
-        raise ValueError(
-            f"fp16=True asks for mixed precision, but this {accelerator.upper()} can compute in neither bf16 "
-            "nor fp16; use fp16=False (fp32), and lora=True or gradient_checkpointing=True to save memory."
-        )
-    if accelerator == "gpu":
-        return "bf16-mixed" if bf16_is_fast("gpu") else "16-mixed"
-    return "bf16-mixed"  # autocast to bf16 works on every CPU, fp16 loss scaling does not
+        return "bf16-mixed" if hardware.bf16_native(accelerator) else "32-true"
+    return mixed_precision(accelerator) or "32-true"
+
+
+def precision_note(fp16: bool | None, precision: str | None, accelerator: str) -> str | None:
+    """The one line train() warns with where the 16-bit math asked for is not native on this device:
+    fp16=True then trains in fp32, an explicit precision is kept; each says what 16 bits cost here."""
+    device = hardware.gpu() if accelerator == "gpu" else hardware.cpu()
+    cost = hardware.emulated_cost(accelerator)
+    if precision is None:
+        if fp16 and mixed_precision(accelerator) is None:
+            return (f"fp16=True: {device} has no native 16-bit math, where mixed precision is emulated ({cost}); "
+                    "training in fp32. To save memory use max_memory=, lora=True or gradient_checkpointing=True; "
+                    "precision='bf16-mixed' forces 16 bits.")
+        return None
+    resolved = resolve_precision(None, precision, accelerator)
+    if resolved.startswith("bf16") and not hardware.bf16_native(accelerator):
+        half = "bf16"
+    elif resolved.startswith("16") and not hardware.native_half_precision(accelerator):
+        half = "fp16"
+    else:
+        return None
+    return (f"precision={precision!r}: {device} computes {half} only emulated ({cost}); kept as asked. "
+            "Leave precision out, or use fp16=True, for what this device computes natively.")
 
 
 def resolve_accelerator(n_gpu: int, devices: int | str | list[int] | None) -> tuple[str, int | str | tuple[int, ...]]:
     """aitextgen's n_gpu (-1 = all GPUs, 0 = CPU) as Lightning accelerator/devices;
     `devices` (Lightning's argument) wins, and on CPU counts processes."""
-    accelerator = "cpu" if n_gpu == 0 or not torch.cuda.is_available() else "gpu"
+    accelerator = "cpu" if n_gpu == 0 or hardware.gpu() is None else "gpu"
     if devices is not None:
         check_devices(devices, accelerator)
         return accelerator, tuple(devices) if isinstance(devices, list) else devices
@@ -228,7 +258,8 @@ def processes_here(accelerator: str, devices: Any) -> int:
     if accelerator == "cpu":
         return 1 if devices == "auto" else int(CPUAccelerator.parse_devices(devices))
     if devices == "auto":
-        return CUDAAccelerator.auto_device_count()
+        card = hardware.gpu()
+        return card.count if card is not None else 0
     parsed = CUDAAccelerator.parse_devices(devices)
     return len(parsed) if isinstance(parsed, (list, tuple)) else int(parsed or 1)
 
@@ -311,6 +342,9 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     accelerator, devices = resolve_accelerator(args.n_gpu, args.devices)
     check_launchable(accelerator, devices, args.strategy)
     on_cpu = accelerator == "cpu"
+    note = precision_note(args.fp16, args.precision, accelerator)
+    if note:
+        logger.warning(note)
     return TrainPlan(
         output_dir=os.fspath(args.output_dir),
         accelerator=accelerator,

@@ -27,7 +27,8 @@ from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from tqdm.auto import tqdm
 
 from .callbacks import OptimizerStepCallback
-from .memory import format_bytes, peak_memory_bytes, trainable_parameters, unique_tensor_bytes
+from .hardware import format_bytes
+from .memory import peak_memory_bytes, trainable_parameters, unique_tensor_bytes
 from .plan import TrainPlan, describe_checkpointing
 from .saving import atomic_write_bytes
 
@@ -155,7 +156,8 @@ class RunRecorder(OptimizerStepCallback):
                 "optimizer": self.optimizer_name,
                 "trainable_parameters": trainable,
                 "parameters": total,
-                "budget_bytes": plan.budget,
+                "budget_bytes": plan.budget.bytes if plan.budget else None,
+                "budget": asdict(plan.budget) if plan.budget else None,  # the device and margin it came from
                 "chosen_because": plan.chosen_because or None,
             },
             "output_dir": os.path.abspath(output_dir),

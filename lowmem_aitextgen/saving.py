@@ -321,7 +321,7 @@ def prepare_output_dir(output_dir: str, needed_bytes: int) -> None:
     reclaimable = sum(_size(os.path.join(existing, name)) for name in leftovers(existing))
     free = shutil.disk_usage(existing).free + reclaimable
     if free < needed_bytes:
-        from .memory import format_bytes
+        from .hardware import format_bytes
 
         raise OSError(
             errno.ENOSPC,

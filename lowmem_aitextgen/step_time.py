@@ -9,8 +9,8 @@ the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
 | backward                      | 2x forward; LoRA or frozen: 1x (no weight grads)| autograd                     |
 | recompute                     | one more forward of each checkpointed block     | checkpointing                |
 | a trainable head, chunked     | the head's matmul once more                    | chunked_loss                 |
-| throughput                    | device and precision (bf16 is slower than fp32  | DEVICE_FLOPS, CPU_BF16_SPEED |
-|                               | on CPUs without native bf16)                   |                              |
+| throughput                    | device and precision (bf16 is slower than fp32  | DEVICE_FLOPS, hardware.py's  |
+|                               | on CPUs without native bf16)                   | CPU_BF16_SPEED               |
 | micro-batch                   | tokens per micro-batch below a device's         | SATURATION_TOKENS            |
 |                               | saturation leave it partly idle                |                              |
 | per micro-batch               | Python, Lightning, kernel launches; each weight | MICRO_BATCH_OVERHEAD_S,      |
@@ -32,14 +32,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .hardware import CPU_BF16_SPEED
 from .plan import TrainPlan
 
 # Matmul throughput in FLOP/s a training step reaches, by device and computing dtype (CPU: fp32; bf16 is
-# CPU_BF16_SPEED times that).
+# hardware.CPU_BF16_SPEED times that).
 DEVICE_FLOPS = {("gpu", "16"): 250e12, ("gpu", "32"): 40e12, ("cpu", "32"): 110e9}
-# CPU bf16 autocast against fp32: with native bf16 (AVX512-BF16/AMX) measured 1.4-3x faster at widths
-# 64-1024 here; emulated, about half as fast (that CPU's default is fp32, bf16 only to fit).
-CPU_BF16_SPEED = {True: 1.9, False: 0.5}
 # Tokens per micro-batch at which the device is half as fast as when saturated (time grows by
 # SATURATION_TOKENS / tokens): a GPU needs thousands of rows per matmul, a CPU's few cores far fewer.
 SATURATION_TOKENS = {"gpu": 2048, "cpu": 32}

@@ -196,10 +196,14 @@ def _(env):
 
 @difference("mixed-precision")
 def _(env):
-    from lowmem_aitextgen.plan import bf16_is_fast, resolve_precision
+    from lowmem_aitextgen import hardware
+    from lowmem_aitextgen.plan import resolve_precision
 
-    assert resolve_precision(True, None, "cpu") == "bf16-mixed"  # fp16=True: no Apex, no loss scaling on CPU
-    assert resolve_precision(None, None, "cpu") == ("bf16-mixed" if bf16_is_fast("cpu") else "32-true")
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
+        assert resolve_precision(True, None, "cpu") == "bf16-mixed"  # fp16=True: no Apex, no loss scaling on CPU
+        assert resolve_precision(None, None, "cpu") == "bf16-mixed"
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"])):  # emulated bf16: fp32
+        assert resolve_precision(True, None, "cpu") == resolve_precision(None, None, "cpu") == "32-true"
 
 
 @difference("obsolete-train-arguments")

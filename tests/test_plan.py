@@ -1,24 +1,64 @@
 """plan: the decisions a plan makes from train()'s arguments."""
 
+import re
+
 import pytest
 
-from lowmem_aitextgen import plan
+from lowmem_aitextgen import hardware, plan
+
+T4, H100 = hardware.CARDS["T4"], hardware.CARDS["80 GiB"]
+OLD_GPU = hardware.card("GeForce GTX 970", 4, (5, 2))  # Maxwell: no native half math
+NATIVE, EMULATED = hardware.CPUS["native bf16"], hardware.CPUS["no native bf16"]
 
 
-@pytest.mark.parametrize("fp16, precision, accelerator, bf16_fast, expected", [
-    (True, None, "gpu", True, "bf16-mixed"),
-    (True, None, "gpu", False, "16-mixed"),  # pre-Ampere GPU: fp16 with dynamic loss scaling
-    (True, None, "cpu", False, "bf16-mixed"),
-    (None, None, "cpu", True, "bf16-mixed"),  # default: bf16 where the device computes it natively
-    (None, None, "cpu", False, "32-true"),
-    (False, None, "gpu", True, "32-true"),  # an explicit fp16=False wins
-    (True, "32", "gpu", True, "32-true"),  # precision= wins over fp16
-    (None, "bf16", "cpu", False, "bf16-mixed"),
+@pytest.mark.parametrize("fp16, precision, accelerator, cpu, gpu, expected", [
+    (True, None, "gpu", NATIVE, H100, "bf16-mixed"),
+    (True, None, "gpu", NATIVE, T4, "16-mixed"),  # pre-Ampere GPU: fp16 with dynamic loss scaling
+    (True, None, "gpu", NATIVE, OLD_GPU, "32-true"),  # no native 16-bit math: fp32, said once
+    (True, None, "cpu", EMULATED, None, "32-true"),  # bf16 emulated: 20x slower, so fp32
+    (True, None, "cpu", NATIVE, None, "bf16-mixed"),
+    (None, None, "cpu", NATIVE, None, "bf16-mixed"),  # default: bf16 where the device computes it natively
+    (None, None, "cpu", EMULATED, None, "32-true"),
+    (None, None, "gpu", NATIVE, T4, "32-true"),  # the planner may still take fp16 (test_hardware.py)
+    (False, None, "gpu", NATIVE, H100, "32-true"),  # an explicit fp16=False wins
+    (True, "32", "gpu", NATIVE, H100, "32-true"),  # precision= wins over fp16
+    (None, "bf16", "cpu", EMULATED, None, "bf16-mixed"),  # kept as asked, with a warning
 ])
-def test_precision_selection(monkeypatch, fp16, precision, accelerator, bf16_fast, expected):
-    monkeypatch.setattr(plan, "bf16_is_fast", lambda device: bf16_fast)
-    monkeypatch.setattr(plan, "mixed_precision_usable", lambda device: True)  # unusable: test_bad_input.py
-    assert plan.resolve_precision(fp16, precision, accelerator) == expected
+def test_precision_selection(fp16, precision, accelerator, cpu, gpu, expected):
+    with hardware.presenting(hardware.Hardware(cpu=cpu, gpu=gpu)):
+        assert plan.resolve_precision(fp16, precision, accelerator) == expected
+
+
+@pytest.mark.parametrize("fp16, precision, cpu, gpu, says", [
+    (True, None, EMULATED, None, r"fp16=True: CPU with AVX2 only \(no native bf16\) has no native 16-bit math.*"
+                                 r"about 20x the time of an fp32 step.*training in fp32"),
+    (None, "bf16-mixed", EMULATED, None, r"precision='bf16-mixed': CPU with AVX2 only .* computes bf16 only "
+                                         r"emulated \(about 20x.*kept as asked"),
+    (True, None, NATIVE, OLD_GPU, r"fp16=True: GeForce GTX 970 .*capability 5.2\) has no native 16-bit math"),
+    (None, "bf16-mixed", NATIVE, T4, r"precision='bf16-mixed': Tesla T4 .* computes bf16 only emulated"),
+    (True, None, NATIVE, None, None), (None, None, EMULATED, None, None), (True, None, NATIVE, T4, None),
+    (None, "16-mixed", NATIVE, T4, None), (False, None, EMULATED, None, None),
+])
+def test_sixteen_bits_that_are_not_native_are_said_once_with_their_cost(fp16, precision, cpu, gpu, says):
+    accelerator = "gpu" if gpu else "cpu"
+    with hardware.presenting(hardware.Hardware(cpu=cpu, gpu=gpu)):
+        note = plan.precision_note(fp16, precision, accelerator)
+    if says is None:
+        assert note is None
+    else:
+        assert re.search(says, note), note
+
+
+def test_fp16_true_on_a_cpu_without_native_bf16_trains_in_fp32_and_says_so_once(caplog, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from conftest import tiny_gpt2_config
+
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    with hardware.presenting(hardware.Hardware(cpu=EMULATED)), caplog.at_level("WARNING", "lowmem_aitextgen"):
+        chosen = plan_for(model, n_gpu=0, fp16=True)
+    assert chosen.precision == "32-true" and "fp16" in chosen.fixed
+    assert [r.getMessage().startswith("fp16=True: CPU with AVX2 only") for r in caplog.records] == [True]
 
 
 def plan_for(model, **kwargs):

@@ -12,8 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.pytorch_utils import Conv1D
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, budget, storage16
-from lowmem_aitextgen import plan as plan_module
+from lowmem_aitextgen import aitextgen, budget, hardware, storage16
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.estimate import estimate_plan, memory_plan
@@ -136,11 +135,11 @@ def needs(plan):
 
 
 @pytest.fixture
-def bf16_emulated(monkeypatch):
+def bf16_emulated():
     """This test's machine, as a CPU without native bf16 (where the choice matters): bf16 autocast
     weighed at its emulated speed whatever this CPU has."""
-    monkeypatch.setattr(budget, "bf16_is_fast", lambda accelerator: False)
-    monkeypatch.setattr(plan_module, "bf16_is_fast", lambda accelerator: False)
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"])):
+        yield
 
 
 def test_the_planner_stores_the_base_in_bf16_only_where_an_fp32_base_does_not_fit(bf16_emulated):

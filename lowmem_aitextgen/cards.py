@@ -1,0 +1,94 @@
+"""What fits which card: train()'s own planner, run on the cards users have (hardware.CARDS), presented.
+
+Nothing here decides anything: `planned` builds the plan of a train() call exactly as train() does
+(plan.build_plan, then budget.fit_to_budget) while hardware.py presents a card or a CPU, so the README's
+table, `lowmem_aitextgen estimate 355M --table` and the tests' hardware matrix show the decisions a user
+on that card gets.  Everything is estimated; nothing is downloaded or trained.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from . import hardware
+from .budget import fit_to_budget
+from .estimate import GPT2_SIZES, MemoryEstimate, estimate_plan, model_config
+from .hardware import format_bytes
+from .plan import TrainPlan, build_plan
+
+# The call the table shows: aitextgen's batch_size=1 with accumulation to an effective batch of 8, GPT-2's
+# whole context.
+TABLE_CALL = dict(batch_size=1, gradient_accumulation_steps=8)
+TABLE_BLOCK = 1024
+TRAININGS = {"full fine-tune": False, "LoRA": True}
+
+
+def train_arguments(**given: object):
+    """The Arguments of `ai.train("data.txt", **given)`, the others at train()'s defaults."""
+    from .aitextgen import aitextgen
+    from .arguments import Arguments
+
+    defaults = {name: p.default for name, p in inspect.signature(aitextgen.train).parameters.items()
+                if name not in ("self", "kwargs")}
+    return Arguments({**defaults, "train_data": "data.txt", **given}, defaults)
+
+
+def hardware_named(card: str | None, cpu: str = "native bf16") -> hardware.Hardware:
+    """hardware.CARDS[card] (or SHARED_CARDS[card]) beside hardware.CPUS[cpu]; card None: the CPU alone."""
+    gpu = None if card is None else {**hardware.CARDS, **hardware.SHARED_CARDS}[card]
+    return hardware.Hardware(cpu=hardware.CPUS[cpu], gpu=gpu)
+
+
+@functools.lru_cache(maxsize=512)
+def planned(size: str, card: str | None, lora: bool | str, cpu: str = "native bf16", block: int = TABLE_BLOCK,
+            **call: object) -> tuple[TrainPlan, MemoryEstimate] | MemoryError:
+    """The plan train(lora=lora, **call) fits to GPT-2 `size` on the named card (or CPU) at `block` tokens,
+    with its estimate; or the MemoryError train() would raise."""
+    config = model_config(size)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+    args = train_arguments(lora=lora, **{**TABLE_CALL, **call})
+    with hardware.presenting(hardware_named(card, cpu)):
+        plan = build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
+                          model_has_adapter=False, resume_from=None, resumed=None)
+        try:
+            fitted = fit_to_budget(plan, config, block)
+        except MemoryError as error:
+            return error
+    return fitted, estimate_plan(config, fitted, block)
+
+
+def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
+    """A table cell: the plan in a few words and its estimate."""
+    precision = {"16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16 weights", "32-true": "fp32"}
+    words = [precision.get(plan.precision, plan.precision)]
+    if plan.upcasts_bf16_weights:
+        words = ["bf16 base, fp32 math" if plan.lora else "bf16 weights, fp32 math"]
+    if plan.optimizer != "adamw":
+        words.append("8-bit AdamW" if plan.optimizer == "adamw8bit" else plan.optimizer)
+    blocks = min(plan.checkpointed_blocks, plan.n_layer)
+    words.append(f"ckpt {blocks}/{plan.n_layer}" if blocks else "no ckpt")
+    words.append(f"{plan.micro_batch_size}×{plan.accumulation}")
+    return f"{', '.join(words)}: {format_bytes(estimate.total)}"
+
+
+def fits_table(models: tuple[str, ...] = tuple(GPT2_SIZES), cards: tuple[str, ...] = tuple(hardware.CARDS)) -> str:
+    """A markdown table: for each GPT-2 size, full fine-tune and LoRA, the plan train() makes on each card
+    (block 1024, batch_size=1 x 8 accumulation) and its estimated GPU memory, or that none fits."""
+    header = "| model | training | " + " | ".join(
+        f"{hardware.CARDS[c].name.replace('GeForce ', '')}, {hardware.CARDS[c].total / hardware.GIB:.0f} GiB"
+        for c in cards) + " |"
+    rows = [header, "|---|---|" + "---|" * len(cards)]
+    for model in models:
+        for label, lora in TRAININGS.items():
+            cells = []
+            for card in cards:
+                result = planned(model, card, lora)
+                cells.append("does not fit" if isinstance(result, MemoryError) else describe(*result))
+            rows.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
