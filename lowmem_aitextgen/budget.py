@@ -1,10 +1,14 @@
 """Choosing the plan: the fastest whose memory estimate fits the budget.
 
-The budget is train(max_memory=...) where given; else, on a GPU, its free memory plus what the model's
-weights already hold there, and on CPU what this process may grow to (its resident size plus
-MemAvailable, at most a cgroup's limit), each less a margin.  On a GPU it bounds the training's tensors
+The budget is train(max_memory=...) where given; else what hardware.py reads of the device, less a
+margin, never below zero.  On a GPU: the card's free memory, what this process's caching allocator holds
+unused and what the model's weights already hold there, less what the CUDA libraries load on first use
+and a fraction for fragmentation (never a fraction of the card's total: on a shared card that is more
+than is free).  On CPU: what this process may grow to (its resident size plus MemAvailable, at most a
+cgroup's limit), less a margin for other programs.  On a GPU it bounds the training's tensors
 (torch.cuda.max_memory_allocated, what the estimate counts); on CPU it bounds the process's resident
-size, predicted as the libraries plus the estimate with the allocator's slack.
+size, predicted as the libraries plus the estimate with the allocator's slack.  Mixed precision is a
+choice only where the device computes it natively (plan.mixed_precision).
 
 The planner weighs every combination of the choices the user left open, ranks those whose estimate
 fits by expected step time (step_time.py) and takes the fastest; the effective batch (micro-batch x
@@ -15,8 +19,8 @@ accumulation) and every argument given are kept.  What it may change, and the tr
 | checkpointed blocks (k of n)    | none: no recompute              | all: ~1/3 more compute               |
 | micro-batch (a divisor of the   | larger: fuller matmuls, fewer   | 1: one sequence's activations at a   |
 | effective batch)                | steps of overhead               | time                                 |
-| precision (unless fp16/precision| bf16 where the device has it    | bf16 (half the activations)          |
-| was given)                      | natively, else fp32             |                                      |
+| precision (unless fp16/precision| bf16 or fp16 where the device   | bf16/fp16 (half the activations),    |
+| was given)                      | has it natively, else fp32      | only where native                    |
 | chunked loss (if turned off)    | off for a trainable head        | on                                   |
 | LoRA's frozen base in fp32      | fp32                            | bf16, upcast per layer (storage16.py)|
 | plans (unless fp16/precision    |                                 |                                      |
@@ -165,11 +169,12 @@ def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[Trai
 def _upcast_choices(plan: TrainPlan, config: object | None) -> list[bool]:
     """Whether weights may be held in bf16 and computed in fp32 (storage16.py): a tier that asks for it keeps
     it; else offered for LoRA's base in fp32 only (mixed precision holds it in 16 bits anyway, and
-    fp16=False/precision= given asks for fp32 weights), on models whose layers storage16.py computes for."""
+    fp16=False/precision= given asks for fp32 weights; fp16=True asks for 16 bits, computed in fp32 where
+    the device has no native 16-bit math), on models whose layers storage16.py computes for."""
     if plan.upcast_bf16_weights:
         return [True]
-    if plan.lora is not None and not plan.fixed & {"fp16", "precision"} and config is not None \
-            and storage16.supports_config(config):
+    fp32_asked = "precision" in plan.fixed or ("fp16" in plan.fixed and not plan.args.get("fp16"))
+    if plan.lora is not None and not fp32_asked and config is not None and storage16.supports_config(config):
         return [False, True]
     return [False]
 

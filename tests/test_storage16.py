@@ -153,6 +153,22 @@ def test_the_planner_stores_the_base_in_bf16_only_where_an_fp32_base_does_not_fi
     assert "base stored in bf16" in tight.describe(1, 2, 3)
 
 
+@pytest.mark.parametrize("fp16, stored", [(True, True), (False, False)])
+def test_fp16_true_where_16_bit_math_is_emulated_may_still_store_the_base_in_bf16(bf16_emulated, fp16, stored):
+    """fp16=True asks for 16 bits: on this CPU it computes in fp32 (plan.precision_note) and the planner may
+    still hold LoRA's base in bf16 to fit; fp16=False asks for fp32 weights, which are kept."""
+    from lowmem_aitextgen.arguments import Arguments
+
+    fp32, upcast = needs(lora_plan()), needs(lora_plan(upcast_bf16_weights=True))
+    asked = lora_plan(fixed=frozenset({"fp16"}), args=Arguments({"fp16": fp16}, {}))
+    try:
+        chosen, _ = fit_plan(WIDE, asked, 64, (fp32 + upcast) // 2)
+    except MemoryError:  # fp32 weights asked for, and no other choice fits
+        chosen = None
+    assert (chosen is not None and chosen.upcasts_bf16_weights) == stored
+    assert chosen is None or chosen.precision == "32-true"
+
+
 def test_train_with_max_memory_stores_the_base_in_bf16_and_saves_a_loadable_model(
         bf16_emulated, tokenizer_file, corpus_file, tmp_path):
     fp32, upcast = needs(lora_plan()), needs(lora_plan(upcast_bf16_weights=True))
