@@ -22,8 +22,8 @@ What is read, and why each fact matters:
 | available memory (CPU)       | MemAvailable, a cgroup's limit less usage, | the CPU budget                  |
 |                              | and this process's resident size           |                                 |
 
-torch.cuda.is_bf16_supported() is asked with including_emulation=False: by default it also answers True
-where bf16 is only emulated (a T4, a V100), which is slower than fp16 there.
+Native bf16 on a GPU is read from the capability, not from torch.cuda.is_bf16_supported(): by default that
+also answers True where bf16 is only emulated (a T4, a V100), where fp16 is the faster choice.
 """
 
 from __future__ import annotations
