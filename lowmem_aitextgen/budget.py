@@ -304,8 +304,9 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     if "gradient_checkpointing" not in explicit and not plan.checkpoints_every_block:
         plan = plan.checkpointing_all()
         yield "gradient checkpointing", plan
-    if not explicit & {"fp16", "precision"} and plan.half_dtype is None and mixed_precision(plan.accelerator):
-        plan = dataclasses.replace(plan, precision=mixed_precision(plan.accelerator))
+    mixed = mixed_precision(plan.accelerator)
+    if not explicit & {"fp16", "precision"} and plan.half_dtype is None and mixed:
+        plan = dataclasses.replace(plan, precision=mixed)
         yield "mixed precision", plan
     if "chunked_loss" not in explicit and not plan.loss_chunk_tokens:
         plan = dataclasses.replace(plan, loss_chunk_tokens=default_chunk_tokens(plan.accelerator))

@@ -12,6 +12,7 @@ import functools
 import inspect
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from . import hardware
 from .budget import fit_to_budget
@@ -26,14 +27,17 @@ TABLE_BLOCK = 1024
 TRAININGS = {"full fine-tune": False, "LoRA": True}
 
 
-def train_arguments(**given: object):
-    """The Arguments of `ai.train("data.txt", **given)`, the others at train()'s defaults."""
+def plan_of_call(model: torch.nn.Module, **given: object) -> TrainPlan:
+    """The plan build_plan makes for `ai.train("data.txt", **given)` on a freshly constructed model (train()'s
+    other arguments at their defaults), before any budget."""
     from .aitextgen import aitextgen
     from .arguments import Arguments
 
     defaults = {name: p.default for name, p in inspect.signature(aitextgen.train).parameters.items()
                 if name not in ("self", "kwargs")}
-    return Arguments({**defaults, "train_data": "data.txt", **given}, defaults)
+    args = Arguments({**defaults, "train_data": "data.txt", **given}, defaults)
+    return build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
+                      model_has_adapter=False, resume_from=None, resumed=None)
 
 
 def hardware_named(card: str | None, cpu: str = "native bf16") -> hardware.Hardware:
@@ -49,13 +53,9 @@ def planned(size: str, card: str | None, lora: bool | str, cpu: str = "native bf
     with its estimate; or the MemoryError train() would raise."""
     config = model_config(size)
     with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_config(config)
-    args = train_arguments(lora=lora, **{**TABLE_CALL, **call})
     with hardware.presenting(hardware_named(card, cpu)):
-        plan = build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
-                          model_has_adapter=False, resume_from=None, resumed=None)
+        plan = plan_of_call(model, lora=lora, **{**TABLE_CALL, **call})
         try:
             fitted = fit_to_budget(plan, config, block)
         except MemoryError as error:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from lowmem_aitextgen import budget, hardware
-from lowmem_aitextgen.cards import TABLE_BLOCK, fits_table, planned
+from lowmem_aitextgen.cards import TABLE_BLOCK, fits_table, hardware_named, planned
 from lowmem_aitextgen.estimate import GPT2_SIZES, model_config
 
 GPUS = (*hardware.CARDS, *hardware.SHARED_CARDS)
@@ -20,7 +20,7 @@ MIB = 2**20
 
 
 def device_of(where):
-    return {**hardware.CARDS, **hardware.SHARED_CARDS}[where] if where in GPUS else hardware.CPUS[where]
+    return hardware_named(where).gpu if where in GPUS else hardware.CPUS[where]
 
 
 def plan_on(size, where, lora, **call):

@@ -63,17 +63,9 @@ def test_fp16_true_on_a_cpu_without_native_bf16_trains_in_fp32_and_says_so_once(
 
 def plan_for(model, **kwargs):
     """The plan of a train() call with these arguments (the others at train()'s defaults)."""
-    import inspect
+    from lowmem_aitextgen.cards import plan_of_call
 
-    from lowmem_aitextgen.aitextgen import aitextgen as subclass
-    from lowmem_aitextgen.arguments import Arguments
-    from lowmem_aitextgen.plan import build_plan
-
-    defaults = {name: p.default for name, p in inspect.signature(subclass.train).parameters.items()
-                if name not in ("self", "kwargs")}
-    args = Arguments({**defaults, "train_data": "x", **kwargs}, defaults)
-    return build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
-                      model_has_adapter=False, resume_from=None, resumed=None)
+    return plan_of_call(model, **kwargs)
 
 
 def test_each_decision_is_made_from_the_arguments_in_one_place():
