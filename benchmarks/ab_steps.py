@@ -18,7 +18,7 @@ Experiments:
                     create_selective_checkpoint_contexts) keeping the blocks' addmm outputs
                     (--save all, or only the widening c_attn and c_fc: --save wide)
   held_heap         glibc handing the freed top of its heap back at every free against holding
-                    it until the release before the optimizer step (cpu.hold_freed_heap)
+                    it until the release before the optimizer step (heap.hold_freed_heap)
   frozen_head_loss  (--mode lora) the chunked loss of a frozen head checkpointed chunk by chunk
                     (its logits made twice) against its gradient made in forward
 """
@@ -41,7 +41,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_speed import build_model, dataset, reset_peak_rss, vm_hwm_bytes  # noqa: E402
 
-from lowmem_aitextgen import cpu  # noqa: E402
+from lowmem_aitextgen import cpu, heap  # noqa: E402
 from lowmem_aitextgen.memory import transformer_blocks  # noqa: E402
 
 EAGER_IN_AUTOCAST = "ab_eager_in_autocast"
@@ -136,7 +136,7 @@ def held_heap_variants(model: nn.Module, args: argparse.Namespace) -> dict:
 
     def held() -> None:
         if not undo:
-            undo.append(cpu.hold_freed_heap())
+            undo.append(heap.hold_freed_heap())
 
     return {"heap not held": not_held, "heap held": held}
 

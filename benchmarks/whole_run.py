@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -86,21 +87,24 @@ def main() -> None:
     kwargs = dict(lora=args.lora, max_memory=args.max_memory, precision=args.precision)
     if args.checkpointing:
         kwargs["gradient_checkpointing"] = True
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         ai.train(data, output_dir=out, num_steps=args.steps, save_every=0, generate_every=0, n_gpu=0,
                  learning_rate=1e-4, callbacks=[AtTrainingEnd(marks)], progress_bar_refresh_rate=1000, **kwargs)
     marks["save"] = vm_hwm_bytes()
+    train_seconds = time.perf_counter() - started  # the whole train() call: plan, training, merge, save
     plan = marks.pop("plan")
     estimate = estimate_plan(GPT2Config(**GPT2_SIZES[args.size]), plan, args.block)
     result = {"size": args.size, "block": args.block, "steps": args.steps, "lora": args.lora,
               "checkpointing": args.checkpointing, "max_memory": args.max_memory, "precision": args.precision,
-              "from_folder": args.from_folder,
+              "from_folder": args.from_folder, "train_call_s": round(train_seconds, 2),
               "plan": {"precision": plan.precision, "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer),
                        "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}",
                        "upcast_bf16_weights": plan.upcasts_bf16_weights},
               "estimate_bytes": estimate.total, **{f"{k}_peak_bytes": v for k, v in marks.items()},
               "whole_run_peak_bytes": max(marks.values())}
-    print(" | ".join(f"{k} {v / GIB:.2f} GiB" for k, v in result.items() if k.endswith("_bytes")))
+    print(" | ".join(f"{k} {v / GIB:.2f} GiB" for k, v in result.items() if k.endswith("_bytes"))
+          + f" | train() {train_seconds:.1f} s")
     print("RESULT " + json.dumps(result), flush=True)
 
 

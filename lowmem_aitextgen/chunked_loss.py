@@ -22,16 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .plan import DEFAULT_CHUNK_TOKENS
+
 IGNORE_INDEX = -100  # transformers' label value for "no loss here"
-DEFAULT_CHUNK_TOKENS = 256  # 256 x 50,257 fp32 logits = 51 MB per chunk
-# Smaller on CPU, where the loss's backward sets a LoRA step's peak and matmuls gain little from size;
-# GPUs want fewer, larger matmuls (benchmarks/RESULTS.md has both measurements).
-CPU_CHUNK_TOKENS = 128
-
-
-def default_chunk_tokens(device: str) -> int:
-    """Tokens per loss chunk on `device` ("cpu", or "gpu"/"cuda")."""
-    return CPU_CHUNK_TOKENS if device == "cpu" else DEFAULT_CHUNK_TOKENS
 
 
 def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:

@@ -11,9 +11,8 @@ fails: `CpuSpeedups` (the swaps) and `ReleaseFreedHeap` (glibc's allocator polic
 | gelu_new -> one-kernel tanh GELU  | five elementwise ops and their backward| float rounding only        |
 | peft's adapter input upcast, off  | two casts of every adapter input       | nothing (autocast is bf16) |
 |   (only under autocast)           |                                        |                            |
-| pin_mmap_threshold (glibc)        | heap fragmentation in peak RSS         | page faults on big tensors |
-| hold_freed_heap (glibc)           | page faults: freed memory reused in a  | freed memory resident till |
-|   + release_freed_heap            | block                                  | the next block, refaulted  |
+| ReleaseFreedHeap (glibc, heap.py) | heap fragmentation, page faults: freed | freed memory resident till |
+|                                   | memory reused within a block           | the block ends, refaulted  |
 
 Dropout. torch draws a CPU dropout mask one float at a time from its Mersenne Twister
 (``bernoulli_``), the largest single cost of a CPU LoRA step with checkpointing (GPT-2's
@@ -27,28 +26,16 @@ bits each).  What that changes, and why it is the same training:
 - GPT-2's attention is transformers' eager math while dropout is on: SDPA draws its dropout
   internally, and with dropout its CPU path is that math.
 
-glibc.  glibc serves big allocations with mmap, but each time such a block is freed it raises that
-threshold (up to 32 MiB) and serves later tensors of that size from its heap, where freed memory stays
-resident and fragments; pinning the threshold keeps big tensors (logits, attention, weight casts) going
-back to the OS.  Once pinned, glibc also gives the heap's top back on every free, so the next block's
-activations would fault fresh (kernel-zeroed) pages in: holding the freed heap through the step and
-releasing it once, before the optimizer step (a full fine-tune's peak), avoids that.  glibc has no
-getter for these settings: the undo sets back what was in force as far as it can be known (what this
-module set before, the MALLOC_*_ / GLIBC_TUNABLES environment, else glibc's initial 128 KiB; its
-dynamic threshold, once turned off, cannot be turned back on).  There is no torch or Python API for
-any of this, hence ctypes.  Measurements: benchmarks/RESULTS.md.
+glibc.  ReleaseFreedHeap holds glibc's freed heap through a transformer block and releases it at each
+block's edges and before the optimizer step (a full fine-tune's peak); the settings themselves, and why,
+are heap.py's.  Measurements: benchmarks/RESULTS.md.
 
 On other devices (CUDA's dropout is one fused kernel, its allocator caches) nothing is changed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
-import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytorch_lightning as pl
 import torch
@@ -59,6 +46,8 @@ from transformers.activations import ACT2FN, NewGELUActivation
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
+from .heap import glibc_heap_available, hold_freed_heap, pin_mmap_threshold, release_freed_heap
+from .memory import transformer_blocks
 from .plan import TrainPlan
 
 MASK_LEVELS = 2**16  # one 16-bit lane per element
@@ -200,91 +189,6 @@ def use_cpu_speedups(model: nn.Module) -> Callable[[], None]:
     return undo
 
 
-# --- glibc's allocator -------------------------------------------------------------
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers, from glibc's malloc.h
-GLIBC_INITIAL_THRESHOLD = 128 * 1024  # both thresholds' glibc default
-# One page above 8 MiB: big tensors (logits, attention probabilities, weight casts) go back to the OS,
-# small ones reuse the heap; tensors of exactly 8 MiB are common at block 512 (512x4096 fp32, 16x512x512
-# bf16) and are reused from the heap instead of page-faulting fresh memory.
-PINNED_MMAP_THRESHOLD = 8 * 2**20 + 4096
-HELD_HEAP_BYTES = 2**31 - 1  # mallopt takes an int: "never trim on free"
-_ENVIRONMENT_NAMES = {M_TRIM_THRESHOLD: ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold"),
-                      M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold")}
-_in_force: dict[int, int] = {}  # what this module last set, per option
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl)
-        return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
-
-
-def _setting_before_us(option: int) -> int:
-    """What glibc started with for `option`: the environment's setting, else its default."""
-    variable, tunable = _ENVIRONMENT_NAMES[option]
-    tunables = dict(item.split("=", 1) for item in os.environ.get("GLIBC_TUNABLES", "").split(":") if "=" in item)
-    for value in (os.environ.get(variable), tunables.get(tunable)):
-        if value and value.isdigit():
-            return int(value)
-    return GLIBC_INITIAL_THRESHOLD
-
-
-def set_malloc_option(option: int, value: int) -> Callable[[], None] | None:
-    """glibc's mallopt(option, value); returns its undo, or None where glibc is not the allocator."""
-    libc = _glibc()
-    if libc is None:
-        return None
-    previous = _in_force.get(option, _setting_before_us(option))
-    if not libc.mallopt(option, value):
-        return None
-    _in_force[option] = value
-
-    def undo() -> None:
-        libc.mallopt(option, previous)
-        _in_force[option] = previous
-
-    return undo
-
-
-def pin_mmap_threshold(threshold: int = PINNED_MMAP_THRESHOLD) -> Callable[[], None] | None:
-    """Hand freed tensors of `threshold` bytes and more back to the OS at once; returns the undo."""
-    return set_malloc_option(M_MMAP_THRESHOLD, threshold)
-
-
-def hold_freed_heap() -> Callable[[], None] | None:
-    """Keep the freed top of glibc's heap for the next tensors until release_freed_heap; returns the undo."""
-    return set_malloc_option(M_TRIM_THRESHOLD, HELD_HEAP_BYTES)
-
-
-def release_freed_heap() -> bool:
-    """Give the pages of freed heap memory back to the OS now (glibc only; returns whether any went).
-    The cost is a page fault for each page the next tensors there touch again."""
-    libc = _glibc()
-    return libc is not None and bool(libc.malloc_trim(0))
-
-
-@contextlib.contextmanager
-def freed_tensors_unmapped() -> Iterator[None]:
-    """For work that makes and frees one large tensor after another outside training (a streamed save, a
-    LoRA merge): glibc's dynamic mmap threshold rises to the size of each freed tensor and keeps the next
-    ones in the heap, which grew a save of a 150M model by 66 MB and its merge by 57 MB.  Fixed at glibc's
-    initial 128 KiB, each tensor goes back to the OS when freed (a page fault each time it is made, small
-    beside writing it); then the settings in force before, and the freed heap handed back."""
-    undo = pin_mmap_threshold(GLIBC_INITIAL_THRESHOLD)
-    try:
-        yield
-    finally:
-        if undo is not None:
-            undo()
-        release_freed_heap()
-
-
 # --- the callbacks ---------------------------------------------------------------------
 
 
@@ -326,8 +230,6 @@ class ReleaseFreedHeap(WhileTraining):
         self.release = release
 
     def _hold(self, model: nn.Module) -> Callable[[], None]:
-        from .memory import transformer_blocks
-
         undos = [undo for undo in (pin_mmap_threshold(), hold_freed_heap()) if undo is not None]
         hooks = [block.register_forward_pre_hook(self._at_block) for block in transformer_blocks(model)]
         self.release()
@@ -363,14 +265,9 @@ class CpuSpeedups(WhileTraining):
         super().__init__(use_cpu_speedups)
 
 
-def glibc_heap_available() -> bool:
-    """Whether ReleaseFreedHeap can act here (glibc is the allocator)."""
-    return _glibc() is not None
-
-
 def cpu_callbacks(plan: TrainPlan) -> list[Callback]:
     """The CPU callbacks a plan asks for (plan.cpu_speedups, plan.hold_freed_heap; glibc for the heap)."""
     callbacks: list[Callback] = [CpuSpeedups()] if plan.cpu_speedups else []
-    if plan.hold_freed_heap and _glibc() is not None:
+    if plan.hold_freed_heap and glibc_heap_available():
         callbacks.append(ReleaseFreedHeap())
     return callbacks

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .arguments import Arguments, context_length
-from .TokenDataset import TokenDataset, check_text_file
+from .TokenDataset import TokenDataset, check_same_tokenizer, check_text_file
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -57,6 +57,8 @@ def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: A
         if dataset_kwargs and argument == "train_data":
             logger.warning(f"{', '.join(sorted(dataset_kwargs))} ignored: train_data is already a TokenDataset "
                            "(pass them to TokenDataset() instead).")
+        check_same_tokenizer(getattr(train_data, "tokenizer_record", None), tokenizer,
+                             f"{argument} (a TokenDataset)")
         check_tokens(train_data, config, argument)
         return train_data
     for name in set(dataset_kwargs) & set(IGNORED_WITH_A_TOKENIZER):
@@ -157,13 +159,32 @@ class ResumeDataOrder(pl.Callback):
         self.order.start = checkpoint["global_step"] * self.items_per_step
 
 
+class PicklableGenerator(torch.Generator):
+    """A torch.Generator that pickles as its state's bytes.  A DataLoader holds its generator, and
+    strategy="ddp_spawn" pickles the loaders into each process; torch's own Generator pickles a tensor that
+    torch.multiprocessing cannot pass to a spawned process (it stops there, "unable to resize file")."""
+
+    def __reduce__(self) -> tuple:
+        return (_generator_from_state, (self.get_state().numpy().tobytes(),))
+
+
+def _generator_from_state(state: bytes) -> PicklableGenerator:
+    generator = PicklableGenerator()
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A DataLoader's own generator: a DataLoader otherwise draws a worker seed from the global one whenever
+    it starts iterating, which (on resume, or after an evaluation) would shift every dropout mask after it."""
+    return PicklableGenerator().manual_seed(seed)
+
+
 def training_loader(dataset: Dataset, plan: Any) -> tuple[DataLoader, ResumeDataOrder]:
     """The DataLoader for a plan, and the callback that keeps its order resumable."""
     seed = plan.data_seed
     order = ResumableOrder(len(dataset), seed)
-    # its own generator: a DataLoader draws a worker seed from the global one whenever it starts
-    # iterating, which on resume would shift every dropout mask after it
     loader = DataLoader(dataset, batch_size=plan.micro_batch_size, sampler=order,
                         num_workers=plan.num_workers, pin_memory=plan.accelerator == "gpu",
-                        generator=torch.Generator().manual_seed(seed))
+                        generator=seeded_generator(seed))
     return loader, ResumeDataOrder(order, plan.accumulation, plan.micro_batch_size)

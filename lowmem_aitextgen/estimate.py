@@ -34,12 +34,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from transformers import AutoConfig
 
-from .chunked_loss import body_and_head, chunked_lm_loss, default_chunk_tokens
+from .chunked_loss import body_and_head, chunked_lm_loss
 from .hardware import format_bytes
 from .memory import apply_memory_plan, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
-from .plan import ALL_BLOCKS, PRECISIONS, LoraSettings, TrainPlan
+from .plan import ALL_BLOCKS, PRECISIONS, LoraSettings, TrainPlan, default_chunk_tokens
 from .step_time import shape
+from .storage16 import supported
 
 # OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
 GPT2_SIZES = {
@@ -318,6 +319,20 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int]:
     trainable = [p for p in params if p.requires_grad]
     return (unique_tensor_bytes(params), unique_tensor_bytes(trainable),
             optimizer_state_bytes(trainable, plan.optimizer))
+
+
+def storage16_supported(config: object) -> bool:
+    """Whether storage16.py computes for every layer of a model of `config` (built on the meta device,
+    nothing allocated): the planner offers bf16 storage with fp32 math only then."""
+    return _storage16_supported(config.to_json_string())
+
+
+@functools.lru_cache(maxsize=16)
+def _storage16_supported(config_json: str) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return supported(AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config_json))))
 
 
 def config_jsons(config: object, accelerator: str) -> tuple[str, str]:

@@ -167,6 +167,15 @@ def emulated_cost(accelerator: str) -> str:
     return "no faster than fp32"
 
 
+def eight_bit_available() -> bool:
+    """Whether 8-bit AdamW can run here (torchao installed: its AdamW8bit runs on CPU and CUDA)."""
+    try:
+        from torchao.optim import AdamW8bit  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _cpu_bf16_native() -> bool:
     # No public API tells whether oneDNN has native bf16 kernels (AVX512-BF16/AMX).
     try:

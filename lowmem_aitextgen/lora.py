@@ -1,21 +1,33 @@
 """LoRA adapters through peft, kept separate from the model they wrap.
 
 Only the adapters train; the base stays frozen (and, under mixed precision,
-is held in 16 bits by memory.cast_frozen_weights).  Saving produces both the
+is held in 16 bits by storage16.py).  Saving produces both the
 peft adapter and the merged weights (streamed, a tensor at a time), so nothing
 downstream must know LoRA was used; after training the object keeps the base
 with the adapters merged into it in place.
+
+An adapter is only right on the weights it was trained on, and its adapter_config.json names them by
+place (a folder, a hub id), not by content: a later run into that folder replaces them.  The adapter
+folder therefore also holds base_weights.json, a SHA-256 of the base's weights (each in the dtype
+training held it in), which loading.py checks before it puts the adapter on a base.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import _compat
 from .plan import LoraSettings
+from .saving import WeightSource, model_weights, save_model_files
 
 ADAPTER_SUBFOLDER = "lora_adapter"
+BASE_RECORD = "base_weights.json"  # in the adapter folder: which weights the adapter was trained on
 
 # Every projection of the block: attention in/out and both MLP layers.  peft's own
 # defaults adapt only attention (e.g. GPT-2: c_attn), which fine-tunes style less well.
@@ -88,8 +100,6 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list:
     and unmerging would round them at every periodic save)."""
     from peft.tuners.lora import LoraLayer
 
-    from .saving import WeightSource, model_weights
-
     base = model.get_base_model()
     adapted = {f"{name}.weight": module for name, module in base.named_modules()
                if isinstance(module, LoraLayer) and not module.merged}
@@ -109,21 +119,92 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list:
 
 
 def _merged(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """base + deltas in `dtype`, the delta made before the copy of the base and added into it: two
-    tensors of the weight's size alive at once, not three."""
+    """base + deltas, added in fp32 (at least) and rounded to `dtype` once: the saved model and the merge
+    kept in memory agree to the bit whatever dtype each is in.  The delta is made before the copy of the
+    base and added into it: two weight-sized tensors alive at once, not three."""
+    exact = torch.promote_types(dtype, torch.float32)
     merged = None
     for adapter in module.active_adapters:
-        delta = module.get_delta_weight(adapter).to(dtype)
+        delta = module.get_delta_weight(adapter).to(exact)
         if merged is None:
-            merged = base_weight.to(dtype, copy=True)
+            merged = base_weight.to(exact, copy=True)
         merged.add_(delta)
         del delta
-    return merged if merged is not None else base_weight.to(dtype)
+    return merged.to(dtype) if merged is not None else base_weight.to(dtype)
 
 
 def merge_in_place(model: nn.Module) -> nn.Module:
     """The plain transformers model with the adapters folded into its own weights, in the dtype the base
-    is held in (bf16 under mixed precision: merged_weights(model, torch.float32) rounded once), no second
-    copy made."""
+    is held in: each weight the fp32 merge rounded once (_merged), as the save writes it, one weight at a
+    time.  (peft's merge_and_unload adds a delta already rounded to bf16 to the bf16 weight: rounded twice,
+    it differs from the saved model in the last bit of some weights.)"""
+    from peft.tuners.lora import LoraLayer
+
     with torch.no_grad():
-        return model.merge_and_unload()
+        for module in model.get_base_model().modules():
+            if isinstance(module, LoraLayer) and not module.merged:
+                weight = module.get_base_layer().weight
+                weight.copy_(_merged(weight, module, weight.dtype))
+        return model.unload()
+
+
+def write_lora_model(folder: str, model: nn.Module, tokenizer: Any | None, dtype: torch.dtype | None,
+                     base_record: dict[str, Any]) -> None:
+    """A LoRA model as a save stages it: the merged model (in `dtype`) and tokenizer, and the adapter
+    in lora_adapter/ with the record of its base (base_fingerprint, plus who wrote it)."""
+    save_model_files(folder, model.get_base_model(), merged_weights(model, dtype))
+    adapter_dir = os.path.join(folder, ADAPTER_SUBFOLDER)
+    model.save_pretrained(adapter_dir)
+    with open(os.path.join(adapter_dir, BASE_RECORD), "w", encoding="utf-8") as f:
+        json.dump(base_record, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+        tokenizer.save_pretrained(adapter_dir)
+
+
+def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's own parameters by their plain names (a peft wrapper's base without adapters)."""
+    base = model.get_base_model() if is_lora_model(model) else model
+    return {name.replace(".base_layer.", "."): param for name, param in base.named_parameters()
+            if "lora_" not in name}
+
+
+def base_fingerprint(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """{"dtype", "sha256"}: a hash of every base weight (names, shapes and values) cast to `dtype`
+    (default: the dtype the weights are held in now, recorded so that a base read in another dtype is
+    cast the same way before it is compared).  One tensor's cast at a time."""
+    parameters = base_weights(model)
+    dtype = dtype or next((p.dtype for p in parameters.values() if p.is_floating_point()), torch.float32)
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name in sorted(parameters):
+            value = parameters[name].detach()
+            value = value.to(dtype) if value.is_floating_point() else value
+            digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+            digest.update(value.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return {"dtype": str(dtype).removeprefix("torch."), "sha256": digest.hexdigest()}
+
+
+def read_base_record(adapter_folder: str) -> dict[str, Any] | None:
+    """The adapter's base_weights.json (None: an adapter saved elsewhere, which records nothing)."""
+    path = os.path.join(adapter_folder, BASE_RECORD)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} cannot be read ({error}); it records which weights the adapter was trained on. "
+                         "Restore it from the run's output_dir, or delete it to load the adapter unchecked.") from error
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        raise ValueError(f"{path} is not a lowmem_aitextgen base record; restore it, or delete it to load the "
+                         "adapter unchecked.")
+    return record
+
+
+def base_matches(record: dict[str, Any], base: nn.Module) -> bool:
+    """Whether `base` holds the weights the adapter's record names."""
+    dtype = getattr(torch, str(record.get("dtype", "float32")), None)
+    if not isinstance(dtype, torch.dtype):
+        return False
+    return base_fingerprint(base, dtype)["sha256"] == record["sha256"]

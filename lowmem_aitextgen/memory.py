@@ -5,8 +5,8 @@
 | enable_gradient_checkpointing | activations of each checkpointed block  | one extra forward of each      |
 |   (all blocks, or the first k)| but its input                           | checkpointed block             |
 | freeze_layers                 | gradients + optimizer state of frozen   | those layers do not adapt      |
-| cast_frozen_weights           | half of every frozen weight (no fp32)   | frozen weights rounded to 16 b |
-| (in fp32, storage16.py)       | the same, computing in fp32             | and an upcast of each per use  |
+| (16-bit storage, storage16.py)| half of every frozen weight (no fp32)   | frozen weights rounded to 16 b;|
+|   under autocast, or in fp32  |                                         | in fp32 an upcast per use      |
 | (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
 | (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | a trainable head's matmul twice|
@@ -36,20 +36,12 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, lis
     model.train()
     if plan.lora is not None:
         if not is_lora_model(model):
-            # the base in 16 bits before the adapters are added, as when train() reads a saved model
-            # straight into 16 bits (aitextgen.DeferredModel): peft initialises adapters in the base's
-            # dtype, so both ways start from the same adapters
-            if plan.weights_dtype is not None:
-                model.to(plan.weights_dtype)
+            storage16.hold_base_before_adapters(model, plan)
             model = add_lora(model, plan.lora)
-        if plan.upcasts_bf16_weights:
-            storage16.store_frozen_weights(model)
-        elif plan.half_dtype is not None:
-            cast_frozen_weights(model, plan.half_dtype)
+        storage16.hold_frozen_base(model, plan)
     else:
-        if plan.upcasts_bf16_weights:  # every weight in bf16, updated by 8-bit AdamW's stochastic rounding
-            model.to(storage16.STORAGE_DTYPE)
-            storage16.compute_in_fp32(model)
+        if plan.upcasts_bf16_weights:
+            storage16.hold_every_weight_in_bf16(model)
         if plan.freeze_layers:
             frozen = layers_to_freeze(model, plan.num_layers_freeze)
             set_requires_grad(frozen, False)
@@ -113,20 +105,6 @@ def layers_to_freeze(model: nn.Module, num_layers_freeze: int | None) -> list[nn
 def set_requires_grad(params: list[nn.Parameter], value: bool) -> None:
     for param in params:
         param.requires_grad_(value)
-
-
-def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Hold frozen floating-point weights in `dtype` (no fp32 master copy); returns bytes saved.
-
-    Autocast computes in 16 bits anyway, so frozen weights lose nothing the forward
-    pass would have kept; the trainable ones (LoRA adapters) stay fp32.
-    """
-    saved = 0
-    for param in model.parameters():
-        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
-            saved += param.numel() * (param.element_size() - torch.finfo(dtype).bits // 8)
-            param.data = param.data.to(dtype)
-    return saved
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

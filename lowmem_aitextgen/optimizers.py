@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .hardware import eight_bit_available
+
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
 
 # torchao's AdamW8bit quantizes a state tensor in blocks of 256 values with one fp32 scale each and
@@ -57,14 +59,6 @@ def check_optimizer(optimizer: str) -> None:
     check_optimizer_name(optimizer)
     if optimizer == "adamw8bit" and not eight_bit_available():
         raise ImportError(f"optimizer='adamw8bit' needs torchao: {INSTALL_8BIT}, or use optimizer='adamw'.")
-
-
-def eight_bit_available() -> bool:
-    try:
-        from torchao.optim import AdamW8bit  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, adam_epsilon: float,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,9 +19,7 @@ import torch
 
 from . import hardware
 from .arguments import Arguments
-from .chunked_loss import default_chunk_tokens
 from .hardware import format_bytes
-from .storage16 import STORAGE_DTYPE
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -36,6 +36,18 @@ CHECKPOINTING_MIN_PARAMS = 300_000_000
 # The memory choices max_memory and out-of-memory recovery may make, and the argument that fixes each.
 FITTED_CHOICES = ("gradient_checkpointing", "fp16", "precision", "chunked_loss", "optimizer")
 EVALUATIONS_BY_DEFAULT = 10  # with val_data and save_every=0: eval_every = num_steps // 10
+# What 16-bit storage (storage16.py) holds weights in: bf16, not fp16, for fp32's exponent range, so no
+# weight overflows.
+STORAGE_DTYPE = torch.bfloat16
+DEFAULT_CHUNK_TOKENS = 256  # chunked loss: 256 x 50,257 fp32 logits = 51 MB per chunk
+# Smaller on CPU, where the loss's backward sets a LoRA step's peak and matmuls gain little from size;
+# GPUs want fewer, larger matmuls (benchmarks/RESULTS.md has both measurements).
+CPU_CHUNK_TOKENS = 128
+
+
+def default_chunk_tokens(device: str) -> int:
+    """Tokens per loss chunk on `device` ("cpu", or "gpu"/"cuda")."""
+    return CPU_CHUNK_TOKENS if device == "cpu" else DEFAULT_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,45 @@ class LoraSettings:
     alpha: float = 16
     dropout: float = 0.05
     target_modules: tuple[str, ...] | None = None  # None: the model type's default
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a run evaluates, saves and samples, in optimizer steps: decided here once, asked by the
+    callbacks (callbacks.SaveAndSample, validation.EvaluateLastStep) and Lightning's validation loop."""
+
+    num_steps: int
+    save_every: int = 0
+    generate_every: int = 0
+    eval_every: int = 0  # 0: no validation
+
+    def saves_at(self, step: int) -> bool:
+        """A periodic save: the checkpoint, and the model where no validation keeps the best one.  The
+        last step has none: the run saves its model once training has ended."""
+        return bool(self.save_every) and step % self.save_every == 0 and step < self.num_steps
+
+    def samples_at(self, step: int) -> bool:
+        return bool(self.generate_every) and step % self.generate_every == 0 and step < self.num_steps
+
+    def evaluates_at(self, step: int, stopping: bool = False) -> bool:
+        """Every eval_every steps, the last step, and any step training stops at."""
+        return bool(self.eval_every) and (step % self.eval_every == 0 or stopping or step >= self.num_steps)
+
+    def must_ask_evaluation_at(self, step: int) -> bool:
+        """The last step when it is off the interval: Lightning evaluates it only when asked to stop."""
+        return bool(self.eval_every) and step >= self.num_steps and step % self.eval_every != 0
+
+    def lightning_validation(self, accumulation: int) -> dict[str, Any]:
+        """The Trainer's arguments for evaluating every eval_every optimizer steps (counted in micro-batches,
+        across epochs)."""
+        if not self.eval_every:
+            return {}
+        return {"val_check_interval": self.eval_every * accumulation, "check_val_every_n_epoch": None}
+
+
+def new_run_id() -> str:
+    """A run's name: when it started, and six hex digits so that two runs in one second differ."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
 @dataclass(frozen=True)
@@ -97,7 +148,15 @@ class TrainPlan:
     fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES)
     eval_every: int = 0  # optimizer steps between evaluations of val_data; 0: no validation
     early_stopping_patience: int | None = None  # evaluations without improvement before stopping
+    # names this run's files (outputs.py); a resumed run keeps the interrupted run's.  Not a decision: two
+    # plans that decide alike are equal whatever their runs are called
+    run_id: str = field(default="", compare=False)
     args: Arguments = field(default_factory=lambda: Arguments({}, {}), compare=False, hash=False, repr=False)
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(self.args.num_steps, self.args.save_every or 0, self.args.generate_every or 0,
+                        self.eval_every)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -372,5 +431,6 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         fixed=fixed_choices(args, constructor_checkpointing, resumed),
         eval_every=validation_interval(args),
         early_stopping_patience=args.get("early_stopping_patience"),
+        run_id=(resumed or {}).get("run_id") or new_run_id(),
         args=args,
     )

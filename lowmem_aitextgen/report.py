@@ -71,6 +71,9 @@ def exact_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 class RunRecorder(OptimizerStepCallback):
     """Records every optimizer step and logs it to the Trainer's loggers."""
 
+    # what run.py brings back from spawned training processes
+    carried_fields = ("records", "tokens", "wall_time", "learning_rate", "exact_parts", "optimizer_name")
+
     def __init__(self, plan: TrainPlan) -> None:
         super().__init__()
         self.plan = plan

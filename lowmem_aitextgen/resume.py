@@ -27,7 +27,7 @@ from lightning_fabric.plugins import TorchCheckpointIO
 from torch import nn
 
 from .callbacks import OptimizerStepCallback
-from .lora import is_lora_model
+from .lora import base_weights
 from .plan import CHECKPOINT_NAME, TrainPlan
 from .saving import STAGING_PREFIX, apply_umask
 
@@ -95,14 +95,12 @@ def discard_checkpoint(path: str) -> None:
 
 def base_parameters(model: nn.Module) -> dict[str, list[int]]:
     """The model's own parameters (a LoRA wrapper's base, without adapters) and their shapes."""
-    base = model.get_base_model() if is_lora_model(model) else model
-    return {name.replace(".base_layer.", "."): list(param.shape) for name, param in base.named_parameters()
-            if "lora_" not in name}
+    return {name: list(param.shape) for name, param in base_weights(model).items()}
 
 
 def run_description(plan: TrainPlan, base: dict[str, list[int]]) -> dict[str, Any]:
     """What a resumed run must share with the one that wrote the checkpoint."""
-    return {"base_parameters": base, "lora": asdict(plan.lora) if plan.lora else None,
+    return {"run_id": plan.run_id, "base_parameters": base, "lora": asdict(plan.lora) if plan.lora else None,
             "optimizer": plan.optimizer, "effective_batch_size": plan.effective_batch_size,
             "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and plan.lora is None else None,
             "validation": held_out(plan)}
@@ -259,6 +257,8 @@ class StopOnSignal(OptimizerStepCallback):
     second signal acts at once.  Lightning's own handling would exit with status 1 after Ctrl-C, and
     with status 0 and no checkpoint after SIGTERM.
     """
+
+    carried_fields = ("received", "reason")  # what run.py brings back from spawned training processes
 
     def __init__(self) -> None:
         super().__init__()

@@ -9,31 +9,33 @@ arguments or makes decisions: those are the plan's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import signal
 from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.loggers import Logger
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.utilities import rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from . import _compat, memory
 from .callbacks import NonFiniteGuard, SaveAndSample
-from .cpu import cpu_callbacks, freed_tensors_unmapped
+from .cpu import cpu_callbacks
 from .data import training_loader
 from .generation import Samples
+from .heap import freed_tensors_unmapped
 from .lightning_module import CausalLMModule
-from .lora import is_lora_model, merge_in_place
+from .lora import base_fingerprint, is_lora_model, merge_in_place
 from .oom import OutOfMemoryRecovery, cheaper_plan
-from .plan import CHECKPOINT_NAME, TrainPlan
+from .outputs import RunFiles
+from .plan import TrainPlan
 from .report import RunRecorder, StepProgressBar, describe_summary
-from .resume import DiskCheckpointIO, StopOnSignal, discard_checkpoint, save_checkpoint
-from .saving import NonFiniteWeights, OutputDirLock, atomic_save, check_finite, prepare_output_dir
+from .resume import DiskCheckpointIO, StopOnSignal
+from .saving import NonFiniteWeights, OutputDirLock, prepare_output_dir
 from .validation import (
     EARLY_STOPPING,
     BestModel,
@@ -63,52 +65,6 @@ class Outcome:
     early_stopped: bool = False  # the validation loss stopped improving: the run is complete
 
 
-class RunFiles:
-    """What a run writes into output_dir: the resumable checkpoint, the model (a LoRA model as its
-    adapter and the merged model) and the summary with its plots (and the validation history, if any)."""
-
-    def __init__(self, plan: TrainPlan, tokenizer: Any, base_name: str | None, recorder: RunRecorder,
-                 dtype: torch.dtype, history: ValidationHistory | None = None) -> None:
-        self.plan = plan
-        self.tokenizer = tokenizer
-        self.base_name = base_name
-        self.recorder = recorder
-        self.dtype = dtype
-        self.history = history
-        self.checkpoint_path = os.path.join(plan.output_dir, CHECKPOINT_NAME)
-        self.saved_at: int | None = None  # the step of this run's latest model save
-
-    def kept(self) -> str:
-        """What output_dir holds of this run's models, for messages that must be true."""
-        if self.saved_at is None:
-            return f"this run saved no model in {self.plan.output_dir}"
-        return f"{self.plan.output_dir} keeps the model saved at step {self.saved_at:,}"
-
-    def checkpoint(self, trainer: pl.Trainer) -> None:
-        """The resumable checkpoint; never one with NaN/inf weights over a good one."""
-        check_finite(trainer.lightning_module.model, "The weights to checkpoint")
-        save_checkpoint(trainer, self.checkpoint_path)
-
-    def save_model(self, model: nn.Module, skipped_steps: int, stopped_because: str | None = None) -> dict:
-        """Weights first (a LoRA model merged in the dtype the model was loaded in, with its adapter),
-        then the summary and plots that describe them; returns the summary."""
-        output_dir = self.plan.output_dir
-        if is_lora_model(model):
-            model.peft_config[model.active_adapter].base_model_name_or_path = self.base_name
-        atomic_save(output_dir, model, self.tokenizer, merged_dtype=self.dtype)
-        summary = self.write_summary(model, skipped_steps, stopped_because)
-        self.saved_at = summary["steps"]
-        return summary
-
-    def write_summary(self, model: nn.Module, skipped_steps: int, stopped_because: str | None = None) -> dict:
-        """The summary and plots of the run so far, beside the model output_dir holds; returns the summary."""
-        extra = self.history.summary_fields() if self.history is not None else {}
-        summary = self.recorder.summary(model, self.plan.output_dir, skipped_steps=skipped_steps,
-                                        stopped_because=stopped_because, **extra)
-        self.recorder.write(self.plan.output_dir, summary)
-        return summary
-
-
 class TrainingRun:
     """Trains `model` by `plan` on `dataset`; run() does it once."""
 
@@ -124,7 +80,10 @@ class TrainingRun:
         self.dtype = next(model.parameters()).dtype
         self.recorder = RunRecorder(plan)
         self.history = ValidationHistory() if self.val_dataset is not None else None
-        self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype, self.history)
+        # the adapter's base recorded as loaded, before the plan casts it (lora.base_fingerprint)
+        base_record = base_fingerprint(model) if plan.lora is not None else None
+        self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype, self.history, base_record,
+                              loggers)
         self.signals = StopOnSignal()
         self.guard = NonFiniteGuard()
         self.recovery: OutOfMemoryRecovery | None = None
@@ -183,6 +142,7 @@ class TrainingRun:
             loader, data_order = training_loader(self.dataset, self.plan)
             val_loader = validation_loader(self.val_dataset, self.plan) if validating else None
             self.trainer = self._trainer(self.plan, data_order)
+            self._carry_back_from_spawned(self.trainer)
             try:
                 with _compat.without_warning(_compat.LIGHTNING_LEAFSPEC, FutureWarning):
                     self.trainer.fit(self.module, train_dataloaders=loader, val_dataloaders=val_loader,
@@ -212,17 +172,13 @@ class TrainingRun:
     def _trainer(self, plan: TrainPlan, data_order: pl.Callback) -> pl.Trainer:
         progress = StepProgressBar(self.recorder, plan.args.num_steps,
                                    plan.args.progress_bar_refresh_rate, plan.accelerator)
-        saves = SaveAndSample(plan.args.save_every, plan.args.generate_every, self.files,
-                              Samples(self.tokenizer, plan.args.n_generate), progress.write,
-                              save_models=self.history is None,  # with val_data, BestModel saves the model
-                              eval_every=plan.eval_every)
-        validating, validation = [], {}
+        saves = SaveAndSample(plan.schedule, self.files, Samples(self.tokenizer, plan.args.n_generate), progress.write,
+                              save_models=self.history is None)  # with val_data, BestModel saves the model
+        validating = []
         if self.history is not None:
             # BestModel before `saves`: a checkpoint written after an evaluation holds it
-            validating = [EvaluateLastStep(plan.eval_every),
+            validating = [EvaluateLastStep(plan.schedule),
                           BestModel(self.history, self.files, plan.early_stopping_patience, progress.write)]
-            # every eval_every optimizer steps, counted in micro-batches across epochs
-            validation = dict(val_check_interval=plan.eval_every * plan.accumulation, check_val_every_n_epoch=None)
         # the recorder first (the progress bar shows what it recorded); the callbacks that stop
         # training before the one that saves
         callbacks = [self.recorder, progress, self.guard, self.signals, *validating, saves, data_order,
@@ -234,8 +190,17 @@ class TrainingRun:
             gradient_clip_val=plan.args.max_grad_norm or None, logger=self.loggers or False, callbacks=callbacks,
             plugins=[DiskCheckpointIO()],
             use_distributed_sampler=False,  # data.py splits the data between ranks
-            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, **validation,
+            enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+            **(plan.schedule.lightning_validation(plan.accumulation) if self.history is not None else {}),
         )
+
+    def _carry_back_from_spawned(self, trainer: pl.Trainer) -> None:
+        """strategy="ddp_spawn" trains in new processes and hands this one only the weights and the metrics:
+        the summary written here would say nothing of the run.  Lightning's launcher hooks for that
+        (get_extra_results, update_main_process_results) bring back what rank 0's callbacks recorded."""
+        launcher = getattr(trainer.strategy, "launcher", None)
+        if type(launcher) is _MultiProcessingLauncher:
+            launcher.__class__ = _CarryingLauncher  # the launcher Lightning made for the strategy, one hook more
 
     def _save_final(self, trained: nn.Module, outcome: Outcome) -> None:
         """The model (unless its weights went bad), the summary, and the checkpoint's fate."""
@@ -259,13 +224,41 @@ class TrainingRun:
             logger.warning(f"Training {self.signals.reason}.")
         complete = outcome.early_stopped or (outcome.steps >= plan.args.num_steps and not outcome.stopped_because)
         if complete and not (outcome.diverged or outcome.out_of_memory or outcome.save_error):
-            discard_checkpoint(self.files.checkpoint_path)
+            self.files.discard_checkpoint()
+
+
+CARRIED_KEY = "lowmem_aitextgen"
+
+
+class _CarryingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for spawned processes, also carrying back each callback's `carried_fields` and
+    the module's skipped steps (the callbacks are the same, in the same order, in every process)."""
+
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra[CARRIED_KEY] = {
+            "callbacks": [{name: getattr(callback, name) for name in getattr(callback, "carried_fields", ())}
+                          for callback in trainer.callbacks],
+            "skipped_steps": trainer.lightning_module.skipped_steps}
+        return extra
+
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        carried = extra.get(CARRIED_KEY, {})
+        for callback, fields in zip(trainer.callbacks, carried.get("callbacks", [])):
+            for name, value in fields.items():
+                current = getattr(callback, name)
+                if dataclasses.is_dataclass(current) and type(current) is type(value):
+                    vars(current).update(vars(value))  # shared with the run (ValidationHistory): in place
+                else:
+                    setattr(callback, name, value)
+        trainer.lightning_module.skipped_steps = carried.get("skipped_steps", 0)
 
 
 def finished_model(model: nn.Module) -> nn.Module:
     """The trained model as a plain transformers model, ready to generate: a LoRA model with its adapters
-    merged into the base in place, in the dtype training held the base in (no second copy; the saved
-    model.safetensors holds the exact merge in the dtype the model was loaded in)."""
+    merged into the base in place, in the dtype training held the base in (no second copy; each weight the
+    fp32 merge rounded once, as model.safetensors holds it rounded to the dtype the model was loaded in)."""
     memory.disable_gradient_checkpointing(model)
     if is_lora_model(model):
         with freed_tensors_unmapped():

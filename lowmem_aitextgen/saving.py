@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .cpu import freed_tensors_unmapped
-from .lora import ADAPTER_SUBFOLDER, is_lora_model, merged_weights
+from .heap import freed_tensors_unmapped
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -163,11 +162,10 @@ def write_safetensors(path: str, weights: list[WeightSource]) -> None:
             del tensor
 
 
-def save_model_files(folder: str, model: nn.Module, dtype: torch.dtype | None = None) -> None:
+def save_model_files(folder: str, plain: nn.Module, weights: list[WeightSource] | None = None) -> None:
     """config.json, generation_config.json and model.safetensors into `folder`, as save_pretrained writes
-    them; a LoRA model is saved merged (in `dtype`, default the weights'), a tensor at a time."""
-    plain = model.get_base_model() if is_lora_model(model) else model
-    weights = merged_weights(model, dtype) if is_lora_model(model) else model_weights(model)
+    them, a tensor at a time; `weights`: what to write in place of the model's own (lora.py's merge)."""
+    weights = model_weights(plain) if weights is None else weights
     config = plain.config
     config.architectures = [type(plain).__name__]
     floating = next((w.dtype for w in weights if w.dtype.is_floating_point), torch.float32)
@@ -204,16 +202,20 @@ def _fsync_tree(folder: str) -> None:
                 os.fsync(f.fileno())
 
 
-def _move_into(staging: str, target: str) -> None:
-    """os.replace every staged file into target, weights before config."""
+def _move_into(staging: str, target: str, top: bool = True) -> None:
+    """os.replace every staged file into target, weights before config.  A staged subfolder (lora_adapter/)
+    is the save's whole: what an earlier save left in it and this one did not write is removed."""
     entries = sorted(os.listdir(staging), key=lambda n: (n == "config.json", n))
     for name in entries:
         source = os.path.join(staging, name)
         if os.path.isdir(source):
             os.makedirs(os.path.join(target, name), exist_ok=True)
-            _move_into(source, os.path.join(target, name))
+            _move_into(source, os.path.join(target, name), top=False)
         else:
             os.replace(source, os.path.join(target, name))
+    for name in [] if top else sorted(set(os.listdir(target)) - set(entries)):
+        path = os.path.join(target, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
 def remove_leftovers(output_dir: str) -> None:
@@ -227,11 +229,19 @@ def leftovers(folder: str) -> list[str]:
     return [name for name in os.listdir(folder) if name.startswith((STAGING_PREFIX, WRITING_PREFIX))]
 
 
+def write_model(folder: str, model: nn.Module, tokenizer: Any | None = None) -> None:
+    """A plain transformers model (+ tokenizer) as save_pretrained writes it: what atomic_save stages."""
+    save_model_files(folder, model)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
 def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
-                merged_dtype: torch.dtype | None = None) -> None:
-    """Save model (+ tokenizer) so a crash never corrupts output_dir; a LoRA model is saved merged (in
-    `merged_dtype`) with its adapter in lora_adapter/.  Weights that are not finite are refused before
-    anything is written."""
+                write: Callable[[str], None] | None = None) -> list[str]:
+    """Save model (+ tokenizer) so a crash never corrupts output_dir: `write(folder)` (default write_model)
+    fills a staging folder, whose files then replace output_dir's.  Weights that are not finite are refused
+    before anything is written.  Returns the names written into output_dir (files and folders)."""
+    write = write or (lambda folder: write_model(folder, model, tokenizer))
     check_finite(model, f"The weights to save in {output_dir}")
     os.makedirs(output_dir, exist_ok=True)
     remove_leftovers(output_dir)
@@ -240,12 +250,15 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
         try:
             os.mkdir(staging)
             with freed_tensors_unmapped():
-                _write_staged(staging, model, tokenizer, merged_dtype)
+                write(staging)
+            apply_umask(staging)
+            _fsync_tree(staging)
         except OSError as error:  # before the first rename: nothing in output_dir has changed
             raise OSError(error.errno, f"Saving the model to {output_dir} failed ({error.strerror or error}); the "
                                        "files already there are untouched. Free some disk space or choose another "
                                        "folder.") from error
         written = _compat.find_weights(staging)
+        names = sorted(os.listdir(staging))
         _move_into(staging, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -256,20 +269,7 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
         logger.warning(f"Removed the older {LEGACY_WEIGHTS} from {output_dir}: the new weights are in "
                        "model.safetensors (lowmem_aitextgen.colab.copy_file_to_gdrive('pytorch_model.bin') "
                        "copies that file).")
-
-
-def _write_staged(staging: str, model: nn.Module, tokenizer: Any | None, merged_dtype: torch.dtype | None) -> None:
-    """Everything a save writes, into the staging folder, flushed and with the umask's modes."""
-    save_model_files(staging, model, merged_dtype)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    if is_lora_model(model):
-        adapter_dir = os.path.join(staging, ADAPTER_SUBFOLDER)
-        model.save_pretrained(adapter_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(adapter_dir)
-    apply_umask(staging)
-    _fsync_tree(staging)
+    return names
 
 
 # --- output_dir ---------------------------------------------------------------------

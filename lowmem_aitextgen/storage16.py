@@ -1,7 +1,8 @@
-"""Weights stored in 16 bits, computed in fp32: LoRA's frozen base, or a full fine-tune's weights under
-8-bit AdamW, at half the memory on any CPU.
+"""Weights stored in 16 bits: frozen weights cast (`cast_frozen_weights`, computed by autocast in 16 bits),
+or stored in bf16 and computed in fp32 (LoRA's frozen base, or a full fine-tune's weights under 8-bit
+AdamW) at half the memory on any CPU.  Every cast of weights to 16 bits for training is made here.
 
-Under mixed precision LoRA's frozen base is held in bf16 and autocast computes in bf16 (memory.py).
+Under mixed precision LoRA's frozen base is held in bf16 and autocast computes in bf16.
 A CPU without native bf16 (no AVX512-BF16/AMX) emulates bf16 matmuls several times slower than fp32,
 so there the plan computes in fp32, and the base used to be held in fp32 too: twice the memory of the
 largest thing a LoRA run holds.  Here the base stays in bf16 and each layer upcasts its weight for the
@@ -30,8 +31,6 @@ model left with these forwards computes as before once its weights are fp32 agai
 
 from __future__ import annotations
 
-import functools
-import json
 import types
 from collections.abc import Callable
 
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-STORAGE_DTYPE = torch.bfloat16  # bf16, not fp16: fp32's exponent range, so no weight overflows
+from .plan import STORAGE_DTYPE, TrainPlan
 
 
 class _UpcastMatmul(torch.autograd.Function):
@@ -115,19 +114,6 @@ def supported(model: nn.Module) -> bool:
     return all(type(m) in FORWARDS for m in model.modules() if _holds_parameters(m))
 
 
-def supports_config(config: object) -> bool:
-    """supported() of a model built from `config` on the meta device (nothing allocated)."""
-    return _supports_config_json(config.to_json_string())
-
-
-@functools.lru_cache(maxsize=16)
-def _supports_config_json(config_json: str) -> bool:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return supported(AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config_json))))
-
-
 def compute_in_fp32(model: nn.Module) -> None:
     """Give every supported layer of `model` the forward that upcasts a 16-bit weight; undo:
     restore_forwards.  Idempotent."""
@@ -144,10 +130,46 @@ def restore_forwards(model: nn.Module) -> None:
             del module.forward
 
 
+def hold_base_before_adapters(model: nn.Module, plan: TrainPlan) -> None:
+    """LoRA's base in the plan's 16 bits before peft adds the adapters, as when train() reads a saved model
+    straight into 16 bits (loading.DeferredModel): peft initialises adapters in the base's dtype, so both
+    ways start from the same adapters."""
+    if plan.weights_dtype is not None:
+        model.to(plan.weights_dtype)
+
+
+def hold_frozen_base(model: nn.Module, plan: TrainPlan) -> None:
+    """LoRA's frozen base in 16 bits: in bf16 computed in fp32 where the plan upcasts, else in the dtype
+    autocast computes in (nothing under fp32)."""
+    if plan.upcasts_bf16_weights:
+        store_frozen_weights(model)
+    elif plan.half_dtype is not None:
+        cast_frozen_weights(model, plan.half_dtype)
+
+
+def hold_every_weight_in_bf16(model: nn.Module) -> None:
+    """A full fine-tune's every weight in bf16, computed in fp32, updated by 8-bit AdamW's stochastic
+    rounding (optimizers.py)."""
+    model.to(STORAGE_DTYPE)
+    compute_in_fp32(model)
+
+
 def store_frozen_weights(model: nn.Module) -> int:
     """Frozen floating-point weights held in STORAGE_DTYPE and computed in fp32; returns bytes saved."""
-    from .memory import cast_frozen_weights
-
     saved = cast_frozen_weights(model, STORAGE_DTYPE)
     compute_in_fp32(model)
+    return saved
+
+
+def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold frozen floating-point weights in `dtype` (no fp32 master copy); returns bytes saved.
+
+    Autocast computes in 16 bits anyway, so frozen weights lose nothing the forward
+    pass would have kept; the trainable ones (LoRA adapters) stay fp32.
+    """
+    saved = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            saved += param.numel() * (param.element_size() - torch.finfo(dtype).bits // 8)
+            param.data = param.data.to(dtype)
     return saved

@@ -48,8 +48,10 @@ def train_tokenizer(
 
     from .TokenDataset import check_text_file
 
-    arguments.check(arguments.from_call(train_tokenizer, locals()), RULES)
-    files = [files] if isinstance(files, (str, os.PathLike)) else files
+    args = arguments.from_call(train_tokenizer, locals())
+    arguments.check(args, RULES)
+    files, save_path = args.files, args.save_path
+    files = [files] if isinstance(files, str) else files
     if not isinstance(files, list) or not files:
         raise ValueError(f"files={files!r} must be a text file's path or a list of them.")
     for path in files:

@@ -38,7 +38,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from .arguments import Arguments
 from .callbacks import OptimizerStepCallback
 from .chunked_loss import causal_lm_loss
+from .data import seeded_generator
 from .lightning_module import CausalLMModule
+from .plan import Schedule
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -168,11 +170,10 @@ def _rank_and_world_size() -> tuple[int, int]:
 
 
 def validation_loader(dataset: Dataset, plan: Any) -> DataLoader:
-    """The plan's micro-batch, in order.  Its own generator: a DataLoader otherwise draws a seed from the
-    global one each time it is iterated, which would shift every dropout mask of the training after it."""
+    """The plan's micro-batch, in order, with its own generator (data.seeded_generator)."""
     return DataLoader(dataset, batch_size=plan.micro_batch_size, sampler=RankShare(len(dataset)),
                       num_workers=plan.num_workers, pin_memory=plan.accelerator == "gpu",
-                      generator=torch.Generator().manual_seed(0))
+                      generator=seeded_generator(0))
 
 
 # --- the loss --------------------------------------------------------------------------
@@ -203,16 +204,16 @@ class ValidatedModule(CausalLMModule):
 
 
 class EvaluateLastStep(OptimizerStepCallback):
-    """Lightning evaluates every eval_every steps (val_check_interval) and whenever training is asked to
-    stop (its hook for early stopping); asking at the last step is how the final model gets evaluated
+    """Lightning evaluates at the schedule's interval (val_check_interval) and whenever training is asked
+    to stop (its hook for early stopping); asking at the last step is how the final model gets evaluated
     when num_steps is not a multiple of eval_every."""
 
-    def __init__(self, eval_every: int) -> None:
+    def __init__(self, schedule: Schedule) -> None:
         super().__init__()
-        self.eval_every = eval_every
+        self.schedule = schedule
 
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:
-        if trainer.global_step >= trainer.max_steps and trainer.global_step % self.eval_every:
+        if self.schedule.must_ask_evaluation_at(trainer.global_step):
             trainer.should_stop = True
 
 
@@ -240,7 +241,7 @@ class ValidationHistory:
 
 
 class ModelFiles(Protocol):
-    """What BestModel saves through (run.RunFiles)."""
+    """What BestModel saves through (outputs.RunFiles)."""
 
     def save_model(self, model: torch.nn.Module, skipped_steps: int) -> dict: ...
 
@@ -251,6 +252,8 @@ class BestModel(Callback):
     """After each evaluation: save the model if its validation loss is the best so far (else only the
     summary), and stop once `patience` evaluations in a row brought no improvement.  The history is in
     the checkpoint (state_dict), so a resumed run remembers the best so far."""
+
+    carried_fields = ("history",)  # what run.py brings back from spawned training processes
 
     def __init__(self, history: ValidationHistory, files: ModelFiles, patience: int | None,
                  write: Callable[[str], None]) -> None:

@@ -1,6 +1,7 @@
 """Every kind of bad input gets a clear error naming the argument and the fix,
 raised before any file is written or overwritten."""
 
+import json
 import os
 import shutil
 
@@ -8,7 +9,7 @@ import pytest
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, saving
+from lowmem_aitextgen import TokenDataset, aitextgen, saving
 
 CONTEXT = 32
 
@@ -24,6 +25,41 @@ def bad_file(content):
                 f.write(content)
         return path
     return make
+
+
+def fifo(tmp):
+    path = os.path.join(tmp, "pipe")
+    os.mkfifo(path)
+    return path
+
+
+def text_file(name, content):
+    def make(tmp):
+        path = os.path.join(tmp, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(content)
+        return path
+    return make
+
+
+def config_changed(**changes):
+    """A model folder whose config.json no longer describes its weights."""
+    def make(tmp):
+        folder = os.path.join(tmp, "m")
+        GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**config, **changes}, f)
+        return folder
+    return make
+
+
+def cache_of_another_tokenizer(ai, ctx):
+    """A TokenDataset cache encoded by GPT-2's tokenizer, trained on with the model's own."""
+    cache = os.path.join(ctx["tmp"], "cache.tar.gz")
+    TokenDataset(ctx["corpus"], block_size=8).save(cache)
+    ai.train(cache, from_cache=True, output_dir=ctx["out"], num_steps=1)
 
 
 def unwritable_dir(tmp):
@@ -88,7 +124,25 @@ CASES = [
     ("binary file", train(bad_file(b"\x00\x01\x02binary")), None, ValueError, "train_data=.* looks binary"),
     ("non-UTF-8 file", train(bad_file("caf\xe9 au lait".encode("latin-1"))), None, ValueError,
      "train_data=.* is not UTF-8.*iconv"),
+    ("non-UTF-8 byte named by offset and line", train(bad_file(b"line one\ncaf\xe9 au lait")), None, ValueError,
+     r"train_data=.* is not UTF-8 text: byte 12 \(line 2\) is b'\\xe9'.*iconv -f latin1.*iconv -c"),
+    ("a named pipe", train(fifo), None, ValueError, "train_data=.*pipe' is a named pipe \\(FIFO\\), not a regular file"),
+    ("a device", train(lambda tmp: "/dev/null"), None, ValueError,
+     "train_data='/dev/null' is a character device, not a regular file"),
+    ("a CSV with only its header", train(text_file("rows.csv", "text,label\n"), line_by_line=True), None, ValueError,
+     "rows.csv' gives no text to train on.*first line, 'text,label', was taken as the header row.*header=False"),
     ("nothing to learn", train(bad_file(b"x")), None, ValueError, "train_data=.* encodes to 1 token.*Add text"),
+    ("max_memory with a comma", train(max_memory="2,5GB"), None, ValueError,
+     r"max_memory='2,5GB' has a comma in its number; write a decimal point \('2.5GB'\)"),
+    ("max_memory with another unit", train(max_memory="2 GBs"), None, ValueError,
+     "max_memory='2 GBs' has the unit 'GBs'; use B, KB, MB, GB"),
+    ("max_memory without a unit", train(max_memory=6), None, ValueError,
+     "max_memory=6 is 6 bytes \\(a number without a unit counts bytes\\); write e.g. '6GB'"),
+    ("max_memory below zero", train(max_memory="-1GB"), None, ValueError, "max_memory='-1GB' must be above 0"),
+    ("max_memory in words", train(max_memory="two GB"), None, ValueError,
+     "max_memory='two GB' does not start with a number"),
+    ("a cache encoded by another tokenizer", cache_of_another_tokenizer, None, ValueError,
+     "cache.*was encoded by another tokenizer.*50,257 tokens.*1,000 tokens"),
     ("num_steps", train(num_steps=0), None, ValueError, "num_steps=0 must be a positive integer"),
     ("batch_size", train(batch_size=-1), None, ValueError, "batch_size=-1 must be a positive integer"),
     ("gradient_accumulation_steps", train(gradient_accumulation_steps=0), None, ValueError,
@@ -119,6 +173,16 @@ CASES = [
      FileNotFoundError, "model_folder=.* has config.json but no weights"),
     ("model_folder without config", construct(model_folder=model_folder_without("config.json")), None,
      FileNotFoundError, "no config.json in model_folder="),
+    ("config with wider weights than the file's", construct(model_folder=config_changed(n_embd=128)), None,
+     ValueError, r"config.json does not describe the weights in .*transformer.h.0.attn.c_attn.bias is \[384\] by "
+                 r"config.json but \[192\] in the file.*restore the config.json"),
+    ("config with more blocks than the file", construct(model_folder=config_changed(n_layer=3)), None,
+     ValueError, "config.json does not describe.*12 weights config.json describes are not in the file"),
+    ("config with fewer blocks than the file", construct(model_folder=config_changed(n_layer=1)), None,
+     ValueError, r"config.json does not describe.*the file holds 12 weights config.json does not describe \(e.g. "
+                 r"transformer.h.1"),
+    ("config with another vocabulary", construct(model_folder=config_changed(vocab_size=2000)), None,
+     ValueError, r"transformer.wte.weight is \[2000, 64\] by config.json but \[1000, 64\]"),
     ("prompt longer than the context", generate(prompt="word " * 200), None, ValueError,
      f"prompt is .* tokens.*context is {CONTEXT} tokens; shorten the prompt"),
 ]

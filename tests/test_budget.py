@@ -30,7 +30,7 @@ def needs(plan) -> int:
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("6GiB", 6 * 2**30), ("7.5 GB", 7_500_000_000), ("500MiB", 500 * 2**20), (123456, 123456), ("2048", 2048),
+    ("6GiB", 6 * 2**30), ("7.5 GB", 7_500_000_000), ("500MiB", 500 * 2**20), (123456789, 123456789), ("2048000", 2048000),
 ])
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected

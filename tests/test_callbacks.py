@@ -21,11 +21,11 @@ def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, 
 
 
 def test_save_every_writes_during_training(corpus_file, tokenizer_file, monkeypatch):
-    from lowmem_aitextgen import run
+    from lowmem_aitextgen import outputs
 
     saved_at = []
-    real = run.atomic_save
-    monkeypatch.setattr(run, "atomic_save", lambda *a, **k: (saved_at.append(1), real(*a, **k)))
+    real = outputs.save_model
+    monkeypatch.setattr(outputs, "save_model", lambda *a, **k: (saved_at.append(1), real(*a, **k))[1])
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
     ai.train(corpus_file, num_steps=6, save_every=2, generate_every=3, gradient_accumulation_steps=2)
     assert len(saved_at) == 3  # steps 2 and 4, then the final save

@@ -185,13 +185,13 @@ def test_lora_adapters_skip_the_upcast_only_under_autocast(tokenizer_file, corpu
 
 PROBE_PRELUDE = """
 import os, torch
-from lowmem_aitextgen import cpu
+from lowmem_aitextgen import heap
 
 def resident_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-assert cpu.pin_mmap_threshold()
+assert heap.pin_mmap_threshold()
 """
 
 
@@ -222,7 +222,7 @@ FRAGMENTED_HEAP_PROBE = PROBE_PRELUDE + """
 blocks = [torch.ones(2**20, dtype=torch.uint8) for _ in range(128)]  # 1 MiB each: under the threshold
 del blocks[::2]  # 64 MiB of holes between live tensors, none at the heap's top
 kept = resident_bytes()
-cpu.release_freed_heap()
+heap.release_freed_heap()
 print(kept - resident_bytes())
 """
 
@@ -241,7 +241,7 @@ import ctypes
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 SIZE = 256 * 2**20  # bigger than any hole the imports left in the heap
-assert cpu.pin_mmap_threshold(2 * SIZE)  # served from the heap, not mmap
+assert heap.pin_mmap_threshold(2 * SIZE)  # served from the heap, not mmap
 
 def resident_after_free():
     block = libc.malloc(SIZE)
@@ -251,10 +251,10 @@ def resident_after_free():
     return with_block - resident_bytes()
 
 given_back_unheld = resident_after_free()
-stop_holding = cpu.hold_freed_heap()
+stop_holding = heap.hold_freed_heap()
 given_back_held = resident_after_free()
 held = resident_bytes()
-cpu.release_freed_heap()
+heap.release_freed_heap()
 released = held - resident_bytes()
 stop_holding()
 print(given_back_unheld, given_back_held, released, resident_after_free())

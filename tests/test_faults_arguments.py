@@ -39,7 +39,7 @@ BAD_TRAIN_ARGUMENTS = [
     ("precision", "8-mixed", "not supported"), ("precision", 16.5, "text"),
     ("optimizer", "sgd", "not supported"), ("strategy", "dpp", "not a Lightning strategy"),
     ("num_nodes", 0, "positive integer"), ("devices", "two", "not supported|devices"),
-    ("resume", 3, "path of a checkpoint"), ("devices", 2.5, "number of devices"), ("max_memory", "lots", "not an amount of memory"), ("max_memory", -5, "amount"),
+    ("resume", 3, "path of a checkpoint"), ("devices", 2.5, "number of devices"), ("max_memory", "lots", "does not start with a number"), ("max_memory", -5, "must be above 0"),
     ("callbacks", "x", "list of pytorch_lightning Callback"), ("loggers", "wandb", "not a Lightning logger"),
     ("block_size", 0, "positive integer"), ("block_size", 1000, "above the model's context of 32"),
     ("output_dir", "", "empty"), ("output_dir", 42, "path|folder"),

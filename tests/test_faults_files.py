@@ -122,6 +122,10 @@ def test_bad_training_files_are_named_before_any_write(finished, tmp_path, name,
 def test_a_dataset_from_another_tokenizer_is_an_error_naming_it(finished, tmp_path):
     data = TokenDataset(texts=[corpus_text(5_000)], block_size=32)  # GPT-2's tokenizer: ids up to 50,256
     before = snapshot(finished)
+    with pytest.raises(ValueError, match=r"train_data \(a TokenDataset\) was encoded by another tokenizer \("
+                                         r"'GPT2Tokenizer', 50,257 tokens\) than the one given \(.*1,000 tokens\)"):
+        aitextgen(model_folder=finished).train(data, output_dir=finished, num_steps=2)
+    data.tokenizer_record = None  # aitextgen's TokenDataset records none: its ids are checked
     with pytest.raises(ValueError, match=r"token id [\d,]+, but the model's vocabulary has 1,000 tokens.*another "
                                          "tokenizer"):
         aitextgen(model_folder=finished).train(data, output_dir=finished, num_steps=2)

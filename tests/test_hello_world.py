@@ -35,8 +35,8 @@ def test_hello_world_train_generate_reload(corpus_file):
     assert len(texts) == 3 and all(t.startswith("The") for t in texts)
 
     assert sorted(os.listdir("trained_model")) == [
-        "config.json", "generation_config.json", "loss.png", "memory.png", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json", "training_summary.json"]
+        "config.json", "generation_config.json", "loss.png", "memory.png", "model.safetensors", "run_files.json",
+        "tokenizer.json", "tokenizer_config.json", "training_summary.json"]
     ai2 = aitextgen(model_folder="trained_model", tokenizer_file=tokenizer_file)
     trained = ai.model.state_dict()
     for key, value in ai2.model.state_dict().items():

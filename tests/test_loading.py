@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import corpus_text, fake_hub_cache, tiny_gpt2_config
+from conftest import CtrlC, corpus_text, fake_hub_cache, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen._compat import default_gpt2_vocab_files, gpt2_tokenizer_from_files
 
@@ -194,3 +194,48 @@ def test_construction_then_lora_never_holds_the_fp32_weights(corpus_file, tokeni
     before, constructed, whole_run = (int(n) for n in result.stdout.split()[-3:])
     assert constructed - before < 0.1 * fp32_bytes, (before, constructed)
     assert whole_run - before < 0.85 * fp32_bytes, (before, whole_run, fp32_bytes)
+
+
+def test_the_docs_gpt2_config_cpu_constructs_and_its_first_use_names_tokenizer_file(corpus_file, tokenizer_file,
+                                                                                   caplog):
+    """aitextgen's model-loading page: `config = GPT2ConfigCPU(); ai = aitextgen(config=config)`, a 1,000-token
+    model beside GPT-2's 50,257-token tokenizer, to be followed by a custom tokenizer."""
+    from lowmem_aitextgen.utils import GPT2ConfigCPU
+
+    ai = aitextgen(config=GPT2ConfigCPU())
+    assert caplog.text.count("The tokenizer has 50,257 tokens but the model's embeddings only 1,000") == 1
+    for call, name in ((lambda: ai.generate(max_length=5), "generate"), (ai.generate_one, "generate_one"),
+                       (lambda: ai.generate_to_file(n=1), "generate_to_file"),
+                       (lambda: ai.train(corpus_file, output_dir="out", num_steps=1), "train"),
+                       (lambda: ai.train(corpus_file, output_dir="out", num_steps=1, val_data=corpus_file), "train")):
+        with pytest.raises(ValueError, match=r"\(\): The tokenizer has 50,257 tokens.*tokenizer_file="):
+            call()
+    assert not os.path.exists("out") and not [n for n in os.listdir(".") if n.startswith("ATG_")]
+    ai = aitextgen(config=GPT2ConfigCPU(), tokenizer_file=tokenizer_file)  # the page's next step
+    ai.train(corpus_file, output_dir="out", num_steps=1, block_size=32, generate_every=0)
+    assert isinstance(ai.generate_one(max_length=5), str)
+
+
+def test_every_path_argument_may_be_a_pathlib_path(corpus_file, tokenizer_file, tmp_path):
+    import pathlib
+
+    from lowmem_aitextgen.tokenizers import train_tokenizer
+
+    train_tokenizer([pathlib.Path(corpus_file)], vocab_size=1000, serialize=False, prefix="p",
+                    save_path=pathlib.Path("."))
+    by_files = aitextgen(vocab_file=pathlib.Path("p-vocab.json"), merges_file=pathlib.Path("p-merges.txt"),
+                         config=tiny_gpt2_config())
+    assert len(by_files.tokenizer) == 1000
+    ai = aitextgen(tokenizer_file=pathlib.Path(tokenizer_file), config=tiny_gpt2_config(),
+                   cache_dir=pathlib.Path("cache"))
+    ai.train(pathlib.Path(corpus_file), output_dir=pathlib.Path("out"), val_data=pathlib.Path(corpus_file),
+             num_steps=2, save_every=1, generate_every=0, callbacks=[])
+    ai.train(pathlib.Path(corpus_file), output_dir=pathlib.Path("out2"), num_steps=4, generate_every=0,
+             callbacks=[CtrlC(at_step=1)])
+    ai.train(pathlib.Path(corpus_file), output_dir=pathlib.Path("out2"), num_steps=4, generate_every=0,
+             resume=pathlib.Path("out2/last.ckpt"))
+    again = aitextgen(model_folder=pathlib.Path("out"), config=pathlib.Path("out/config.json"))
+    assert again.model_source.name == os.path.abspath("out")
+    ai.save(pathlib.Path("saved"))
+    ai.generate_to_file(n=1, destination_path=pathlib.Path("gen.txt"), max_length=5)
+    assert os.path.isfile("saved/model.safetensors") and os.path.isfile("gen.txt")

@@ -33,8 +33,8 @@ def test_lora_trains_only_adapters_and_saves_adapter_and_merged(tokenizer_file, 
     assert counts["base_dtype"] == torch.bfloat16  # frozen base held in 16 bits, no fp32 copy
 
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "lora_adapter", "loss.png",
-                                       "memory.png", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                                       "training_summary.json"]
+                                       "memory.png", "model.safetensors", "run_files.json", "tokenizer.json",
+                                       "tokenizer_config.json", "training_summary.json"]
     merged = aitextgen(model_folder=out)
     assert merged.model.lm_head.weight.dtype == torch.float32
     # The base as trained: held in bf16, so rounded once; only adapted weights differ from it.

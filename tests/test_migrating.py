@@ -130,8 +130,12 @@ def _(env):
 
 @difference("tokenizer-larger-than-model")
 def _(env):
+    GPT2LMHeadModel(tiny_gpt2_config(vocab_size=1000)).save_pretrained(env.tmp / "no_tokenizer")
     with pytest.raises(ValueError, match="50,257 tokens but the model's embeddings only 1,000"):
-        aitextgen(config=tiny_gpt2_config(vocab_size=1000))
+        aitextgen(model_folder=str(env.tmp / "no_tokenizer"))
+    from_config = aitextgen(config=tiny_gpt2_config(vocab_size=1000))  # constructs; its first use refuses
+    with pytest.raises(ValueError, match="generate\\(\\): The tokenizer has 50,257 tokens.*tokenizer_file="):
+        from_config.generate()
 
 
 @difference("vocab-merges-together")

