@@ -121,7 +121,8 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list:
 def _merged(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """base + deltas, added in fp32 (at least) and rounded to `dtype` once: the saved model and the merge
     kept in memory agree to the bit whatever dtype each is in.  The delta is made before the copy of the
-    base and added into it: two weight-sized tensors alive at once, not three."""
+    base and added into it: two fp32 weight-sized tensors alive at once, not three (and, for a 16-bit
+    `dtype`, the rounded result as the sum is freed)."""
     exact = torch.promote_types(dtype, torch.float32)
     merged = None
     for adapter in module.active_adapters:
