@@ -176,7 +176,8 @@ def check_config_matches(folder: str, skeleton: nn.Module, path: str, what: str)
              for name, key in keys.items() if list(parameters[name].shape) != header[key]["shape"]]
     missing = [name for name in _untied_parameter_names(skeleton) if name not in keys]
     prefix = getattr(skeleton, "base_model_prefix", "")
-    known = set(skeleton.state_dict()) | {name.removeprefix(f"{prefix}.") for name in skeleton.state_dict()}
+    names = skeleton.state_dict().keys()
+    known = {*names, *(name.removeprefix(f"{prefix}.") for name in names)}
     extra = [key for key in header if key not in known and not key.endswith(OLD_MASKS)]
     if not wrong and not missing and not extra:
         return

@@ -100,10 +100,11 @@ class RunManifest:
     @classmethod
     def start(cls, output_dir: str, run: str) -> RunManifest:
         """This run's manifest; a resumed run's continues the one its interrupted part wrote."""
+        manifest = cls(output_dir, run)
         earlier = read_manifest(output_dir)
         if earlier is not None and earlier["run"] == run:
-            return cls(output_dir, run, set(earlier["files"]), claimed=True)
-        return cls(output_dir, run)
+            manifest._claim()
+        return manifest
 
     def wrote(self, names: Iterable[str]) -> None:
         """Record files this run wrote (listed in run_files.json once the run has saved a model)."""
@@ -119,21 +120,25 @@ class RunManifest:
 
     def model_saved(self, names: Iterable[str]) -> None:
         """Record a model save; the first removes the earlier run's files that this run did not write."""
-        self.files.update(os.path.normpath(name) for name in names)
-        if self.claimed:
-            self._write()
-            return
+        self.wrote(names)
+        if not self.claimed:
+            self._claim()
+
+    def _claim(self) -> None:
+        """output_dir is this run's from now on: a manifest of this same run (its interrupted part, or its
+        processes under strategy="ddp_spawn") is continued; another run's files this run did not write go."""
         earlier = read_manifest(self.output_dir) or {}
-        if earlier.get("run") == self.run:  # written by this run in another process (strategy="ddp_spawn")
+        self.claimed = True
+        if earlier.get("run") == self.run:
+            unlisted = self.files - set(earlier["files"])
             self.files.update(earlier["files"])
-            self.claimed = True
-            self._write()
+            if unlisted:  # nothing to write otherwise: at a resumed run's start, on every rank
+                self._write()
             return
         stale = sorted({*earlier.get("files", []), *earlier.get("removing", [])} - self.files)
         self._write(removing=stale)
         removed = [name for name in stale if _remove(self.output_dir, name)]
         self._write()
-        self.claimed = True
         if removed:
             logger.info(f"Removed from {self.output_dir} what the earlier run {earlier['run']} wrote there and this "
                         f"run does not replace: {', '.join(removed)}.")
