@@ -2,6 +2,7 @@
 holding all but N GiB, and train() planning for what is left with no max_memory given.
 
     python benchmarks/gpu_cards.py --free 8 --free 4 --free 6 --out results.jsonl
+    python benchmarks/gpu_cards.py --free 8 --rows "1558M full" --row-timeout 420   # issue 30: offloading
 
 For each N, a ballast process takes the card's free memory less N GiB and holds it; then each row runs in
 a fresh process (its own CUDA context comes out of the N GiB, as on a shared card): 355M full fine-tune,
@@ -14,7 +15,9 @@ weights.  A row prints as it completes:
   peak_reserved   — torch.cuda.max_memory_reserved (the caching allocator's, fragmentation included)
   lowest_free     — the lowest free memory on the card seen at any step end (0 would be out of memory)
   tokens_per_s    — over steps 2-3
-A row whose plan is refused reports the MemoryError's first line.  Each row has ROW_TIMEOUT_S.
+  host_peak, host_estimate — this process's peak resident size, and the plan's host-memory estimate (an
+                    offloading plan's weights, gradients and AdamW states)
+--free 0 leaves the card as it is (no ballast).  A row whose plan is refused reports the MemoryError's first line.  Each row has ROW_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-ROWS = {"355M full": ("355M", False), "355M LoRA": ("355M", True), "1558M LoRA": ("1558M", True)}
+# name: (GPT-2 size, lora, strategy); the first three are the default rows
+ROWS = {"355M full": ("355M", False, "auto"), "355M LoRA": ("355M", True, "auto"), "1558M LoRA": ("1558M", True, "auto"),
+        "1558M full": ("1558M", False, "auto"), "774M full": ("774M", False, "auto"),
+        "355M fsdp_cpu_offload": ("355M", False, "fsdp_cpu_offload")}
+DEFAULT_ROWS = ("355M full", "355M LoRA", "1558M LoRA")
 ROW_TIMEOUT_S = 150
 GIB = 2**30
 
@@ -44,6 +51,8 @@ time.sleep(3600)
 
 def row(name: str) -> dict:
     """One row, in this process (a child of main)."""
+    import resource
+
     import pytorch_lightning as pl
     import torch
     from memory_speed import dataset
@@ -52,7 +61,7 @@ def row(name: str) -> dict:
     from lowmem_aitextgen import aitextgen
     from lowmem_aitextgen.estimate import GPT2_SIZES, estimate_plan
 
-    size, lora = ROWS[name]
+    size, lora, strategy = ROWS[name]
     marks: dict = {"lowest_free": None, "times": []}
 
     class Watch(pl.Callback):
@@ -75,15 +84,18 @@ def row(name: str) -> dict:
         with tempfile.TemporaryDirectory() as out:
             ai.train(data, output_dir=out, num_steps=3, batch_size=1, gradient_accumulation_steps=8, lora=lora,
                      save_every=0, generate_every=0, n_gpu=1, learning_rate=1e-4, callbacks=[Watch()],
-                     progress_bar_refresh_rate=1000)
+                     progress_bar_refresh_rate=1000, strategy=strategy)
     except MemoryError as error:
         return {**result, "refused": str(error).splitlines()[0]}
     plan = marks["plan"]
     steps = [t for step, t in marks["times"] if step >= 1]
     first, last = (steps[0], steps[-1]) if len(steps) > 1 else (0, 0)
     tokens = 1024 * plan.effective_batch_size * 2
+    estimate = estimate_plan(config, plan, 1024)
     return {**result, "plan": plan.describe(0, 0, 0).split("; ")[0], "budget_gib": plan.budget.bytes / GIB,
-            "margin_gib": plan.budget.margin / GIB, "estimate_gib": estimate_plan(config, plan, 1024).total / GIB,
+            "margin_gib": plan.budget.margin / GIB, "estimate_gib": estimate.total / GIB,
+            "host_estimate_gib": estimate.host / GIB,
+            "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
             "lowest_free_gib": (marks["lowest_free"] or 0) / GIB,
@@ -95,32 +107,36 @@ def main() -> None:
     parser.add_argument("--free", type=float, action="append", help="GiB left free on the card (repeatable)")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="append results as JSON lines here")
+    parser.add_argument("--rows", action="append", choices=sorted(ROWS), help="rows to run (default: the first three)")
+    parser.add_argument("--row-timeout", type=int, default=ROW_TIMEOUT_S, help="seconds a row may take")
     args = parser.parse_args()
     if args.row:
         print("RESULT " + json.dumps(row(args.row)), flush=True)
         return
     for free in args.free or [8, 4, 6]:
-        ballast = subprocess.Popen([sys.executable, "-c", HOLD, str(free)], stdout=subprocess.PIPE, text=True)
+        ballast = subprocess.Popen([sys.executable, "-c", HOLD, str(free)], stdout=subprocess.PIPE, text=True) \
+            if free else None
         try:
-            assert ballast.stdout.readline().strip() == "READY"
-            for name in ROWS:
-                result = run_row(name)
+            assert ballast is None or ballast.stdout.readline().strip() == "READY"
+            for name in args.rows or DEFAULT_ROWS:
+                result = run_row(name, args.row_timeout)
                 result["free_gib"] = free
                 print(json.dumps(result), flush=True)
                 if args.out:
                     with open(args.out, "a", encoding="utf-8") as f:
                         f.write(json.dumps(result) + "\n")
         finally:
-            ballast.kill()
-            ballast.wait()
+            if ballast is not None:
+                ballast.kill()
+                ballast.wait()
 
 
-def run_row(name: str) -> dict:
+def run_row(name: str, timeout: int = ROW_TIMEOUT_S) -> dict:
     try:
         proc = subprocess.run([sys.executable, __file__, "--row", name], capture_output=True, text=True,
-                              timeout=ROW_TIMEOUT_S)
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"row": name, "failed": f"over {ROW_TIMEOUT_S} s"}
+        return {"row": name, "failed": f"over {timeout} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         return {"row": name, "failed": proc.stderr[-2000:]}

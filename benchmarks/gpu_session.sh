@@ -12,6 +12,8 @@
 #   run(command="bash benchmarks/gpu_session.sh plan", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh xl", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh cards", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh offload", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh offload2", carry=[".whl"], timeout_s=600)
 # Results come back as $OUT/gpu_<group>.jsonl and $OUT/gpu_<group>.log.
 # Each group finishes within 9 minutes on an H100 (a lent GPU runs one command for at most 10): every row is
 # its own process under a time limit and prints its result as it completes, so a cut-off group still reports.
@@ -35,7 +37,14 @@ case "$group" in
   # issue 28's: a shared card (another process holds all but 8, 4, 6 GiB), no max_memory: 355M full and LoRA
   # and 1558M LoRA, peak vs budget vs estimate (benchmarks/gpu_cards.py; about 6 minutes)
   cards) only=() ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh targets|targets8bit|techniques|plan|xl|cards" >&2; exit 2 ;;
+  # issue 30's: 1558M full fine-tune with 8 GiB free (the offload tier: GPU peak <= 8 GiB, host peak within its
+  # estimate +-10%, tokens/s)
+  offload) only=() ;;
+  # issue 30's: 774M full fine-tune with 6 GiB free (on-card tiers first), and strategy="fsdp_cpu_offload" on
+  # the whole card, 355M
+  offload2) only=() ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh targets|targets8bit|techniques|plan|xl|cards|offload|offload2" >&2
+     exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1  # the package from this tree, without installing it
@@ -70,4 +79,12 @@ case "$group" in
   cards)
     timeout "$(limit 530)" python3 benchmarks/gpu_cards.py --free 8 --free 4 --free 6 --out "$out/gpu_$group.jsonl" \
       2>&1 | tee -a "$log" || echo "cards stopped at the group's 9 minutes" | tee -a "$log" ;;
+  offload)
+    timeout "$(limit 530)" python3 benchmarks/gpu_cards.py --free 8 --rows "1558M full" --row-timeout 500 \
+      --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "offload stopped at 9 minutes" | tee -a "$log" ;;
+  offload2)
+    timeout "$(limit 260)" python3 benchmarks/gpu_cards.py --free 6 --rows "774M full" --row-timeout 250 \
+      --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "774M row stopped" | tee -a "$log"
+    timeout "$(limit 260)" python3 benchmarks/gpu_cards.py --free 0 --rows "355M fsdp_cpu_offload" --row-timeout 250 \
+      --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "fsdp offload row stopped" | tee -a "$log" ;;
 esac

@@ -184,6 +184,8 @@ def without_warning(message: str, category: type[Warning]) -> Iterator[None]:
 # filtered only around the calls that trigger them.
 LIGHTNING_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"  # Lightning 2.6 on torch >= 2.10
 PEFT_IS_GRADIENT_CHECKPOINTING = r"`is_gradient_checkpointing` is deprecated"  # peft 0.21 on transformers >= 5.x
+# peft 0.21's prefix tuning passes past_key_values, which transformers renamed to cache (5.x, warned until 5.40)
+PEFT_PAST_KEY_VALUES = r"`past_key_values` is deprecated|Both `past_key_values` and `cache` are set"
 
 
 def install() -> None:

@@ -21,10 +21,10 @@ from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
 from . import arguments, generation, loading, outputs, saving, validation
+from .adapters import loaded_adapter
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
-from .lora import is_lora_model
 from .optimizers import check_optimizer
 from .plan import TrainPlan, build_plan
 from .report import make_loggers
@@ -238,6 +238,8 @@ class aitextgen(_aitextgen):
         lora_alpha: float = 16,
         lora_dropout: float = 0.05,
         lora_target_modules: Sequence[str] | None = None,
+        peft_config: Any = None,
+        adapter: str | None = None,
         chunked_loss: bool = True,
         optimizer: str | None = None,
         strategy: str | Strategy = "auto",
@@ -254,6 +256,7 @@ class aitextgen(_aitextgen):
     ) -> None:
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
         precision=, gradient_checkpointing=, lora*= (lora="auto": only if the memory budget needs it),
+        peft_config= (any peft method for causal LMs) or adapter="prefix" (prefix tuning),
         chunked_loss=, optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
         from output_dir's checkpoint), max_memory= (fit the plan to a budget), pin_micro_batch= (keep
         batch_size x gradient_accumulation_steps as given), Lightning's strategy=, num_nodes=, devices=
@@ -305,10 +308,11 @@ class aitextgen(_aitextgen):
         model = self.model_shape
         plan = build_plan(model, args, constructor_checkpointing=self.gradient_checkpointing,
                           freeze_by_default=self.openai_tf_gpt2 == "1558M",  # as aitextgen, to fit 1.5B
-                          model_has_adapter=is_lora_model(model), resume_from=resume_from, resumed=resumed)
+                          loaded_adapter=loaded_adapter(model), resume_from=resume_from, resumed=resumed)
         encode = functools.partial(training_dataset, args=args, tokenizer=self.tokenizer, config=model.config,
                                    special_tokens=dict(bos_token=self.bos_token, eos_token=self.eos_token,
-                                                       unk_token=self.unk_token))
+                                                       unk_token=self.unk_token),
+                                   reserved=plan.adapter.positions_taken if plan.adapter is not None else 0)
         dataset, val_dataset = validation.validation_datasets(encode(args.train_data), args, encode)
         plan = fit_to_budget(plan, model.config, dataset.block_size, weights_on_gpu(model))
         if resumed is not None:

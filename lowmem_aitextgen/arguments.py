@@ -269,6 +269,28 @@ def strategy(value: Any) -> str | None:
     return (f"is not a Lightning strategy we run; use one of {', '.join(STRATEGY_NAMES)}, "
             "or pass a pytorch_lightning Strategy object")
 
+
+def peft_config(value: Any) -> str | None:
+    """A peft config for a causal LM (task_type "CAUSAL_LM", or none: then it is set)."""
+    from peft import PeftConfig
+
+    if not isinstance(value, PeftConfig):
+        return "must be a peft config, e.g. peft.PrefixTuningConfig(num_virtual_tokens=20), or left out"
+    if value.task_type not in (None, "CAUSAL_LM"):
+        return f"has task_type={value.task_type!r}; GPT-2 is a causal LM: pass task_type='CAUSAL_LM'"
+    return None
+
+
+def check_adapter_choice(args: Arguments) -> None:
+    """One way of choosing the adapter: lora=, peft_config= or adapter=."""
+    given = [name for name in ("peft_config", "adapter") if args.get(name) is not None]
+    if args.lora is not False:
+        given.insert(0, "lora")
+    if len(given) > 1:
+        raise ValueError(f"{given[0]}={args.get(given[0])!r} and {given[1]}={args.get(given[1])!r} each choose the "
+                         f"adapter that trains; pass only one of them.")
+
+
 # --- train() -----------------------------------------------------------------------
 
 TRAIN_RULES: dict[str, Rule] = {
@@ -304,6 +326,9 @@ TRAIN_RULES: dict[str, Rule] = {
     "lora_alpha": number(0, INF, "e.g. lora_alpha=16", low_open=True),
     "lora_dropout": number(0, 1, "e.g. lora_dropout=0.05", high_open=True),
     "lora_target_modules": optional(sequence_of_text("e.g. ['c_attn', 'c_proj']")),
+    "peft_config": optional(peft_config),
+    "adapter": optional(one_of("prefix", fix="adapter='prefix' is prefix tuning; pass peft_config= for any other "
+                               "peft method")),
     "chunked_loss": flag(),
     "optimizer": optional(text("e.g. optimizer='adamw8bit'")),
     "strategy": strategy,
@@ -352,6 +377,7 @@ def check_train(train: Callable, args: Arguments) -> None:
                         "and its tokenizer; leave it out (construct aitextgen with the tokenizer instead).")
     reject_unknown("train()", extra, parameter_names(train) | token_dataset_names())
     check(args, TRAIN_RULES)
+    check_adapter_choice(args)
     if args.num_nodes > 1:
         check_launcher(args.num_nodes)
 

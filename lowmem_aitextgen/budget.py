@@ -51,7 +51,7 @@ from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_sup
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
 from .plan import Budget, LoraSettings, TrainPlan, default_chunk_tokens, mixed_precision
-from .step_time import step_seconds
+from .step_time import offload_seconds, step_seconds
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -113,10 +113,14 @@ def budgeted_bytes(plan: TrainPlan, estimate: MemoryEstimate) -> int:
 
 
 def budget_for(plan: TrainPlan, resident: int) -> Budget | None:
+    """max_memory, else the device's; on a GPU with the host memory an offloading plan may use."""
     max_memory = plan.args.get("max_memory")
-    if max_memory is not None:
-        return Budget(parse_bytes(max_memory), "max_memory")
-    return device_budget(plan.accelerator, resident)
+    budget = Budget(parse_bytes(max_memory), "max_memory") if max_memory is not None else \
+        device_budget(plan.accelerator, resident)
+    if budget is None or plan.accelerator != "gpu":
+        return budget
+    host = device_budget("cpu", 0)
+    return dataclasses.replace(budget, host_bytes=host.bytes if host is not None else None)
 
 
 # --- the fastest plan that fits ---------------------------------------------------------------
@@ -159,13 +163,14 @@ def _upcast_choices(plan: TrainPlan, config: object | None) -> list[bool]:
     if plan.upcast_bf16_weights:
         return [True]
     fp32_asked = "precision" in plan.fixed or ("fp16" in plan.fixed and not plan.args.get("fp16"))
-    if plan.lora is not None and not fp32_asked and config is not None and storage16_supported(config):
+    if plan.trains_adapter and not fp32_asked and config is not None and storage16_supported(config):
         return [False, True]
     return [False]
 
 
 def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
     """The plans to weigh, in groups; a later group only when nothing in an earlier one fits."""
+    first = plan
     yield "", open_choices(plan, config)
     if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
@@ -180,8 +185,28 @@ def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, 
                                          upcast_bf16_weights=True)
             choices.append(open_choices(upcast))
         yield "16-bit weights with 8-bit AdamW", itertools.chain(*choices)
+    if offload_possible(first):
+        # not with fp16's loss scaling (nothing shows it right on offloaded gradients): fp32 where bf16 is not native
+        yield "offloading to host memory", (p for p in open_choices(offloading(first), config)
+                                            if not p.precision.startswith("16"))
     if plan.args.get("lora") == "auto" and plan.lora is None:
         yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), config)
+
+
+def offload_possible(plan: TrainPlan) -> bool:
+    """Offloading (sharding.py) for a full fine-tune on one GPU (or already sharded), AdamW kept."""
+    card = hardware.gpu()
+    devices = plan.devices
+    one_card = devices == 1 or (isinstance(devices, tuple) and len(devices) == 1) or (
+        devices == "auto" and card is not None and card.count == 1)
+    one_process = plan.strategy == "auto" and plan.num_nodes == 1 and one_card
+    return (plan.accelerator == "gpu" and not plan.trains_adapter and not plan.offload
+            and (one_process or plan.strategy == "fsdp") and (plan.optimizer == "adamw" or "optimizer" not in plan.fixed))
+
+
+def offloading(plan: TrainPlan) -> TrainPlan:
+    return dataclasses.replace(plan, offload=True, strategy="fsdp", shards=max(plan.shards, 1), optimizer="adamw",
+                               fixed=plan.fixed | {"optimizer"})
 
 
 def fit_plan(config: object, plan: TrainPlan, block_size: int,
@@ -195,34 +220,41 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int,
     native = hardware.bf16_native(plan.accelerator)
     jsons = config_jsons(config, plan.accelerator)
     smallest: tuple[int, MemoryEstimate] | None = None
+    host_short: int | None = None  # the least host memory an offloading plan that fits the card needs
     for needed, candidates in tiers(plan, config):
         ranked, too_big = [], []
         for candidate in candidates:
             estimate = estimate_plan(config, candidate, block_size, jsons)
             # bytes a trained weight's gradient takes: 16 bits where the trained weights are held in 16 bits
             sixteen = (candidate.precision.endswith("-true") and candidate.half_dtype) or (
-                candidate.lora is None and candidate.upcasts_bf16_weights)
+                not candidate.trains_adapter and candidate.upcasts_bf16_weights)
             gradient_bytes = 2 if sixteen else 4
             seconds = step_seconds(candidate, config, block_size, estimate.gradients // gradient_bytes, native,
                                    estimate.activations, estimate.block_activations)
             needs = budgeted_bytes(candidate, estimate)
-            (ranked if needs <= budget.bytes else too_big).append((seconds, needs, candidate, estimate))
-            if smallest is None or needs < smallest[0]:
+            host_fits = not candidate.offload or (budget.host_bytes is not None and estimate.host <= budget.host_bytes)
+            (ranked if needs <= budget.bytes and host_fits else too_big).append((seconds, needs, candidate, estimate))
+            if not host_fits and needs <= budget.bytes:
+                host_short = min(host_short or estimate.host, estimate.host)
+            elif smallest is None or needs < smallest[0]:
                 smallest = needs, estimate
         if ranked:
             seconds, needs, chosen, estimate = min(ranked, key=lambda r: r[:2])
             faster = sorted((r for r in too_big if r[0] < seconds * 0.999), key=lambda r: r[:2])[:2]
-            why = explain(chosen, needs, budget, needed, faster)
+            why = explain(chosen, needs, budget, needed, faster, estimate.host,
+                          # host memory holds 16 bytes a parameter: fp32 weight, gradient and AdamW's two states
+                          offload_seconds(chosen, chosen.n_layer, estimate.host // 16) if chosen.offload else 0.0)
             logger.info(f"{why}.\n{estimate}")
             return dataclasses.replace(chosen, budget=budget, chosen_because=why), estimate
-    raise MemoryError(nothing_fits(plan, budget, *smallest))
+    raise MemoryError(nothing_fits(plan, budget, *smallest, host_short))
 
 
-def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEstimate) -> str:
+def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEstimate,
+                 host_short: int | None = None) -> str:
     """Why no plan fits: the budget and what made it, the smallest plan's needs, what else holds the
     card where that is known, and the fixes."""
     fixed = ", ".join(sorted(plan.fixed)) or "none"
-    lora = "" if plan.args.get("lora") == "auto" or plan.lora else "lora=True (or lora='auto'), "
+    lora = "" if plan.args.get("lora") == "auto" or plan.trains_adapter else "lora=True (or lora='auto'), "
     where = budget if budget.source == "max_memory" else f"the memory budget of {budget}"
     lines = [f"No plan fits {where}: the smallest one needs {format_bytes(needs)} "
              f"(arguments you fixed: {fixed}).", str(estimate)]
@@ -230,6 +262,10 @@ def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEs
         lines.append(f"This process already holds {format_bytes(budget.this_process_elsewhere)} of GPU tensors "
                      "besides this model (an earlier model or run in this notebook?): delete them (del old_ai), "
                      "then run gc.collect() and torch.cuda.empty_cache().")
+    if host_short is not None:
+        lines.append(f"Offloading the weights, gradients and AdamW states to host memory would fit the card, but needs "
+                     f"{format_bytes(host_short)} of host memory and {format_bytes(budget.host_bytes or 0)} is "
+                     "available (less a margin): free host memory, or use a machine with more.")
     if budget.other_processes >= NAMED_HOLDINGS:
         lines.append(f"Other processes hold {format_bytes(budget.other_processes)} of this card (nvidia-smi lists "
                      "them).")
@@ -239,18 +275,24 @@ def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEs
     return "\n".join(lines)
 
 
-def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: list) -> str:
-    """The plan line's 'why': the budget, the estimate, and the faster plans that did not fit."""
+def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: list, estimate_host: int = 0,
+            offload_cost: float = 0.0) -> str:
+    """The plan line's 'why': the budget, the estimate (and an offloading plan's host memory and what its
+    copies cost a step), and the faster plans that did not fit."""
     from .plan import describe_checkpointing
 
     def short(p: TrainPlan) -> str:
         return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
                 f"{p.micro_batch_size}x{p.accumulation}, {p.precision}"
-                + ((" with a bf16 LoRA base" if p.lora else " with bf16 weights") if p.upcasts_bf16_weights else "")
+                + ((" with a bf16 LoRA base" if p.lora else " with a bf16 base" if p.adapter else " with bf16 weights") if p.upcasts_bf16_weights else "")
                 + (", heap released every block" if p.hold_freed_heap else ""))
 
     why = (f"chosen as the fastest plan within {budget}: {short(plan)}"
            + (f", needing {needed}" if needed else "") + f", estimated {format_bytes(needs)}")
+    if plan.offload:
+        why += (f", and {format_bytes(estimate_host)} of host memory (of {format_bytes(budget.host_bytes or 0)}): "
+                f"each step moves the weights to the GPU and the gradients back, and AdamW runs on the CPU "
+                f"(about {offload_cost:.1f} s a step more)")
     if faster:
         why += "; faster but too big: " + "; ".join(f"{short(p)} ({format_bytes(total)})" for _, total, p, _ in faster)
     return why
@@ -302,6 +344,6 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     while (smaller := smaller_micro_batch(plan)) is not None:  # batch_size is part of the effective batch
         plan = smaller
         yield f"micro-batch {plan.micro_batch_size} x {plan.accumulation} accumulation", plan
-    if allow_lora and plan.lora is None:
+    if allow_lora and not plan.trains_adapter:
         plan = dataclasses.replace(plan, lora=LoraSettings())
         yield "LoRA", plan

@@ -19,6 +19,7 @@ from pytorch_lightning.callbacks import Callback
 from torch import nn
 
 from .plan import Schedule
+from .sharding import full_model
 
 
 class OptimizerStepCallback(Callback):
@@ -100,21 +101,25 @@ class SaveAndSample(OptimizerStepCallback):
                 self.checkpoint_after_validation = True  # so that it holds this step's evaluation
             else:
                 self.files.checkpoint(trainer)  # on every rank: sharded strategies save together
-        if finished or trainer.should_stop or not trainer.is_global_zero:
+        saves, samples = periodic and self.save_models, self.schedule.samples_at(step)
+        if finished or trainer.should_stop or not (saves or samples):
             return
-        if periodic and self.save_models:
+        model = full_model(pl_module.model)  # every rank: a sharded model is gathered whole on rank 0
+        if not trainer.is_global_zero:
+            return
+        if saves:
             self.write(f"\033[1m{step:,} steps reached: saving model.\033[0m")
-            self.files.save_model(pl_module.model, skipped_steps=pl_module.skipped_steps)
-        if self.schedule.samples_at(step):
+            self.files.save_model(model, skipped_steps=pl_module.skipped_steps)
+        if samples:
             self.write(f"\033[1m{step:,} steps reached: generating sample texts.\033[0m")
-            was_training = pl_module.training
-            pl_module.eval()
+            was_training = model.training
+            model.eval()
             try:
-                for text in self.samples.texts(pl_module.model):
+                for text in self.samples.texts(model):
                     self.write("=" * 10 + "\n" + text)
                 self.write("=" * 10)
             finally:
-                pl_module.train(was_training)
+                model.train(was_training)
 
 
 class TrainingDiverged(RuntimeError):

@@ -37,7 +37,7 @@ def plan_of_call(model: torch.nn.Module, **given: object) -> TrainPlan:
                 if name not in ("self", "kwargs")}
     args = Arguments({**defaults, "train_data": "data.txt", **given}, defaults)
     return build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
-                      model_has_adapter=False, resume_from=None, resumed=None)
+                      loaded_adapter=None, resume_from=None, resumed=None)
 
 
 def hardware_named(card: str | None, cpu: str = "native bf16") -> hardware.Hardware:
@@ -68,9 +68,11 @@ def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
     precision = {"16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16 weights", "32-true": "fp32"}
     words = [precision.get(plan.precision, plan.precision)]
     if plan.upcasts_bf16_weights:
-        words = ["bf16 base, fp32 math" if plan.lora else "bf16 weights, fp32 math"]
+        words = ["bf16 base, fp32 math" if plan.trains_adapter else "bf16 weights, fp32 math"]
     if plan.optimizer != "adamw":
         words.append("8-bit AdamW" if plan.optimizer == "adamw8bit" else plan.optimizer)
+    if plan.offload:
+        words.append(f"offloaded ({format_bytes(estimate.host)} of host memory)")
     blocks = min(plan.checkpointed_blocks, plan.n_layer)
     words.append(f"ckpt {blocks}/{plan.n_layer}" if blocks else "no ckpt")
     words.append(f"{plan.micro_batch_size}×{plan.accumulation}")

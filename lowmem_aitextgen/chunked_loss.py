@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import _compat
 from .plan import DEFAULT_CHUNK_TOKENS
 
 IGNORE_INDEX = -100  # transformers' label value for "no loss here"
@@ -142,11 +143,39 @@ def chunked_lm_loss(
     return total / count
 
 
+def final_hidden(model: nn.Module, body: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body's final hidden states for `input_ids` and the labels they are scored against.
+
+    Two kinds of model must run their own forward: a prompt-learning peft adapter (prefix, prompt tuning)
+    works in its wrapper's forward (prefix keys and values, or virtual tokens before the text), and a
+    sharded model (sharding.py) gathers its embeddings and head in its forward's hook.  That forward runs,
+    asked for one position's logits only, and the body's output is taken on its way; virtual tokens get no
+    label, the last of them predicts the text's first token, as peft scores it."""
+    prompt_learning = getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False)
+    if not (prompt_learning or _is_fsdp_module(model)):
+        return body(input_ids=input_ids, use_cache=False).last_hidden_state, input_ids
+    seen: list[torch.Tensor] = []
+    hook = body.register_forward_hook(lambda module, args, output: seen.append(output.last_hidden_state))
+    try:
+        with _compat.without_warning(_compat.PEFT_PAST_KEY_VALUES, FutureWarning):
+            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = seen[-1]
+    return hidden, F.pad(input_ids, (hidden.shape[1] - input_ids.shape[1], 0), value=IGNORE_INDEX)
+
+
+def _is_fsdp_module(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, chunk_tokens: int | None) -> torch.Tensor:
     """The training loss of `model` on `input_ids` (labels = inputs), chunked if asked and possible."""
     parts = body_and_head(model) if chunk_tokens else None
     if parts is None:
         return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
     body, head = parts
-    hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state
-    return chunked_lm_loss(hidden, head, input_ids, chunk_tokens)
+    hidden, labels = final_hidden(model, body, input_ids)
+    return chunked_lm_loss(hidden, head, labels, chunk_tokens)

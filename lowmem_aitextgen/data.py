@@ -48,10 +48,11 @@ def check_train_data(train_data: Any, args: Arguments) -> None:
 
 
 def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: Any, special_tokens: dict,
-                     argument: str = "train_data", block_size: int | None = None) -> Dataset:
+                     argument: str = "train_data", block_size: int | None = None, reserved: int = 0) -> Dataset:
     """A TokenDataset as given (checked against the model), or encoded from a file in blocks of
     `block_size` tokens, by default block_size= or the model's context (or fewer tokens, said so, when
-    the whole text is shorter).  `argument` names it in messages (val_data is read the same way)."""
+    the whole text is shorter), less the positions an adapter's virtual tokens take (`reserved`).  `argument`
+    names it in messages (val_data is read the same way)."""
     dataset_kwargs = dict(args.extra)  # arguments.check_train let only TokenDataset's through
     if not isinstance(train_data, (str, os.PathLike)):
         if dataset_kwargs and argument == "train_data":
@@ -59,11 +60,11 @@ def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: A
                            "(pass them to TokenDataset() instead).")
         check_same_tokenizer(getattr(train_data, "tokenizer_record", None), tokenizer,
                              f"{argument} (a TokenDataset)")
-        check_tokens(train_data, config, argument)
+        check_tokens(train_data, config, argument, reserved)
         return train_data
     for name in set(dataset_kwargs) & set(IGNORED_WITH_A_TOKENIZER):
         logger.warning(f"{name}={dataset_kwargs.pop(name)!r} ignored: train() encodes with the model's tokenizer.")
-    context = context_length(config)
+    context = context_length(config) - reserved if context_length(config) else None
     asked = dataset_kwargs.pop("block_size", None)
     block_size = block_size or asked or context
     logger.info(f"Loading text from {train_data} with generation length of {block_size}.")
@@ -79,12 +80,13 @@ def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: A
                        f"{use} blocks of {n_tokens} tokens.")
         block_size = n_tokens
     dataset.set_block_size(block_size)
-    check_tokens(dataset, config, argument)
+    check_tokens(dataset, config, argument, reserved)
     return dataset
 
 
-def check_tokens(dataset: Dataset, config: Any, argument: str = "train_data") -> None:
-    """Every token id below the model's vocabulary, every block within its context."""
+def check_tokens(dataset: Dataset, config: Any, argument: str = "train_data", reserved: int = 0) -> None:
+    """Every token id below the model's vocabulary, every block within its context (less the positions an
+    adapter's virtual tokens take)."""
     tokens = getattr(dataset, "tokens", None)
     if tokens is None:
         return
@@ -95,9 +97,10 @@ def check_tokens(dataset: Dataset, config: Any, argument: str = "train_data") ->
                          "with this model's tokenizer (TokenDataset(..., tokenizer_file=...) or pass a file).")
     context = context_length(config)
     block_size = getattr(dataset, "block_size", None)
-    if context is not None and block_size is not None and block_size > context:
-        raise ValueError(f"{argument}'s block_size={block_size} is above the model's context of {context} tokens; "
-                         f"build the TokenDataset with block_size<={context}.")
+    if context is not None and block_size is not None and block_size > context - reserved:
+        taken = f", less the {reserved} its adapter's virtual tokens take," if reserved else ""
+        raise ValueError(f"{argument}'s block_size={block_size} is above the model's context of {context} tokens"
+                         f"{taken}; use block_size<={context - reserved}.")
 
 
 class ResumableOrder(Sampler[int]):

@@ -26,6 +26,7 @@ import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,11 +35,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from transformers import AutoConfig
 
-from .chunked_loss import body_and_head, chunked_lm_loss
+from .chunked_loss import body_and_head, chunked_lm_loss, final_hidden
 from .hardware import format_bytes
-from .memory import apply_memory_plan, unique_tensor_bytes
+from .memory import apply_memory_plan, transformer_blocks, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
-from .plan import ALL_BLOCKS, PRECISIONS, LoraSettings, TrainPlan, default_chunk_tokens
+from .plan import ALL_BLOCKS, PRECISIONS, SHORT_FORMS, AdapterSettings, LoraSettings, TrainPlan, default_chunk_tokens
 from .step_time import shape
 from .storage16 import supported
 
@@ -57,10 +58,11 @@ PROBE_LENGTHS = (16, 32, 64)  # tokens per probe sequence; within the context (p
 PROBE_VOCABS = (256, 512)
 
 
-def probe_lengths(config: object) -> tuple[int, int, int]:
-    """Three lengths for the probes, no longer than the model's context (a quarter, half and all of a
-    short one): a position beyond it does not exist."""
+def probe_lengths(config: object, reserved: int = 0) -> tuple[int, int, int]:
+    """Three lengths for the probes, no longer than the model's context less the positions an adapter's
+    virtual tokens take (a quarter, half and all of a short one): a position beyond it does not exist."""
     context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    context = context - reserved if context else context
     if context is None or context >= PROBE_LENGTHS[-1]:
         return PROBE_LENGTHS
     if context < 4:
@@ -80,6 +82,7 @@ class MemoryEstimate:
     overhead: int  # backward's transients: recomputed block, activation gradients, a chunk's logits
     plan: dict = field(default_factory=dict)
     block_activations: int = 0  # one block's activations at this micro-batch (in overhead; for the CPU heap)
+    host: int = 0  # an offloading plan's weights, gradients and optimizer states in host memory (not in total)
 
     @property
     def total(self) -> int:
@@ -96,6 +99,9 @@ class MemoryEstimate:
         rows = [f"Memory estimate ({plan})"]
         rows += [f"  {name:<{width}}  {format_bytes(value):>10}" for name, value in self.parts().items()]
         rows.append(f"  {'total':<{width}}  {format_bytes(self.total):>10}")
+        if self.host:
+            rows.append(f"  {'host memory':<{width}}  {format_bytes(self.host):>10}  (fp32 weights, gradients and "
+                        "AdamW states, offloaded)")
         return "\n".join(rows)
 
 
@@ -168,13 +174,13 @@ def saved_bytes(model: nn.Module, input_ids: torch.Tensor, plan: TrainPlan) -> d
     totals: dict[str, int] = {}
     current = ["body"]
     with _counting(model, totals, lambda: current[0]), _autocast(plan):
-        hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden, labels = final_hidden(model, body, input_ids)
         current[0] = "loss"
         if plan.loss_chunk_tokens:
-            chunked_lm_loss(hidden, head, input_ids, plan.loss_chunk_tokens)
+            chunked_lm_loss(hidden, head, labels, plan.loss_chunk_tokens)
         else:
             logits = head(hidden).float()
-            nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+            nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
     return totals
 
 
@@ -228,7 +234,7 @@ def _per_block_and_rest(config_json: str, plan: TrainPlan) -> tuple[Callable, Ca
     body (embeddings, final norm, the first block's difference), and the loss.
     Cached: a planner asks for the same probes with other batch sizes and optimizers."""
     config = AutoConfig.for_model(**json.loads(config_json))
-    lengths = probe_lengths(config)
+    lengths = probe_lengths(config, plan.adapter.positions_taken if plan.adapter is not None else 0)
     vocab = config.vocab_size
     small, larger = (_with_vocab(config, v) for v in PROBE_VOCABS) if vocab > PROBE_VOCABS[1] else (config, None)
     one, two = (_probe(small, n, plan, lengths) for n in (1, 2))
@@ -264,14 +270,14 @@ def probe_plan(plan: TrainPlan) -> TrainPlan:
     """What the probes depend on, and nothing else (so that probes are shared between plans).  Frozen
     layers are left out: a one-block probe cannot freeze "the first N" blocks (frozen blocks save less
     for backward, so the estimate stays on the safe side)."""
-    return TrainPlan(accelerator=plan.accelerator, precision=plan.precision, lora=plan.lora,
+    return TrainPlan(accelerator=plan.accelerator, precision=plan.precision, lora=plan.lora, adapter=plan.adapter,
                      upcast_bf16_weights=plan.upcast_bf16_weights, loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
 def state_plan(plan: TrainPlan) -> TrainPlan:
     """What the parameter state (weights, gradients, optimizer states) depends on, and nothing else."""
-    return TrainPlan(precision=plan.precision, lora=plan.lora, upcast_bf16_weights=plan.upcast_bf16_weights,
-                     freeze_layers=plan.freeze_layers,
+    return TrainPlan(precision=plan.precision, lora=plan.lora, adapter=plan.adapter,
+                     upcast_bf16_weights=plan.upcast_bf16_weights, freeze_layers=plan.freeze_layers,
                      num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer)
 
 
@@ -286,10 +292,14 @@ def estimate_memory(
     optimizer: str = "adamw",
     chunked_loss: bool = True,
     device: str = "cpu",
+    shards: int = 1,
+    adapter: Any = None,
 ) -> MemoryEstimate:
     """Peak memory of one training step, by part, for a model, a config or a GPT-2 size name
     ("124M", "355M", "774M", "1558M") on device "cpu" or "cuda"; gradient_checkpointing is True
-    (every block), False or a number of blocks.  Nothing is downloaded and no full-size activation is
+    (every block), False or a number of blocks; shards: the processes of strategy="fsdp" (the estimate is
+    then one process's); adapter: "prefix" or a peft config (train()'s adapter= and peft_config=).  Nothing
+    is downloaded and no full-size activation is
     made.  The caller's random state is left as it was: train() estimates before it trains, and that
     must not change the run's seed or its data order."""
     if precision not in PRECISIONS:
@@ -297,15 +307,20 @@ def estimate_memory(
     check_optimizer_name(optimizer)  # an estimate needs no torchao installed
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'.")
+    if not (isinstance(shards, int) and shards >= 1):
+        raise ValueError(f"shards={shards!r} must be the number of processes the model is sharded across, e.g. 2.")
     lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
     plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss, device)
-    return estimate_plan(model_config(model), plan, block_size)
+    settings = None if adapter is None else (
+        AdapterSettings.short_form(adapter) if adapter in SHORT_FORMS else AdapterSettings.of(adapter))
+    return estimate_plan(model_config(model), replace(plan, shards=shards, adapter=settings), block_size)
 
 
 @functools.lru_cache(maxsize=256)
-def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int]:
-    """Weights, gradients and optimizer states, exactly, from a model on the meta device (nothing is
-    allocated).  Cached: a planner weighs many plans with the same parameter state."""
+def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int]:
+    """Weights, gradients and optimizer states, exactly, and the largest block's weights, from a model on
+    the meta device (nothing is allocated).  Cached: a planner weighs many plans with the same parameter
+    state."""
     from transformers import AutoModelForCausalLM
 
     config = AutoConfig.for_model(**json.loads(config_json))
@@ -317,8 +332,9 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int]:
     full, _ = apply_memory_plan(full, plan)
     params = list({id(p): p for p in full.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
+    block = max((unique_tensor_bytes(b.parameters()) for b in transformer_blocks(full)), default=0)
     return (unique_tensor_bytes(params), unique_tensor_bytes(trainable),
-            optimizer_state_bytes(trainable, plan.optimizer))
+            optimizer_state_bytes(trainable, plan.optimizer), block)
 
 
 def storage16_supported(config: object) -> bool:
@@ -348,7 +364,17 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
     config_jsons(config, plan.accelerator), where the caller weighs many plans of one config (making
     them was most of a planner's time)."""
     full_json, config_json = jsons or config_jsons(config, plan.accelerator)
-    weights, gradients, optimizer_states = _state_bytes(full_json, state_plan(plan))
+    weights, gradients, optimizer_states, block_weights = _state_bytes(full_json, state_plan(plan))
+    whole = host = 0  # a sharded plan's weights gathered whole while they compute (sharding.py)
+    if plan.sharded:
+        # the embeddings and head (every weight outside the blocks) stay whole from the forward to their
+        # backward, and two blocks are whole at a time (the one computing, the next one gathered ahead)
+        outside = weights - _n_layer(config) * block_weights
+        whole = outside + 2 * block_weights + (block_weights if gradients else 0)  # + a block's whole gradient
+        weights, gradients, optimizer_states = (-(-part // plan.shards)
+                                                for part in (weights, gradients, optimizer_states))
+    if plan.offload:  # the shards live in host memory; the device holds only what is gathered whole
+        host, weights, gradients, optimizer_states = weights + gradients + optimizer_states, 0, 0, 0
     device = "cuda" if plan.accelerator == "gpu" else "cpu"
     probed = probe_plan(plan)
     block, rest, loss = _per_block_and_rest(config_json, probed)
@@ -369,11 +395,14 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
         optimizer_states=optimizer_states,
         activations=max(0, int(batch_size * activations)),
         logits_loss=max(0, int(batch_size * loss(tokens))),
-        overhead=int(batch_size * (recompute + block(tokens)) + logits_transient),
+        overhead=int(batch_size * (recompute + block(tokens)) + logits_transient) + whole,
         block_activations=max(0, int(batch_size * block(tokens))),
+        host=host,
         plan={"block_size": block_size, "batch_size": batch_size, "precision": plan.precision,
               "gradient_checkpointing": kept if 0 < kept < n_layer else bool(kept),
               "lora": plan.lora is not None, "optimizer": plan.optimizer,
+              **({"adapter": plan.adapter.settings} if plan.adapter is not None else {}),
               **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
-              "chunked_loss": plan.loss_chunk_tokens is not None, "device": device},
+              "chunked_loss": plan.loss_chunk_tokens is not None, "device": device,
+              **({"shards": plan.shards} if plan.shards > 1 else {}), **({"offload": True} if plan.offload else {})},
     )

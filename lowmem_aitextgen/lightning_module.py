@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import get_linear_schedule_with_warmup
 
+from . import sharding
 from .chunked_loss import causal_lm_loss
 from .optimizers import build_optimizer, portable_optimizer_states, restore_optimizer_states
 from .plan import TrainPlan
@@ -32,6 +33,12 @@ class CausalLMModule(pl.LightningModule):
         # checkpoints hold only what trains (see on_save_checkpoint); on_load_checkpoint checks the keys
         self.strict_loading = False
 
+    def configure_model(self) -> None:
+        """Under strategy="fsdp" or offloading, each process's shard of the model (sharding.py); Lightning
+        calls this in every process once the processes have met."""
+        if self.plan.sharded and not sharding.is_sharded(self.model):
+            sharding.shard(self.model, self.device_mesh["data_parallel"], self.plan.offload)
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return causal_lm_loss(self.model, batch, self.plan.loss_chunk_tokens)
 
@@ -45,6 +52,8 @@ class CausalLMModule(pl.LightningModule):
         """
         grads = [p.grad for p in _parameters(optimizer) if p.grad is not None]
         self.gradient_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if hasattr(self.gradient_norm, "full_tensor"):  # sharded gradients: the norm of the whole (sharding.py)
+            self.gradient_norm = self.gradient_norm.full_tensor()
         if self.gradient_norm is not None and not torch.isfinite(self.gradient_norm):
             self.skipped_steps += 1
             self.gradient_norm = None
@@ -86,7 +95,10 @@ class CausalLMModule(pl.LightningModule):
             checkpoint["optimizer_states"] = portable_optimizer_states(checkpoint["optimizer_states"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        saved, expected = set(checkpoint["state_dict"]), self._trainable_keys()
+        """Check what a checkpoint holds and make it loadable; a sharded strategy (sharding.py) has already
+        loaded the weights and optimizer states into the shards (resume.check_resumable checked the run)."""
+        expected = self._trainable_keys()
+        saved = set(checkpoint["state_dict"]) if "state_dict" in checkpoint else expected
         if saved != expected:
             raise ValueError(
                 f"The checkpoint to resume from holds {len(saved)} trainable tensors, this model "

@@ -64,7 +64,7 @@ def check_model_folder(model_folder: str) -> None:
         )
     config = os.path.join(model_folder, "config.json")
     if os.path.isfile(os.path.join(model_folder, ADAPTER_CONFIG)) and not os.path.isfile(config):
-        return  # a LoRA adapter folder: load_adapter_folder checks it
+        return  # an adapter folder: load_adapter_folder checks it
     if not os.path.isfile(config):
         raise FileNotFoundError(f"There is no config.json in model_folder={model_folder!r}; it is not a saved model.")
     read_json(config, "model_folder")
@@ -247,7 +247,8 @@ def read_safetensors_into(model: nn.Module, path: str) -> None:
 
 
 def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
-    """Base model + peft adapter, from a lora_adapter/ folder; the adapter stays trainable."""
+    """Base model + peft adapter, from an adapter folder (lora_adapter/, adapter/) whose base is elsewhere;
+    the adapter stays trainable."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -268,13 +269,41 @@ def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
     else:
         base = from_hub(AutoModelForCausalLM, base_name, cache_dir)
     check_adapter_base(model_folder, base_name, base)
-    return PeftModel.from_pretrained(base, model_folder, is_trainable=True)
+    with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
+        return PeftModel.from_pretrained(base, model_folder, is_trainable=True)
+
+
+def load_base_and_adapter(model_folder: str) -> nn.Module:
+    """A folder that holds a base model and, beside it, the adapter trained on it (a prompt-learning
+    adapter's output_dir, adapters.py): both, the adapter trainable.  The base is read by DeferredModel,
+    not by transformers, which would take the adapter's base_model_name_or_path for where the base is."""
+    import torch
+    from peft import PeftModel
+
+    what = f"model_folder={model_folder!r}"
+    if not DeferredModel.possible(model_folder):
+        raise FileNotFoundError(f"{what} holds an adapter beside a model whose weights are not in model.safetensors; "
+                                "save the base model with save_pretrained() into the folder again.")
+    base = DeferredModel(model_folder, what).load(torch.float32)
+    try:
+        # peft loads a prompt-learning adapter for inference only (is_trainable=True is refused for it); its
+        # virtual tokens' encoder is made trainable again, as get_peft_model leaves it
+        with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
+            model = PeftModel.from_pretrained(base, model_folder)
+        model.peft_config[model.active_adapter].inference_mode = False
+        for parameter in model.prompt_encoder.parameters():
+            parameter.requires_grad_(True)
+        return model
+    except Exception as error:  # peft raises ValueError, KeyError or safetensors' own
+        raise ValueError(f"{what}: the adapter beside the model cannot be loaded ({type(error).__name__}: {error}); "
+                         "restore adapter_config.json and adapter_model.safetensors from the run's output_dir, "
+                         "or train again.") from error
 
 
 def check_adapter_base(model_folder: str, base_name: str, base: nn.Module) -> None:
     """Refuse an adapter whose base weights are no longer the ones it was trained on (lora.py's record:
     its base folder was trained into again, or the folder holds another model now)."""
-    from .lora import base_matches, read_base_record
+    from .adapters import base_matches, read_base_record
     from .outputs import run_of
 
     record = read_base_record(model_folder)
@@ -336,6 +365,10 @@ def load_model(model: str | None, model_folder: str | None, config: Any, tf_gpt2
     if model_folder is not None:
         check_model_folder(model_folder)
         source = ModelSource("model_folder", os.path.abspath(model_folder))
+        if os.path.isfile(os.path.join(model_folder, ADAPTER_CONFIG)) and os.path.isfile(
+                os.path.join(model_folder, "config.json")):
+            logger.info(f"Loading model and its adapter (beside it) from {model_folder}.")
+            return load_base_and_adapter(model_folder), source
         if os.path.isfile(os.path.join(model_folder, "config.json")):
             logger.info(f"Loading model from {model_folder}.")
             return _saved_model(model_folder, f"model_folder={model_folder!r}"), source

@@ -1,33 +1,20 @@
-"""LoRA adapters through peft, kept separate from the model they wrap.
+"""LoRA adapters through peft: its settings, targets and merge.
 
-Only the adapters train; the base stays frozen (and, under mixed precision,
-is held in 16 bits by storage16.py).  Saving produces both the
-peft adapter and the merged weights (streamed, a tensor at a time), so nothing
-downstream must know LoRA was used; after training the object keeps the base
-with the adapters merged into it in place.
-
-An adapter is only right on the weights it was trained on, and its adapter_config.json names them by
-place (a folder, a hub id), not by content: a later run into that folder replaces them.  The adapter
-folder therefore also holds base_weights.json, a SHA-256 of the base's weights (each in the dtype
-training held it in), which loading.py checks before it puts the adapter on a base.
+Only the adapters train; the base stays frozen (and, under mixed precision, is held in 16 bits by
+storage16.py).  What LoRA shares with peft's other adapters (saving the adapter beside the merged model,
+the record of its base weights, merging after training) is adapters.py's; here is what is LoRA's own:
+which layers it adapts by default, and a merge that rounds each weight once.
 """
 
 from __future__ import annotations
-
-import hashlib
-import json
-import os
-from typing import Any
 
 import torch
 from torch import nn
 
 from . import _compat
 from .plan import LoraSettings
-from .saving import WeightSource, model_weights, save_model_files
 
-ADAPTER_SUBFOLDER = "lora_adapter"
-BASE_RECORD = "base_weights.json"  # in the adapter folder: which weights the adapter was trained on
+ADAPTER_SUBFOLDER = "lora_adapter"  # beside the merged model
 
 # Every projection of the block: attention in/out and both MLP layers.  peft's own
 # defaults adapt only attention (e.g. GPT-2: c_attn), which fine-tunes style less well.
@@ -40,12 +27,6 @@ DEFAULT_TARGETS = {
     "mistral": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
 }
-
-
-def is_lora_model(model: nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
 
 
 def default_target_modules(model: nn.Module) -> tuple[str, ...]:
@@ -93,32 +74,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         return get_peft_model(model, config)
 
 
-def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list:
-    """The base model's weights with every adapter folded in, in `dtype` (default: the base's), as
-    saving.WeightSource: each merged weight is made when it is written, one at a time, so no second
-    copy of the model ever exists; `model` is left as it is (merging in place into 16-bit base weights
-    and unmerging would round them at every periodic save)."""
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    adapted = {f"{name}.weight": module for name, module in base.named_modules()
-               if isinstance(module, LoraLayer) and not module.merged}
-    weights = []
-    for weight in model_weights(base):
-        if "lora_" in weight.name:
-            continue
-        name = weight.name.replace(".base_layer.", ".")
-        out = dtype or weight.dtype
-        module = adapted.get(name)
-        if module is None:
-            make = lambda weight=weight, out=out: weight.make().to(out)  # noqa: E731
-        else:
-            make = lambda weight=weight, out=out, module=module: _merged(weight.make(), module, out)  # noqa: E731
-        weights.append(WeightSource(name, out, weight.shape, make))
-    return weights
-
-
-def _merged(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def merged_weight(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """base + deltas, added in fp32 (at least) and rounded to `dtype` once: the saved model and the merge
     kept in memory agree to the bit whatever dtype each is in.  The delta is made before the copy of the
     base and added into it: two fp32 weight-sized tensors alive at once, not three (and, for a 16-bit
@@ -132,80 +88,3 @@ def _merged(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) ->
         merged.add_(delta)
         del delta
     return merged.to(dtype) if merged is not None else base_weight.to(dtype)
-
-
-def merge_in_place(model: nn.Module) -> nn.Module:
-    """The plain transformers model with the adapters folded into its own weights, in the dtype the base
-    is held in: each weight the fp32 merge rounded once (_merged), as the save writes it, one weight at a
-    time.  (peft's merge_and_unload adds a delta already rounded to bf16 to the bf16 weight: rounded twice,
-    it differs from the saved model in the last bit of some weights.)"""
-    from peft.tuners.lora import LoraLayer
-
-    with torch.no_grad():
-        for module in model.get_base_model().modules():
-            if isinstance(module, LoraLayer) and not module.merged:
-                weight = module.get_base_layer().weight
-                weight.copy_(_merged(weight, module, weight.dtype))
-        return model.unload()
-
-
-def write_lora_model(folder: str, model: nn.Module, tokenizer: Any | None, dtype: torch.dtype | None,
-                     base_record: dict[str, Any]) -> None:
-    """A LoRA model as a save stages it: the merged model (in `dtype`) and tokenizer, and the adapter
-    in lora_adapter/ with the record of its base (base_fingerprint, plus who wrote it)."""
-    save_model_files(folder, model.get_base_model(), merged_weights(model, dtype))
-    adapter_dir = os.path.join(folder, ADAPTER_SUBFOLDER)
-    model.save_pretrained(adapter_dir)
-    with open(os.path.join(adapter_dir, BASE_RECORD), "w", encoding="utf-8") as f:
-        json.dump(base_record, f, indent=2)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-        tokenizer.save_pretrained(adapter_dir)
-
-
-def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's own parameters by their plain names (a peft wrapper's base without adapters)."""
-    base = model.get_base_model() if is_lora_model(model) else model
-    return {name.replace(".base_layer.", "."): param for name, param in base.named_parameters()
-            if "lora_" not in name}
-
-
-def base_fingerprint(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, str]:
-    """{"dtype", "sha256"}: a hash of every base weight (names, shapes and values) cast to `dtype`
-    (default: the dtype the weights are held in now, recorded so that a base read in another dtype is
-    cast the same way before it is compared).  One tensor's cast at a time."""
-    parameters = base_weights(model)
-    dtype = dtype or next((p.dtype for p in parameters.values() if p.is_floating_point()), torch.float32)
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name in sorted(parameters):
-            value = parameters[name].detach()
-            value = value.to(dtype) if value.is_floating_point() else value
-            digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
-            digest.update(value.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return {"dtype": str(dtype).removeprefix("torch."), "sha256": digest.hexdigest()}
-
-
-def read_base_record(adapter_folder: str) -> dict[str, Any] | None:
-    """The adapter's base_weights.json (None: an adapter saved elsewhere, which records nothing)."""
-    path = os.path.join(adapter_folder, BASE_RECORD)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path} cannot be read ({error}); it records which weights the adapter was trained on. "
-                         "Restore it from the run's output_dir, or delete it to load the adapter unchecked.") from error
-    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
-        raise ValueError(f"{path} is not a lowmem_aitextgen base record; restore it, or delete it to load the "
-                         "adapter unchecked.")
-    return record
-
-
-def base_matches(record: dict[str, Any], base: nn.Module) -> bool:
-    """Whether `base` holds the weights the adapter's record names."""
-    dtype = getattr(torch, str(record.get("dtype", "float32")), None)
-    if not isinstance(dtype, torch.dtype):
-        return False
-    return base_fingerprint(base, dtype)["sha256"] == record["sha256"]

@@ -7,7 +7,8 @@
 | freeze_layers                 | gradients + optimizer state of frozen   | those layers do not adapt      |
 | (16-bit storage, storage16.py)| half of every frozen weight (no fp32)   | frozen weights rounded to 16 b;|
 |   under autocast, or in fp32  |                                         | in fp32 an upcast per use      |
-| (LoRA, see lora.py)           | gradients + optimizer state of the base | adapter capacity only          |
+| (LoRA, see lora.py; other     | gradients + optimizer state of the base | adapter capacity only          |
+|   peft adapters, adapters.py) |                                         |                                |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
 | (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | a trainable head's matmul twice|
 | (8-bit AdamW, optimizers.py)  | 3/4 of AdamW's state                    | states rounded to 8 bits       |
@@ -25,7 +26,8 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import storage16
-from .lora import add_lora, is_lora_model
+from .adapters import add_adapter, is_adapter_model
+from .lora import add_lora
 from .plan import TrainPlan
 
 
@@ -34,10 +36,10 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, lis
     (to unfreeze after training; LoRA's frozen base stays inside the peft wrapper)."""
     frozen: list[nn.Parameter] = []
     model.train()
-    if plan.lora is not None:
-        if not is_lora_model(model):
+    if plan.trains_adapter:
+        if not is_adapter_model(model):
             storage16.hold_base_before_adapters(model, plan)
-            model = add_lora(model, plan.lora)
+            model = add_lora(model, plan.lora) if plan.lora is not None else add_adapter(model, plan.adapter)
         storage16.hold_frozen_base(model, plan)
     else:
         if plan.upcasts_bf16_weights:

@@ -46,7 +46,7 @@ def cheaper_plan(plan: TrainPlan) -> tuple[str, TrainPlan] | None:
         return f"micro-batch {smaller.micro_batch_size} x {smaller.accumulation} accumulation", smaller
     # micro-batch 1 now: the next rung whose checkpoint still loads (the same optimizer state and,
     # with LoRA, the same dtype of the frozen base), as if the user had fixed the others
-    fixed = plan.fixed | {"optimizer"} | ({"precision"} if plan.lora is not None else set())
+    fixed = plan.fixed | {"optimizer"} | ({"precision"} if plan.trains_adapter else set())
     rungs = ladder(dataclasses.replace(plan, fixed=fixed), allow_lora=False)
     next(rungs)  # the plan as given
     rung = next(rungs, None)

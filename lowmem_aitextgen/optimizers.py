@@ -169,9 +169,10 @@ def portable_optimizer_states(states: list[dict]) -> list[dict]:
     """The optimizers' state dicts with tensor subclasses (torchao's 8-bit states) stored as
     their plain inner tensors: Lightning loads checkpoints with torch.load(weights_only=True)
     and a callable map_location, which cannot rebuild a wrapper subclass (torch 2.13).
-    New dicts: an optimizer's state_dict() shares its per-parameter dicts with the optimizer."""
+    New dicts: an optimizer's state dict shares its per-parameter dicts with the optimizer.  (A sharded
+    run's ranks but 0 have an empty one: rank 0 alone writes the checkpoint, sharding.py.)"""
     return [{**state, "state": {index: {key: _flatten(value) for key, value in per_param.items()}
-                                for index, per_param in state["state"].items()}}
+                                for index, per_param in state["state"].items()}} if state else state
             for state in states]
 
 

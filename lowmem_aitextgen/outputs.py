@@ -1,12 +1,15 @@
-"""What output_dir holds: a model save (plain, or LoRA merged with its adapter), the manifest of which
-run wrote each file there, so that no file outlives the run it belongs to, and RunFiles, through which a
-training run writes every file it writes there.
+"""What output_dir holds: a model save (plain, or with its peft adapter: the merged model beside it, or the
+base it needs), the manifest of which run wrote each file there, so that no file outlives the run it belongs
+to, and RunFiles, through which a training run writes every file it writes there.
 
 | in output_dir                          | written                                               |
 |----------------------------------------|-------------------------------------------------------|
 | config.json, generation_config.json,   | at every model save (save_every, the best model with  |
 | model.safetensors, tokenizer files     | val_data, the end of training), and by ai.save()      |
-| lora_adapter/ (+ base_weights.json)    | at a LoRA run's model saves                           |
+| lora_adapter/ (+ base_weights.json)    | at a LoRA run's model saves (adapter/: another        |
+|                                        | mergeable peft method's)                              |
+| adapter_config.json,                   | at a prefix or prompt tuning run's model saves, beside|
+| adapter_model.safetensors              | the base model they need (adapters.py)                |
 | training_summary.json, loss.png,       | with each model save, and after each evaluation       |
 | memory.png                             |                                                       |
 | last.ckpt                              | every save_every steps and at a stop; removed once    |
@@ -36,7 +39,7 @@ import torch
 from pytorch_lightning.loggers import Logger
 from torch import nn
 
-from .lora import base_fingerprint, is_lora_model, write_lora_model
+from .adapters import base_fingerprint, is_adapter_model, write_adapter_model
 from .plan import CHECKPOINT_NAME, TrainPlan, new_run_id
 from .report import LOGS_SUBFOLDER, RunRecorder
 from .resume import discard_checkpoint, save_checkpoint
@@ -51,11 +54,11 @@ def save_model(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
                merged_dtype: torch.dtype | None = None, base_record: dict[str, Any] | None = None) -> list[str]:
     """The model (+ tokenizer) saved atomically into output_dir; a LoRA model merged (in `merged_dtype`)
     with its adapter and `base_record` (default: its base's fingerprint now).  Returns the names written."""
-    if not is_lora_model(model):
+    if not is_adapter_model(model):
         return atomic_save(output_dir, model, tokenizer)
     record = base_record if base_record is not None else base_fingerprint(model)
-    return atomic_save(output_dir, model, write=lambda folder: write_lora_model(folder, model, tokenizer,
-                                                                               merged_dtype, record))
+    return atomic_save(output_dir, model, write=lambda folder: write_adapter_model(folder, model, tokenizer,
+                                                                                  merged_dtype, record))
 
 
 def read_manifest(folder: str) -> dict[str, Any] | None:
@@ -230,7 +233,7 @@ class RunFiles:
         then the summary and plots that describe them; returns the summary."""
         output_dir = self.plan.output_dir
         record = None
-        if is_lora_model(model):
+        if is_adapter_model(model):
             model.peft_config[model.active_adapter].base_model_name_or_path = self.base_name
             record = {"base": self.base_name, **(self.base_record or {}), "run": self.plan.run_id}
         names = save_model(output_dir, model, self.tokenizer, merged_dtype=self.dtype, base_record=record)

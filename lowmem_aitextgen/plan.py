@@ -8,6 +8,7 @@ beyond asking what the hardware supports.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -60,6 +61,76 @@ class LoraSettings:
     target_modules: tuple[str, ...] | None = None  # None: the model type's default
 
 
+# train(adapter=...)'s short forms: peft's config for the method, with these settings
+SHORT_FORMS: dict[str, dict[str, Any]] = {
+    # 20 virtual tokens: the prefix-tuning paper's setting for generation tasks (Li & Liang, 2021)
+    "prefix": {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 20},
+}
+# a config's fields that say where or when it was made, or that peft fills in from the model: not settings
+_NOT_SETTINGS = ("peft_version", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
+                 "num_layers", "token_dim", "num_attention_heads", "num_transformer_submodules")
+# prefix tuning's keys and values reach each block as a KV cache, dropped from checkpointed blocks
+NOT_CHECKPOINTABLE = ("PREFIX_TUNING",)
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """A peft method and its settings (a peft config's fields as JSON: comparable, hashable, and kept in a
+    checkpoint's run description and the summary)."""
+
+    peft_type: str
+    settings_json: str
+
+    @classmethod
+    def of(cls, config: Any) -> AdapterSettings:
+        """From a peft config (or a short form's fields)."""
+        fields = config if isinstance(config, dict) else config.to_dict()
+        fields = {k: v for k, v in fields.items() if k not in _NOT_SETTINGS and k != "peft_type"}
+        peft_type = str(getattr(config, "peft_type", None) or config["peft_type"]).removeprefix("PeftType.")
+        fields["task_type"] = "CAUSAL_LM"
+        return cls(peft_type, json.dumps(fields, sort_keys=True, default=_jsonable))
+
+    @classmethod
+    def short_form(cls, name: str) -> AdapterSettings:
+        return cls.of(SHORT_FORMS[name])
+
+    def peft_config(self) -> Any:
+        """A new peft config of these settings (get_peft_model fills in the model's fields)."""
+        from peft import PeftConfig
+
+        return PeftConfig.from_peft_type(peft_type=self.peft_type, **json.loads(self.settings_json))
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"peft_type": self.peft_type, **json.loads(self.settings_json)}
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether the trained adapter folds into the base's weights (not for prompt learning)."""
+        return not self.peft_config().is_prompt_learning
+
+    @property
+    def positions_taken(self) -> int:
+        """Positions of the model's context the adapter's virtual tokens take before the text (prefix and
+        prompt tuning shift the text's positions by them): the text gets the rest."""
+        return 0 if self.mergeable else int(json.loads(self.settings_json).get("num_virtual_tokens") or 0)
+
+    @property
+    def checkpointable(self) -> bool:
+        return self.peft_type not in NOT_CHECKPOINTABLE
+
+    def describe(self) -> str:
+        tokens = json.loads(self.settings_json).get("num_virtual_tokens")
+        return self.peft_type.lower().replace("_", " ") + (f", {tokens} virtual tokens" if tokens else "")
+
+
+def _jsonable(value: Any) -> Any:
+    """Sets (target_modules) as sorted lists, enums by value."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return getattr(value, "value", str(value))
+
+
 @dataclass(frozen=True)
 class Schedule:
     """When a run evaluates, saves and samples, in optimizer steps: decided here once, asked by the
@@ -110,6 +181,7 @@ class Budget:
     margin: int = 0  # left unused (budget.py says why)
     this_process_elsewhere: int = 0  # GPU tensors this process holds besides the model (an earlier run)
     other_processes: int = 0  # GPU memory other processes hold
+    host_bytes: int | None = None  # on a GPU: what host memory an offloading plan may use (None: not known)
 
     def __str__(self) -> str:
         if self.source == "max_memory":
@@ -126,10 +198,13 @@ class TrainPlan:
     devices: int | str | tuple[int, ...] = 1
     num_nodes: int = 1
     strategy: Any = "auto"  # a Lightning strategy name or object
+    shards: int = 1  # processes the model is sharded across (strategy="fsdp", sharding.py); 1: not sharded
+    offload: bool = False  # fp32 weights, gradients and optimizer states in host memory (GPU only, sharding.py)
     precision: str = "32-true"  # a Lightning precision string
     checkpointed_blocks: int = 0  # the first k of the model's n_layer blocks recompute in backward
     n_layer: int = 0  # the model's transformer blocks
     lora: LoraSettings | None = None
+    adapter: AdapterSettings | None = None  # a peft method other than lora=True's (peft_config, adapter=)
     upcast_bf16_weights: bool = False  # weights held in bf16 though the plan computes in fp32 (storage16.py)
     freeze_layers: bool = False
     num_layers_freeze: int | None = None
@@ -157,6 +232,16 @@ class TrainPlan:
     def schedule(self) -> Schedule:
         return Schedule(self.args.num_steps, self.args.save_every or 0, self.args.generate_every or 0,
                         self.eval_every)
+
+    @property
+    def sharded(self) -> bool:
+        """The model is divided by FSDP2 (sharding.py): across processes, or into host memory."""
+        return self.shards > 1 or self.offload
+
+    @property
+    def trains_adapter(self) -> bool:
+        """Only an adapter trains (LoRA or another peft method); the base is frozen."""
+        return self.lora is not None or self.adapter is not None
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -187,7 +272,7 @@ class TrainPlan:
         mixed precision, or 16-bit "-true" precision), or None where the trained weights stay fp32."""
         if self.upcasts_bf16_weights:
             return STORAGE_DTYPE
-        if self.lora is not None or self.precision.endswith("-true"):
+        if self.trains_adapter or self.precision.endswith("-true"):
             return self.half_dtype
         return None
 
@@ -199,18 +284,19 @@ class TrainPlan:
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
-        lora = f"LoRA r={self.lora.r}" if self.lora else "off"
+        stored = " (base stored in bf16, computed in fp32)" if self.upcasts_bf16_weights and self.trains_adapter else ""
+        lora = f"LoRA r={self.lora.r}{stored}" if self.lora else "off"
+        adapter = f"adapter={self.adapter.describe()}{stored}, " if self.adapter is not None else ""
         precision = self.precision
-        if self.upcasts_bf16_weights and self.lora:
-            lora += " (base stored in bf16, computed in fp32)"
-        elif self.upcasts_bf16_weights:
+        if self.upcasts_bf16_weights and not self.trains_adapter:
             precision += " (weights stored in bf16)"
         scale_out = self.strategy != "auto" or self.num_nodes > 1 or self.devices not in (1, "auto")
         return (
             f"Training plan: device={self.accelerator}, precision={precision}, "
-            f"checkpointing={describe_checkpointing(self.checkpointed_blocks, self.n_layer)}, LoRA={lora}, "
+            f"checkpointing={describe_checkpointing(self.checkpointed_blocks, self.n_layer)}, LoRA={lora}, {adapter}"
             f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, optimizer={self.optimizer}, "
             + (f"strategy={self.strategy}, nodes={self.num_nodes}, devices={self.devices}, " if scale_out else "")
+            + ("offload=fp32 weights, gradients and AdamW states in host memory, " if self.offload else "")
             + f"batch={self.micro_batch_size}x{self.accumulation} (micro-batch x accumulation), "
             f"trainable parameters={trainable:,} of {total:,}, "
             f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"
@@ -328,7 +414,7 @@ def check_launchable(accelerator: str, devices: Any, strategy: Any) -> None:
     `python -c` or a prompt there is no script, and the first process would wait for them for ever."""
     import sys
 
-    relaunches = strategy in ("auto", "ddp") and "LOCAL_RANK" not in os.environ
+    relaunches = strategy in ("auto", "ddp", "fsdp", "fsdp_cpu_offload") and "LOCAL_RANK" not in os.environ
     if relaunches and processes_here(accelerator, devices) > 1 and not os.path.isfile(sys.argv[0]):
         raise ValueError(
             f"devices={devices!r} starts {processes_here(accelerator, devices)} processes by running this script "
@@ -341,10 +427,18 @@ def default_checkpointing(model: torch.nn.Module) -> bool:
     return sum(p.numel() for p in model.parameters()) >= CHECKPOINTING_MIN_PARAMS
 
 
-def decide_checkpointing(args: Arguments, constructor_setting: bool | None, model: torch.nn.Module) -> int:
+def decide_checkpointing(args: Arguments, constructor_setting: bool | None, model: torch.nn.Module,
+                         adapter: AdapterSettings | None = None) -> int:
     """How many blocks recompute: train()'s gradient_checkpointing, else the constructor's, forces all or
-    none; else every block from 300M parameters, which budget.py lowers to what the memory needs."""
+    none; else every block from 300M parameters, which budget.py lowers to what the memory needs.  None
+    under an adapter that reaches the blocks through the KV cache (prefix tuning: adapters.py says why)."""
     n_layer = block_count(model.config)
+    if adapter is not None and not adapter.checkpointable:
+        if args.gradient_checkpointing:
+            raise ValueError(f"gradient_checkpointing=True cannot be used with {adapter.describe()}: its keys and "
+                             "values reach each block through the KV cache, which a recomputed block does not get. "
+                             "Leave gradient_checkpointing out, or use lora=True (which checkpoints).")
+        return 0
     for setting in (args.gradient_checkpointing, constructor_setting):
         if setting is not None:
             return n_layer if setting else 0
@@ -355,16 +449,49 @@ def block_count(config: Any) -> int:
     return getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
 
 
-def decide_lora(args: Arguments, model_has_adapter: bool, resumed: dict | None) -> LoraSettings | None:
+def decide_lora(args: Arguments, loaded: AdapterSettings | None, resumed: dict | None) -> LoraSettings | None:
     """LoRA when asked for, for an adapter loaded from a folder (it keeps training), and with "auto"
     when the checkpoint being resumed used it; otherwise lora="auto" is budget.py's to decide."""
     saved = (resumed or {}).get("lora")
     if args.lora == "auto" and saved:
         return LoraSettings(**{**saved, "target_modules": tuple(saved["target_modules"] or ()) or None})
-    if args.lora is True or model_has_adapter:
+    if args.lora is True or (loaded is not None and loaded.peft_type == "LORA"):
         targets = args.lora_target_modules
         return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, tuple(targets) if targets else None)
     return None
+
+
+def decide_adapter(args: Arguments, loaded: AdapterSettings | None) -> AdapterSettings | None:
+    """The peft method that trains other than lora=True's: train()'s peft_config (any method, LoRA too) or
+    adapter=, else the one a loaded model already has (it keeps training; a loaded LoRA adapter is
+    decide_lora's); None for LoRA and full fine-tuning."""
+    if args.get("peft_config") is not None:
+        settings = AdapterSettings.of(args.peft_config)
+    elif args.get("adapter") is not None:
+        settings = AdapterSettings.short_form(args.adapter)
+    else:
+        return None if loaded is None or loaded.peft_type == "LORA" else loaded
+    if loaded is not None:
+        given = "peft_config" if args.get("peft_config") is not None else f"adapter={args.adapter!r}"
+        raise ValueError(f"{given}: this model already has a {loaded.describe()} adapter (loaded with it), which "
+                         f"keeps training; leave {given.split('=')[0]} out, or load the model without its adapter.")
+    return settings
+
+
+def decide_sharding(args: Arguments, accelerator: str, optimizer: str) -> tuple[Any, bool]:
+    """(strategy, offload): Lightning's "fsdp_cpu_offload" is "fsdp" with the shards in host memory, which only
+    a GPU can use; a sharded model cannot train with 8-bit AdamW (sharding.py)."""
+    strategy, offload = args.strategy, args.strategy == "fsdp_cpu_offload"
+    if offload and accelerator == "cpu":
+        raise ValueError("strategy='fsdp_cpu_offload' keeps the weights in host memory while a GPU computes; on a "
+                         "CPU they are there already. Use strategy='fsdp' (or 'ddp').")
+    if offload:
+        strategy = "fsdp"
+    if strategy == "fsdp" and optimizer == "adamw8bit":
+        raise ValueError(f"optimizer='adamw8bit' cannot be used with strategy={args.strategy!r}: its 8-bit states "
+                         "are not ones the sharded checkpoint gathers. Use optimizer='adamw' (sharding already "
+                         "divides AdamW's states by the number of processes), or strategy='ddp'.")
+    return strategy, offload
 
 
 def validation_interval(args: Arguments) -> int:
@@ -382,25 +509,30 @@ def decide_optimizer(args: Arguments, resumed: dict | None) -> str:
     return args.optimizer or (resumed or {}).get("optimizer") or "adamw"
 
 
-def fixed_choices(args: Arguments, constructor_checkpointing: bool | None, resumed: dict | None) -> frozenset[str]:
+def fixed_choices(args: Arguments, constructor_checkpointing: bool | None, resumed: dict | None,
+                  adapter: AdapterSettings | None = None) -> frozenset[str]:
     """The memory choices the user made, which max_memory and out-of-memory recovery keep (and a resumed
-    run's optimizer, whose state the checkpoint holds)."""
+    run's optimizer, whose state the checkpoint holds, and no checkpointing where the adapter forbids it)."""
     fixed = set(FITTED_CHOICES) & args.given()
-    if constructor_checkpointing is not None:
+    if constructor_checkpointing is not None or (adapter is not None and not adapter.checkpointable):
         fixed.add("gradient_checkpointing")
+    if args.strategy in ("fsdp", "fsdp_cpu_offload"):  # 8-bit AdamW cannot shard (decide_sharding)
+        fixed.add("optimizer")
     if resumed is not None:
         fixed.add("optimizer")
     return frozenset(fixed)
 
 
 def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpointing: bool | None,
-               freeze_by_default: bool, model_has_adapter: bool, resume_from: str | None,
+               freeze_by_default: bool, loaded_adapter: AdapterSettings | None, resume_from: str | None,
                resumed: dict | None) -> TrainPlan:
     """Every decision not fixed by an argument, before any memory budget is applied (`resumed`: the
     description of the run a checkpoint being resumed came from)."""
     accelerator, devices = resolve_accelerator(args.n_gpu, args.devices)
     check_launchable(accelerator, devices, args.strategy)
     on_cpu = accelerator == "cpu"
+    adapter = decide_adapter(args, loaded_adapter)
+    strategy, offload = decide_sharding(args, accelerator, decide_optimizer(args, resumed))
     note = precision_note(args.fp16, args.precision, accelerator)
     if note:
         logger.warning(note)
@@ -409,11 +541,14 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         accelerator=accelerator,
         devices=devices,
         num_nodes=args.num_nodes,
-        strategy=args.strategy,
+        strategy=strategy,
+        shards=processes_here(accelerator, devices) * args.num_nodes if strategy == "fsdp" else 1,
+        offload=offload,
         precision=resolve_precision(args.fp16, args.precision, accelerator),
-        checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model),
+        checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model, adapter),
         n_layer=block_count(model.config),
-        lora=decide_lora(args, model_has_adapter, resumed),
+        lora=decide_lora(args, loaded_adapter, resumed),
+        adapter=adapter,
         freeze_layers=args.freeze_layers or freeze_by_default,
         num_layers_freeze=args.num_layers_freeze,
         micro_batch_size=args.batch_size,
@@ -428,7 +563,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         # a seed for the data order even without seed=, so that a resumed run keeps the order
         data_seed=args.seed if args.seed is not None else int(torch.randint(2**31, ())),
         resume_from=resume_from,
-        fixed=fixed_choices(args, constructor_checkpointing, resumed),
+        fixed=fixed_choices(args, constructor_checkpointing, resumed, adapter),
         eval_every=validation_interval(args),
         early_stopping_patience=args.get("early_stopping_patience"),
         run_id=(resumed or {}).get("run_id") or new_run_id(),

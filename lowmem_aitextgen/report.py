@@ -151,12 +151,15 @@ class RunRecorder(OptimizerStepCallback):
                 "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer or plan.checkpointed_blocks),
                 "blocks": plan.n_layer,
                 "lora": asdict(plan.lora) if plan.lora else None,
+                "adapter": plan.adapter.settings if plan.adapter is not None else None,
                 "upcast_bf16_weights": plan.upcasts_bf16_weights,  # stored in bf16, computed in fp32 (storage16.py)
                 "chunked_loss": plan.loss_chunk_tokens is not None,
                 "micro_batch_size": plan.micro_batch_size,
                 "gradient_accumulation_steps": plan.accumulation,
                 "effective_batch_size": plan.effective_batch_size,
                 "optimizer": self.optimizer_name,
+                "shards": plan.shards,  # processes the model is sharded across (strategy="fsdp")
+                "offload": plan.offload,  # weights, gradients and AdamW states in host memory
                 "trainable_parameters": trainable,
                 "parameters": total,
                 "budget_bytes": plan.budget.bytes if plan.budget else None,
@@ -238,6 +241,8 @@ def describe_summary(summary: dict[str, Any]) -> str:
     """The summary as the few lines logged at the end of train()."""
     plan = summary["plan"]
     lora = f"LoRA r={plan['lora']['r']}" if plan["lora"] else "full fine-tune"
+    if plan.get("adapter"):
+        lora = plan["adapter"]["peft_type"].lower().replace("_", " ")
     if plan.get("upcast_bf16_weights"):
         lora += f" ({'base' if plan['lora'] else 'weights'} in bf16, computed in fp32)"
 

@@ -26,8 +26,8 @@ import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 from torch import nn
 
+from .adapters import base_weights
 from .callbacks import OptimizerStepCallback
-from .lora import base_weights
 from .plan import CHECKPOINT_NAME, TrainPlan
 from .saving import STAGING_PREFIX, apply_umask
 
@@ -101,8 +101,9 @@ def base_parameters(model: nn.Module) -> dict[str, list[int]]:
 def run_description(plan: TrainPlan, base: dict[str, list[int]]) -> dict[str, Any]:
     """What a resumed run must share with the one that wrote the checkpoint."""
     return {"run_id": plan.run_id, "base_parameters": base, "lora": asdict(plan.lora) if plan.lora else None,
+            "adapter": plan.adapter.settings if plan.adapter is not None else None,
             "optimizer": plan.optimizer, "effective_batch_size": plan.effective_batch_size,
-            "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and plan.lora is None else None,
+            "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and not plan.trains_adapter else None,
             "validation": held_out(plan)}
 
 
@@ -165,11 +166,12 @@ def read_run_description(path: str | None) -> dict[str, Any] | None:
 def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, model: nn.Module) -> None:
     """The checkpoint fits this run: same model, LoRA, optimizer and effective batch, steps left."""
     ours = run_description(plan, base_parameters(model))
-    mismatch = next((key for key in ("base_parameters", "lora", "frozen_layers", "optimizer",
+    mismatch = next((key for key in ("base_parameters", "lora", "adapter", "frozen_layers", "optimizer",
                                      "effective_batch_size", "validation") if saved.get(key) != ours[key]), None)
     fixes = {
         "base_parameters": "construct aitextgen with the same model as the interrupted run",
         "lora": "call train() with the same lora, lora_r, lora_alpha, lora_dropout and lora_target_modules",
+        "adapter": "call train() with the same peft_config or adapter",
         "frozen_layers": "call train() with the same freeze_layers and num_layers_freeze",
         "optimizer": f"pass optimizer={saved.get('optimizer')!r}",
         "effective_batch_size": (f"pass batch_size and gradient_accumulation_steps whose product is "

@@ -23,19 +23,20 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from . import _compat, memory
+from .adapters import base_fingerprint, is_mergeable, merge_in_place
 from .callbacks import NonFiniteGuard, SaveAndSample
 from .cpu import cpu_callbacks
 from .data import training_loader
 from .generation import Samples
 from .heap import freed_tensors_unmapped
 from .lightning_module import CausalLMModule
-from .lora import base_fingerprint, is_lora_model, merge_in_place
 from .oom import OutOfMemoryRecovery, cheaper_plan
 from .outputs import RunFiles
 from .plan import TrainPlan
 from .report import RunRecorder, StepProgressBar, describe_summary
 from .resume import DiskCheckpointIO, StopOnSignal
 from .saving import NonFiniteWeights, OutputDirLock, prepare_output_dir
+from .sharding import full_model, is_sharded, lightning_strategy
 from .validation import (
     EARLY_STOPPING,
     BestModel,
@@ -81,7 +82,7 @@ class TrainingRun:
         self.recorder = RunRecorder(plan)
         self.history = ValidationHistory() if self.val_dataset is not None else None
         # the adapter's base recorded as loaded, before the plan casts it (lora.base_fingerprint)
-        base_record = base_fingerprint(model) if plan.lora is not None else None
+        base_record = base_fingerprint(model) if plan.trains_adapter else None
         self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype, self.history, base_record,
                               loggers)
         self.signals = StopOnSignal()
@@ -95,7 +96,7 @@ class TrainingRun:
         """Lock output_dir (rank 0, which alone writes there), train, save."""
         if rank_zero_only.rank != 0:
             return self._train_and_save()
-        prepare_output_dir(self.plan.output_dir, bytes_to_save(self.model, self.plan.lora is not None))
+        prepare_output_dir(self.plan.output_dir, bytes_to_save(self.model, self.plan.trains_adapter))
         with OutputDirLock(self.plan.output_dir):
             return self._train_and_save()
 
@@ -112,6 +113,7 @@ class TrainingRun:
         outcome = Outcome(model=model, plan=plan, steps=0)
         try:
             model = self._fit(model, outcome)
+            model = full_model(model) or model  # sharded: whole on rank 0, the others keep their shards
             outcome.steps = self.trainer.global_step if self.trainer else 0
             outcome.early_stopped = self.history is not None and self.history.stopped_early
             outcome.stopped_because = (self.guard.reason or self.signals.reason
@@ -121,10 +123,11 @@ class TrainingRun:
                 self._save_final(model, outcome)  # from the trained model, before it is merged in place
         finally:
             memory.set_requires_grad(frozen, True)
-            outcome.model = self.trained_model = finished_model(model)
+            outcome.model = self.trained_model = model if is_sharded(model) else finished_model(model)
             if plan.args.seed is not None:
                 reset_seed()
-        if self.history is not None and not self.guard.reason and outcome.diverged is None:
+        if (self.history is not None and not self.guard.reason and outcome.diverged is None
+                and not is_sharded(outcome.model)):
             keep_best_in_memory(outcome.model, self.history, outcome.steps, plan.output_dir)
         if self.guard.reason and outcome.diverged is None:
             outcome.diverged = (f"{self.guard.reason} The weights of step {outcome.steps:,}, the last good ones, "
@@ -185,7 +188,8 @@ class TrainingRun:
                      self.recovery, *cpu_callbacks(plan), *self.extra_callbacks]
         return pl.Trainer(
             accelerator=plan.accelerator, devices=list(plan.devices) if isinstance(plan.devices, tuple)
-            else plan.devices, strategy=plan.strategy, num_nodes=plan.num_nodes, precision=plan.precision,
+            else plan.devices, strategy=lightning_strategy(plan.strategy, plan.shards // plan.num_nodes, plan.offload),
+            num_nodes=plan.num_nodes, precision=plan.precision,
             max_steps=plan.args.num_steps, max_epochs=-1, accumulate_grad_batches=plan.accumulation,
             gradient_clip_val=plan.args.max_grad_norm or None, logger=self.loggers or False, callbacks=callbacks,
             plugins=[DiskCheckpointIO()],
@@ -256,11 +260,12 @@ class _CarryingLauncher(_MultiProcessingLauncher):
 
 
 def finished_model(model: nn.Module) -> nn.Module:
-    """The trained model as a plain transformers model, ready to generate: a LoRA model with its adapters
-    merged into the base in place, in the dtype training held the base in (no second copy; each weight the
-    fp32 merge rounded once, as model.safetensors holds it rounded to the dtype the model was loaded in)."""
+    """The trained model ready to generate: an adapter that merges (LoRA, IA3, ...) merged into the base in
+    place, in the dtype training held the base in (no second copy; each weight as model.safetensors holds
+    it, rounded to the dtype the model was loaded in), giving a plain transformers model; a prompt-learning
+    adapter (prefix tuning) stays on its base, as peft generates with it."""
     memory.disable_gradient_checkpointing(model)
-    if is_lora_model(model):
+    if is_mergeable(model):
         with freed_tensors_unmapped():
             model = merge_in_place(model)
     return model.eval()

