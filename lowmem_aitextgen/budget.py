@@ -205,8 +205,8 @@ def offload_possible(plan: TrainPlan) -> bool:
 
 
 def offloading(plan: TrainPlan) -> TrainPlan:
-    return dataclasses.replace(plan, offload=True, strategy="fsdp", shards=max(plan.shards, 1), optimizer="adamw",
-                               fixed=plan.fixed | {"optimizer"})
+    """`plan` with its weights, gradients and AdamW states in host memory (FSDP2 in one process or more)."""
+    return dataclasses.replace(plan, offload=True, strategy="fsdp", optimizer="adamw", fixed=plan.fixed | {"optimizer"})
 
 
 def fit_plan(config: object, plan: TrainPlan, block_size: int,
