@@ -533,6 +533,11 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     on_cpu = accelerator == "cpu"
     adapter = decide_adapter(args, loaded_adapter)
     strategy, offload = decide_sharding(args, accelerator, decide_optimizer(args, resumed))
+    shards = processes_here(accelerator, devices) * args.num_nodes if strategy == "fsdp" else 1
+    if strategy == "fsdp" and shards == 1 and not offload:
+        logger.info("strategy='fsdp' with one process: there is nothing to shard the model across; training as one "
+                    "process (devices= sets how many).")
+        strategy = "auto"
     note = precision_note(args.fp16, args.precision, accelerator)
     if note:
         logger.warning(note)
@@ -542,7 +547,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         devices=devices,
         num_nodes=args.num_nodes,
         strategy=strategy,
-        shards=processes_here(accelerator, devices) * args.num_nodes if strategy == "fsdp" else 1,
+        shards=shards,
         offload=offload,
         precision=resolve_precision(args.fp16, args.precision, accelerator),
         checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model, adapter),

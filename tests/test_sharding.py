@@ -99,6 +99,15 @@ def test_sharding_choices_that_cannot_work_are_refused_before_any_work(finished,
         aitextgen(model_folder=finished).train(corpus_file, output_dir=finished, n_gpu=0, **kwargs)
 
 
+def test_fsdp_in_one_process_trains_as_one_process(finished, corpus_file, caplog):
+    ai = aitextgen(model_folder=finished)
+    ai.train(corpus_file, output_dir=finished, n_gpu=0, strategy="fsdp", num_steps=2, save_every=0,
+             generate_every=0)
+    with open(os.path.join(finished, "training_summary.json"), encoding="utf-8") as f:
+        assert json.load(f)["plan"]["shards"] == 1
+    assert "nothing to shard the model across" in caplog.text
+
+
 def test_the_estimate_is_one_process_share_of_a_sharded_model():
     whole = estimate_memory("355M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True)
     halves = estimate_memory("355M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True, shards=2)
