@@ -97,8 +97,8 @@ def _adapter_prefix(model: nn.Module) -> str:
 
 
 def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list[WeightSource]:
-    """The base model's weights with the adapter folded in, in `dtype` (default: the base's), as
-    saving.WeightSource: each merged weight is made when it is written, one at a time, so no second copy
+    """The base model's weights with the adapter folded in (a prompt-learning adapter folds in nothing: the
+    base's own), in `dtype` (default: the base's), as saving.WeightSource: each merged weight is made when it is written, one at a time, so no second copy
     of the model ever exists; `model` is left as it is (merging in place into 16-bit base weights and
     unmerging would round them at every periodic save)."""
     base, prefix = model.get_base_model(), _adapter_prefix(model)
@@ -145,14 +145,10 @@ def write_adapter_model(folder: str, model: nn.Module, tokenizer: Any | None, dt
     lora_adapter/ (adapter/ for other methods), the adapter with the record of its base (base_fingerprint,
     plus who wrote it).  Prompt learning: the base model (in `dtype`) with the adapter's files beside it,
     so that the folder loads as both (aitextgen(model_folder=...), peft.PeftModel.from_pretrained)."""
-    base = model.get_base_model()
+    save_model_files(folder, model.get_base_model(), merged_weights(model, dtype))
     if not is_mergeable(model):
-        weights = [WeightSource(w.name, dtype or w.dtype, w.shape, lambda w=w: w.make().to(dtype or w.dtype))
-                   for w in model_weights(base)]
-        save_model_files(folder, base, weights)
         model.save_pretrained(folder)
     else:
-        save_model_files(folder, base, merged_weights(model, dtype))
         adapter_dir = os.path.join(folder, adapter_subfolder(model))
         model.save_pretrained(adapter_dir)
         with open(os.path.join(adapter_dir, BASE_RECORD), "w", encoding="utf-8") as f:

@@ -64,7 +64,8 @@ def training_dataset(train_data: Any, args: Arguments, tokenizer: Any, config: A
         return train_data
     for name in set(dataset_kwargs) & set(IGNORED_WITH_A_TOKENIZER):
         logger.warning(f"{name}={dataset_kwargs.pop(name)!r} ignored: train() encodes with the model's tokenizer.")
-    context = context_length(config) - reserved if context_length(config) else None
+    context = context_length(config)
+    context = context - reserved if context else None
     asked = dataset_kwargs.pop("block_size", None)
     block_size = block_size or asked or context
     logger.info(f"Loading text from {train_data} with generation length of {block_size}.")

@@ -311,8 +311,11 @@ def estimate_memory(
         raise ValueError(f"shards={shards!r} must be the number of processes the model is sharded across, e.g. 2.")
     lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
     plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss, device)
+    if isinstance(adapter, str) and adapter not in SHORT_FORMS:
+        raise ValueError(f"adapter={adapter!r} is not one of {', '.join(map(repr, SHORT_FORMS))}; pass a peft config "
+                         "for any other method.")
     settings = None if adapter is None else (
-        AdapterSettings.short_form(adapter) if adapter in SHORT_FORMS else AdapterSettings.of(adapter))
+        AdapterSettings.short_form(adapter) if isinstance(adapter, str) else AdapterSettings.of(adapter))
     return estimate_plan(model_config(model), replace(plan, shards=shards, adapter=settings), block_size)
 
 

@@ -114,7 +114,7 @@ def _plain_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     plain.load_state_dict(state, strict=False, assign=True)
     for name, buffer in model.named_buffers():
         _set_buffer(plain, name, buffer.detach().to("cpu", copy=True))
-    plain.tie_weights() if not is_adapter_model(plain) else plain.get_base_model().tie_weights()
+    (plain.get_base_model() if is_adapter_model(plain) else plain).tie_weights()
     trains = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
     for name, parameter in plain.named_parameters():
         parameter.requires_grad_(trains[name])

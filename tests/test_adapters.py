@@ -229,3 +229,11 @@ def test_the_estimate_counts_only_the_adapter_as_trained_and_its_virtual_tokens(
     assert found["prompt"].activations > 1.3 * one.activations
     # and fewer positions are left for the text
     assert estimate.probe_lengths(config, prompt.positions_taken)[-1] == CONTEXT - 16
+
+
+def test_estimate_memory_takes_the_short_form_and_a_peft_config_alike():
+    short = estimate.estimate_memory("124M", block_size=64, adapter="prefix")
+    config = estimate.estimate_memory("124M", block_size=64, adapter=PrefixTuningConfig(num_virtual_tokens=20))
+    assert short.gradients == config.gradients == 20 * 2 * 12 * 768 * 4  # keys and values, 20 tokens, 12 blocks
+    with pytest.raises(ValueError, match="adapter='prompt' is not one of 'prefix'"):
+        estimate.estimate_memory("124M", adapter="prompt")
