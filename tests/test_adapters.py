@@ -13,7 +13,7 @@ from peft import IA3Config, PeftModel, PrefixTuningConfig, PromptTuningConfig
 from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
 
-from conftest import CtrlC, corpus_text, tiny_gpt2_config
+from conftest import CtrlC, corpus_text, snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, estimate, memory
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.plan import AdapterSettings, TrainPlan
@@ -193,9 +193,11 @@ def test_the_best_prefix_is_kept_with_validation(text, base64, tokenizer_file):
 ])
 def test_bad_adapter_arguments_are_refused_before_training(base64, tokenizer_file, text, kwargs, message):
     ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    ai.save_for_upload("out")  # a finished model in output_dir: it must come through untouched
+    before = snapshot("out")
     with pytest.raises(ValueError, match=message):
         ai.train(text, output_dir="out", num_steps=2, **kwargs)
-    assert not os.path.exists("out/model.safetensors")
+    assert snapshot("out") == before
 
 
 def test_a_loaded_prefix_keeps_training_and_refuses_a_second_adapter(text, base64, tokenizer_file):

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from conftest import snapshot
 from lowmem_aitextgen import aitextgen, cards, estimate_memory, hardware
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -95,8 +96,10 @@ def test_fsdp_validation_is_reduced_across_ranks_and_keeps_the_best_model(corpus
     (dict(strategy="fsdp_cpu_offload"), "on a CPU they are there already"),
 ])
 def test_sharding_choices_that_cannot_work_are_refused_before_any_work(finished, corpus_file, kwargs, message):
+    before = snapshot(finished)
     with pytest.raises(ValueError, match=message):
         aitextgen(model_folder=finished).train(corpus_file, output_dir=finished, n_gpu=0, **kwargs)
+    assert snapshot(finished) == before
 
 
 def test_fsdp_in_one_process_trains_as_one_process(finished, corpus_file, caplog):
