@@ -50,7 +50,7 @@ from .arguments import parse_bytes
 from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
-from .plan import Budget, LoraSettings, TrainPlan, default_chunk_tokens, mixed_precision
+from .plan import Budget, LoraSettings, TrainPlan, default_chunk_tokens, mixed_precision, processes_here
 from .step_time import offload_seconds, step_seconds
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -75,9 +75,11 @@ FRAGMENTED_PER_CHECKPOINTED_BLOCK = 0.45
 # --- the budget ----------------------------------------------------------------------------
 
 
-def device_budget(accelerator: str, resident: int) -> Budget | None:
+def device_budget(accelerator: str, resident: int, processes: int = 1) -> Budget | None:
     """What training may use on this device (hardware.py's answers); `resident` is what the model's
-    weights already hold on a GPU.  None where nothing can be read (then the plan is left as built)."""
+    weights already hold on a GPU; on CPU, `processes` training processes on this machine share its
+    memory, each planning for its equal share.  None where nothing can be read (then the plan is left as
+    built)."""
     if accelerator == "gpu":
         card = hardware.gpu()
         return gpu_budget(card, resident) if card is not None else None
@@ -88,7 +90,8 @@ def device_budget(accelerator: str, resident: int) -> Budget | None:
         return None
     margin = int(max(CPU_MARGIN_MIN, CPU_MARGIN_FRACTION * machine.available))
     available = machine.available + machine.resident
-    return Budget(max(0, available - margin), "available memory", str(machine), available, margin)
+    return Budget(max(0, available - margin) // processes, "available memory", str(machine), available, margin,
+                  processes=processes)
 
 
 def gpu_budget(card: hardware.GPU, resident: int) -> Budget:
@@ -113,14 +116,17 @@ def budgeted_bytes(plan: TrainPlan, estimate: MemoryEstimate) -> int:
 
 
 def budget_for(plan: TrainPlan, resident: int) -> Budget | None:
-    """max_memory, else the device's; on a GPU with the host memory an offloading plan may use."""
+    """max_memory (each process's), else the device's; on a GPU with the host memory an offloading plan
+    may use.  The processes this machine runs share its host memory: each plans for its share (the CPU
+    budget, and the host side of offloading)."""
+    processes = max(1, processes_here(plan.accelerator, plan.devices))
     max_memory = plan.args.get("max_memory")
     budget = Budget(parse_bytes(max_memory), "max_memory") if max_memory is not None else \
-        device_budget(plan.accelerator, resident)
+        device_budget(plan.accelerator, resident, processes)
     if budget is None or plan.accelerator != "gpu":
         return budget
-    host = device_budget("cpu", 0)
-    return dataclasses.replace(budget, host_bytes=host.bytes if host is not None else None)
+    host = device_budget("cpu", 0, processes)
+    return dataclasses.replace(budget, host_bytes=host.bytes if host is not None else None, processes=processes)
 
 
 # --- the fastest plan that fits ---------------------------------------------------------------
@@ -263,8 +269,9 @@ def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEs
                      "besides this model (an earlier model or run in this notebook?): delete them (del old_ai), "
                      "then run gc.collect() and torch.cuda.empty_cache().")
     if host_short is not None:
+        each = f" in each of the {budget.processes} processes this machine runs" if budget.processes > 1 else ""
         lines.append(f"Offloading the weights, gradients and AdamW states to host memory would fit the card, but needs "
-                     f"{format_bytes(host_short)} of host memory and {format_bytes(budget.host_bytes or 0)} is "
+                     f"{format_bytes(host_short)} of host memory{each} and {format_bytes(budget.host_bytes or 0)} is "
                      "available (less a margin): free host memory, or use a machine with more.")
     if budget.other_processes >= NAMED_HOLDINGS:
         lines.append(f"Other processes hold {format_bytes(budget.other_processes)} of this card (nvidia-smi lists "

@@ -33,6 +33,9 @@ class CausalLMModule(pl.LightningModule):
         # checkpoints hold only what trains (see on_save_checkpoint); on_load_checkpoint checks the keys
         self.strict_loading = False
 
+    def setup(self, stage: str) -> None:
+        agree_on_plan(self.trainer.strategy, self.plan)
+
     def configure_model(self) -> None:
         """Under strategy="fsdp" or offloading, each process's shard of the model (sharding.py); Lightning
         calls this in every process once the processes have met."""
@@ -121,6 +124,22 @@ class CausalLMModule(pl.LightningModule):
             optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.num_steps
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def agree_on_plan(strategy: pl.strategies.Strategy, plan: TrainPlan) -> None:
+    """Every process trains by the same decisions (plan.shared_decisions), or none trains: each fitted its
+    plan to its own device (a card's free memory, native bf16), and processes that decided otherwise would
+    compute different steps, or wait for ever on collectives the others never make."""
+    if strategy.world_size == 1:
+        return
+    mine = plan.shared_decisions()
+    first = strategy.broadcast(mine, src=0)
+    if strategy.reduce_boolean_decision(mine != first, all=False):
+        this = "the same" if mine == first else mine
+        raise ValueError(
+            f"The training processes planned differently, each for its own device: process 0 decided {first}; "
+            f"process {strategy.global_rank} decided {this}. Give the choices that differ (e.g. max_memory=, "
+            "precision=, batch_size= with pin_micro_batch=True) so that every process makes the same ones.")
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -182,12 +182,15 @@ class Budget:
     this_process_elsewhere: int = 0  # GPU tensors this process holds besides the model (an earlier run)
     other_processes: int = 0  # GPU memory other processes hold
     host_bytes: int | None = None  # on a GPU: what host memory an offloading plan may use (None: not known)
+    processes: int = 1  # training processes on this machine, which share its host memory equally
 
     def __str__(self) -> str:
         if self.source == "max_memory":
             return f"max_memory={format_bytes(self.bytes)}"
+        shared = f", shared by {self.processes} processes" if self.processes > 1 and self.source == \
+            "available memory" else ""
         return (f"{format_bytes(self.bytes)} ({self.source} on {self.device}: {format_bytes(self.available or 0)}, "
-                f"less a margin of {format_bytes(self.margin)})")
+                f"less a margin of {format_bytes(self.margin)}{shared})")
 
 
 @dataclass(frozen=True)
@@ -281,6 +284,15 @@ class TrainPlan:
         """The weights (LoRA's frozen base, or all of them with 8-bit AdamW's stochastic rounding) held in bf16
         and upcast layer by layer to compute in fp32 (storage16.py)."""
         return self.upcast_bf16_weights and self.half_dtype is None
+
+    def shared_decisions(self) -> str:
+        """What every process of one run must decide alike (what a step computes, and when processes meet
+        in collectives), in words to compare across processes; each fits its plan to its own device, so
+        the rest (checkpointing, the heap) may differ."""
+        adapter = self.adapter.describe() if self.adapter is not None else None
+        return (f"precision={self.precision}, batch={self.micro_batch_size}x{self.accumulation}, optimizer="
+                f"{self.optimizer}, LoRA={self.lora}, adapter={adapter}, bf16 weights={self.upcasts_bf16_weights}, "
+                f"offload={self.offload}")
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""

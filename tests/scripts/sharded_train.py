@@ -5,15 +5,18 @@ usage: sharded_train.py DATA TOKENIZER BASE_FOLDER OUTPUT_DIR RECORD_DIR STRATEG
        PRECISION VAL_DATA
 (VAL_DATA: a fraction of DATA held out, evaluated every 2 steps; 0: none)
 (STOP_AT: the step after which every rank stops, leaving a checkpoint; 0: none)
+(PRECISION "device": not given, the device's choice; with PRESENT_CPUS="A,B" in the environment, rank 0 is
+shown hardware.CPUS[A] and rank 1 hardware.CPUS[B] for its plan)
 """
 
+import contextlib
 import json
 import os
 import sys
 
 import pytorch_lightning as pl
 
-from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen import aitextgen, hardware
 
 
 class Record(pl.Callback):
@@ -36,10 +39,15 @@ if __name__ == "__main__":
     validation = dict(val_data=float(val), eval_every=2) if float(val) else {}
     recorder = Record(int(stop_at))
     ai = aitextgen(model_folder=base, tokenizer_file=tokenizer)
-    ai.train(data, output_dir=output_dir, n_gpu=0, devices=2, strategy=strategy, num_steps=int(num_steps),
-             batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2, save_every=0, generate_every=0, seed=1,
-             callbacks=[recorder], gradient_checkpointing=True, lora=lora == "1", precision=precision,
-             resume=resume == "1", **validation)
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    presented = contextlib.nullcontext()
+    if os.environ.get("PRESENT_CPUS"):
+        presented = hardware.presenting(hardware.Hardware(hardware.CPUS[os.environ["PRESENT_CPUS"].split(",")[rank]]))
+    with presented:
+        ai.train(data, output_dir=output_dir, n_gpu=0, devices=2, strategy=strategy, num_steps=int(num_steps),
+                 batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2, save_every=0, generate_every=0,
+                 seed=1, callbacks=[recorder], gradient_checkpointing=True, lora=lora == "1",
+                 resume=resume == "1", **({} if precision == "device" else {"precision": precision}), **validation)
+    if rank == 0:
         with open(os.path.join(record, "losses.json"), "w") as f:
             json.dump(recorder.losses, f)
