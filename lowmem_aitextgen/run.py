@@ -188,7 +188,7 @@ class TrainingRun:
                      self.recovery, *cpu_callbacks(plan), *self.extra_callbacks]
         return pl.Trainer(
             accelerator=plan.accelerator, devices=list(plan.devices) if isinstance(plan.devices, tuple)
-            else plan.devices, strategy=lightning_strategy(plan.strategy, plan.shards // plan.num_nodes, plan.offload),
+            else plan.devices, strategy=lightning_strategy(plan),
             num_nodes=plan.num_nodes, precision=plan.precision,
             max_steps=plan.args.num_steps, max_epochs=-1, accumulate_grad_batches=plan.accumulation,
             gradient_clip_val=plan.args.max_grad_norm or None, logger=self.loggers or False, callbacks=callbacks,

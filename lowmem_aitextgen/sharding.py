@@ -8,6 +8,19 @@ ModelParallelStrategy, one GPT-2 block per shard unit.
 |                        | weights while they compute                  | forward and again in backward, its    |
 |                        |                                             | gradients reduce-scattered            |
 
+How long a process holds what it gathered (plan.gathered_for, the planner's choice: budget.py weighs the
+memory, step_time.py the collectives they save, which on a CPU do not overlap compute):
+
+| gathered_for  | held whole                                   | collectives a step (k micro-batches)          |
+|---------------|----------------------------------------------|-----------------------------------------------|
+| "block"       | a block's weights while it computes          | k x (weights gathered twice, gradients        |
+|               |                                              | reduce-scattered): the least memory           |
+| "micro-batch" | every block's weights from its forward to    | k x (weights gathered once, gradients         |
+|               | its backward (reshard_after_forward=False)   | reduce-scattered)                             |
+| "step"        | the weights and their unreduced gradients    | weights gathered once, gradients reduce-      |
+|               | over a step's micro-batches (FSDP2's         | scattered once: DDP's traffic, with the       |
+|               | set_requires_gradient_sync, as DDP no_sync)  | optimizer's states still sharded              |
+
 Why FSDP2 and not Lightning's strategy="fsdp" (FSDP1): Lightning's refuses any accelerator but a GPU, and
 FSDP1 itself refuses a CPU; FSDP2 runs on both (gloo on CPU), keeps each parameter's name, mixes frozen and
 trainable parameters (LoRA) in one unit, and is what torch recommends now.  Lightning's ModelParallelStrategy
@@ -30,11 +43,15 @@ same atomic saver as every run.  Gathering is collective: every process calls fu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch import nn
+
+from .plan import TrainPlan
 
 SHARDED_STRATEGIES = ("fsdp",)
 
@@ -43,39 +60,67 @@ def is_sharded_strategy(strategy: Any) -> bool:
     return isinstance(strategy, str) and strategy in SHARDED_STRATEGIES
 
 
-def lightning_strategy(strategy: Any, processes: int, offload: bool = False) -> Any:
-    """The Lightning strategy for train(strategy=...): "fsdp" (or an offloading plan) as ModelParallelStrategy
-    over `processes` (data parallel only: every process a shard), anything else as given."""
-    if not (is_sharded_strategy(strategy) or offload):
-        return strategy
-    if offload:
-        # the gradients' norm (clipping) is reduced over shards that live in host memory: gloo for those
-        return OffloadingStrategy(data_parallel_size=processes, tensor_parallel_size=1,
-                                  save_distributed_checkpoint=False, process_group_backend="cuda:nccl,cpu:gloo")
-    return ModelParallelStrategy(data_parallel_size=processes, tensor_parallel_size=1,
-                                 save_distributed_checkpoint=False)
+def lightning_strategy(plan: TrainPlan) -> Any:
+    """The Lightning strategy for the plan: a sharded plan (strategy="fsdp", or offloading) as
+    ModelParallelStrategy over its processes (data parallel only: every process a shard), anything else as
+    given."""
+    if not plan.sharded:
+        return plan.strategy
+    return ShardingStrategy(
+        data_parallel_size=plan.shards // plan.num_nodes, tensor_parallel_size=1, save_distributed_checkpoint=False,
+        # offloaded: the gradients' norm (clipping) is reduced over shards that live in host memory, by gloo
+        **({"process_group_backend": "cuda:nccl,cpu:gloo"} if plan.offload else {}),
+        offload=plan.offload, defer_reduction=plan.gathered_for == "step")
 
 
-class OffloadingStrategy(ModelParallelStrategy):
-    """ModelParallelStrategy, but the sharded weights stay in host memory: only buffers go to the GPU
-    (Lightning's model_to_device, which runs after configure_model has sharded, would move every shard)."""
+class ShardingStrategy(ModelParallelStrategy):
+    """ModelParallelStrategy, and what it leaves to the module: offloaded shards stay in host memory, and
+    (defer_reduction) a step's micro-batches but the last neither reduce their gradients nor reshard."""
+
+    def __init__(self, *args: Any, offload: bool = False, defer_reduction: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offload = offload
+        self.defer_reduction = defer_reduction
 
     def model_to_device(self) -> None:
+        """Offloaded: only buffers go to the GPU (Lightning's model_to_device, which runs after configure_model
+        has sharded, would move every shard)."""
+        if not self.offload:
+            super().model_to_device()
+            return
         for module in self.model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = buffer.to(self.root_device)
 
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """What Lightning runs a step's micro-batches but the last in (DDP's no_sync): with defer_reduction the
+        gradients accumulate whole, and the weights stay gathered for the next micro-batch."""
+        model = self.lightning_module.model
+        if not self.defer_reduction:
+            yield
+            return
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
 
-def shard(model: nn.Module, mesh: Any, offload: bool = False) -> None:
+
+def shard(model: nn.Module, mesh: Any, plan: TrainPlan) -> None:
     """Each transformer block its own FSDP2 unit, then the rest (embeddings, final norm, head) one more:
-    a block's weights are whole only while it computes; `offload`: their shards kept in host memory."""
+    a block's weights are whole only while it computes (or, plan.gathered_for, from its forward to its
+    backward); plan.offload: their shards kept in host memory."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     from .memory import transformer_blocks
 
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    policy = CPUOffloadPolicy() if plan.offload else OffloadPolicy()
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(block, mesh=mesh, offload_policy=policy, reshard_after_forward=plan.gathered_for == "block")
+    # the root's own default: its embeddings and head, used last in forward, stay whole for backward
     fully_shard(model, mesh=mesh, offload_policy=policy)
 
 

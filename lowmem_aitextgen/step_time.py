@@ -23,6 +23,8 @@ the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
 |   (plan.hold_freed_heap)      | after it, fault back in at the next block      |                              |
 | offloading (plan.offload)     | each weight to the GPU in forward, backward and| OFFLOAD_BYTES_PER_S; AdamW at|
 |                               | recompute, each gradient back; AdamW on the CPU| the CPU's rate               |
+| sharding (plan.shards > 1)    | the weights all-gathered and the gradients     | SHARD_BYTES_PER_S            |
+|                               | reduce-scattered, as often as gathered_for says|                              |
 
 Its error, checked against measured steps on the 2-core CPU here (tests/test_step_time.py holds the
 orderings it must get right): the times themselves can be off by tens of percent, the order of plans
@@ -59,6 +61,10 @@ REFAULT_S_PER_BYTE = 1.0 / 2**30
 # Host <-> GPU copies of an offloading plan (sharding.py): PCIe 4.0 x16 moves ~25 GB/s pinned; half of
 # it, for pageable buffers and the copies that do not overlap compute.
 OFFLOAD_BYTES_PER_S = 12e9
+# A sharded plan's collectives (sharding.py), in bytes of the whole tensors gathered or reduced a second:
+# gloo over loopback on the 2-core CPU all-gathers or reduce-scatters one 124M block (28 MB) in 55-70 ms, and
+# none of it overlaps compute there; NCCL on GPUs overlaps most of it with compute.
+SHARD_BYTES_PER_S = {"cpu": 0.5e9, "gpu": 50e9}
 
 
 def shape(config: Any) -> tuple[int, int, int]:
@@ -69,10 +75,12 @@ def shape(config: Any) -> tuple[int, int, int]:
 
 
 def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parameters: int,
-                 bf16_native: bool = True, activation_bytes: int = 0, block_bytes: int = 0) -> float:
+                 bf16_native: bool = True, activation_bytes: int = 0, block_bytes: int = 0,
+                 sharded_bytes: tuple[int, int] = (0, 0)) -> float:
     """Expected seconds of one optimizer step (plan.micro_batch_size x plan.accumulation sequences);
     activation_bytes: what one micro-batch keeps for backward (the estimate's activations), block_bytes:
-    one block's activations (the estimate's block_activations)."""
+    one block's activations (the estimate's block_activations), sharded_bytes: a sharded plan's whole weights
+    and gradients (what its collectives move)."""
     n_layer, width, vocab = shape(config)
     block_flops = 24 * width * width + 4 * block_size * width  # per token: matmuls, then attention
     head_flops = 2 * vocab * width
@@ -96,7 +104,22 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
     if plan.hold_freed_heap:  # every block's activations, in forward and once more where recomputed
         refaulted = activation_bytes + (n_layer + min(plan.checkpointed_blocks, n_layer)) * block_bytes
         refaults = plan.accumulation * refaulted * REFAULT_S_PER_BYTE
-    return plan.accumulation * micro_batch + optimizer + refaults
+    return plan.accumulation * micro_batch + optimizer + refaults + shard_seconds(plan, config, *sharded_bytes)
+
+
+def shard_seconds(plan: TrainPlan, config: Any, weight_bytes: int, gradient_bytes: int) -> float:
+    """A sharded plan's collectives in one step: each micro-batch gathers the weights in forward (the blocks'
+    once more in backward with gathered_for "block") and reduce-scatters the gradients; with "step", once a
+    step.  Each process sends or receives (N-1)/N of each."""
+    if plan.shards <= 1:
+        return 0.0
+    n_layer, width, vocab = shape(config)
+    blocks = 12 * n_layer * width * width
+    per_micro_batch = weight_bytes + gradient_bytes
+    if plan.gathered_for == "block":
+        per_micro_batch += weight_bytes * blocks / (blocks + vocab * width)
+    moved = per_micro_batch * (1 if plan.gathered_for == "step" else plan.accumulation)
+    return moved * (plan.shards - 1) / plan.shards / SHARD_BYTES_PER_S[plan.accelerator]
 
 
 def offload_seconds(plan: TrainPlan, n_layer: int, parameters: int) -> float:

@@ -6,24 +6,25 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
-from conftest import snapshot
+from conftest import snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, cards, estimate_memory, hardware
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
 def train(corpus_file, tokenizer_file, base_folder, output_dir, record, strategy, lora=False, num_steps=4,
-          stop_at=0, resume=False, precision="32-true", val_data=0.0) -> list[float]:
+          stop_at=0, resume=False, precision="32-true", val_data=0.0, env=None) -> list[float]:
     """sharded_train.py in two processes; rank 0's loss at each micro-batch."""
     os.makedirs(record, exist_ok=True)
     result = run_script(corpus_file, tokenizer_file, base_folder, output_dir, record, strategy, lora, num_steps, stop_at,
-                        resume, precision, val_data)
+                        resume, precision, val_data, env)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(os.path.join(record, "losses.json"), encoding="utf-8") as f:
         return json.load(f)
@@ -54,14 +55,38 @@ def assert_same_weights(sharded: dict, replicated: dict, learning_rate: float = 
         torch.testing.assert_close(mine, value, rtol=1e-4, atol=1e-5, msg=lambda text: f"{key}: {text}")
 
 
-@pytest.mark.parametrize("lora", [False, True])
+def max_memory_for(base_folder: str, gathered_for: str, precision: str) -> int:
+    """A max_memory under which sharded_train.py's fsdp plan can gather no more than `gathered_for` says:
+    what that plan needs (with glibc's heap held, its least), by the planner's own estimate."""
+    from lowmem_aitextgen.budget import budgeted_bytes
+    from lowmem_aitextgen.estimate import estimate_plan
+
+    model = AutoModelForCausalLM.from_pretrained(base_folder)
+    plan = cards.plan_of_call(model, n_gpu=0, devices=2, strategy="fsdp", batch_size=2, gradient_accumulation_steps=2,
+                              pin_micro_batch=True, gradient_checkpointing=True, precision=precision)
+    plan = dataclasses.replace(plan, gathered_for=gathered_for, hold_freed_heap=True)
+    return budgeted_bytes(plan, estimate_plan(model.config, plan, model.config.n_positions))
+
+
+@pytest.mark.parametrize("lora, gathered_for", [(False, "step"), (False, "block"), (True, "step")])
 def test_fsdp_trains_as_ddp_does_and_saves_a_folder_one_process_loads(corpus_file, tokenizer_file, base_folder,
-                                                                       lora):
+                                                                       lora, gathered_for):
     # bf16 under LoRA: its frozen base is held in 16 bits beside fp32 adapters, both in one FSDP unit
     precision = "bf16-mixed" if lora else "32-true"
+    # "step" is the fastest plan where memory is plenty; "block" the least memory, below "micro-batch" only
+    # from 3 blocks up (two are whole at a time)
+    budget = {}
+    if gathered_for == "block":
+        base_folder = os.path.abspath("base4")
+        GPT2LMHeadModel(tiny_gpt2_config(n_layer=4)).save_pretrained(base_folder)
+        budget = {"MAX_MEMORY": str(max_memory_for(base_folder, gathered_for, precision))}
     ddp = train(corpus_file, tokenizer_file, base_folder, "ddp", "ddp_record", "ddp", lora, precision=precision)
-    fsdp = train(corpus_file, tokenizer_file, base_folder, "fsdp", "fsdp_record", "fsdp", lora, precision=precision)
-    assert len(fsdp) == len(ddp) >= 4  # a loss a micro-batch (the planner may make them 4x1 instead of 2x2)
+    fsdp = train(corpus_file, tokenizer_file, base_folder, "fsdp", "fsdp_record", "fsdp", lora, precision=precision,
+                 env=budget)
+    with open("fsdp/training_summary.json", encoding="utf-8") as f:
+        plan = json.load(f)["plan"]
+    assert plan["shards"] == 2 and plan["offload"] is False and plan["gathered_for"] == gathered_for
+    assert len(fsdp) == len(ddp) == 8  # a loss a micro-batch: 4 steps of 2
     torch.testing.assert_close(fsdp, ddp, rtol=1e-5, atol=1e-5)
     assert fsdp[-1] < fsdp[0]
 
@@ -76,9 +101,6 @@ def test_fsdp_trains_as_ddp_does_and_saves_a_folder_one_process_loads(corpus_fil
 
     ai = aitextgen(model_folder="fsdp", tokenizer_file=tokenizer_file)  # one process, no process group
     assert ai.generate_one(prompt="The", max_length=16, seed=1)
-    with open("fsdp/training_summary.json", encoding="utf-8") as f:
-        plan = json.load(f)["plan"]
-    assert plan["shards"] == 2 and plan["offload"] is False
 
 
 def test_fsdp_resumes_to_the_uninterrupted_weights(corpus_file, tokenizer_file, base_folder):
@@ -160,6 +182,26 @@ def test_the_estimate_is_one_process_share_of_a_sharded_model():
     assert quarters.total < halves.total < whole.total
 
 
+def test_the_estimate_of_an_offloaded_model_counts_the_host_and_the_card_apart():
+    on_card = estimate_memory("1558M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True,
+                              device="cuda")
+    offloaded = estimate_memory("1558M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True,
+                                device="cuda", offload=True)
+    # the host holds what the card no longer does: fp32 weights, their gradients and AdamW's two states
+    assert offloaded.host == on_card.weights + on_card.gradients + on_card.optimizer_states
+    assert offloaded.weights == offloaded.gradients == offloaded.optimizer_states == 0
+    assert offloaded.activations == on_card.activations
+    assert offloaded.total < 8 * 2**30 < on_card.total
+    assert "host memory" in str(offloaded)
+    halves = estimate_memory("1558M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True,
+                             device="cuda", offload=True, shards=2)
+    assert halves.host == -(-on_card.weights // 2) - (-on_card.gradients // 2) - (-on_card.optimizer_states // 2)
+    with pytest.raises(ValueError, match="offload=True keeps the weights in host memory while a GPU computes"):
+        estimate_memory("124M", offload=True)
+    with pytest.raises(ValueError, match="optimizer='adamw8bit' cannot train a sharded or offloaded model"):
+        estimate_memory("124M", shards=2, optimizer="adamw8bit")
+
+
 BIG_HOST = dataclasses.replace(hardware.CPUS["native bf16"], name="CPU with 100 GiB", available=100 * 2**30)
 
 
@@ -228,3 +270,57 @@ def test_the_processes_of_one_machine_share_its_memory():
     refused = plan_on("1558M", pair_of_cards, host, strategy="fsdp")
     assert isinstance(refused, MemoryError)
     assert "in each of the 2 processes this machine runs" in str(refused)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_deferred_reduction_holds_a_steps_gradients_whole_until_its_last_micro_batch(defer):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lowmem_aitextgen import sharding
+    from lowmem_aitextgen.plan import TrainPlan
+
+    reference = GPT2LMHeadModel(tiny_gpt2_config())
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    model.load_state_dict(reference.state_dict())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharding.shard(model, init_device_mesh("cpu", (1,)), TrainPlan(shards=2, gathered_for="step"))
+        strategy = sharding.ShardingStrategy(data_parallel_size=1, tensor_parallel_size=1, defer_reduction=defer)
+        strategy._lightning_module = types.SimpleNamespace(model=model)
+        batches = torch.randint(0, 1000, (2, 2, 16))
+        with strategy.block_backward_sync():  # what Lightning runs a step's micro-batches but the last in
+            model(batches[0], labels=batches[0]).loss.backward()
+        # deferred: the weights stay gathered whole with their whole, unreduced gradients; else each process
+        # is back to its shards, the first micro-batch's gradients reduced into them
+        whole = [not isinstance(p, DTensor) and isinstance(p.grad, torch.Tensor) for p in model.parameters()]
+        assert all(whole) if defer else not any(whole)
+        model(batches[1], labels=batches[1]).loss.backward()
+        sharded = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    for batch in batches:
+        reference(batch, labels=batch).loss.backward()
+    for name, parameter in reference.named_parameters():  # both micro-batches' gradients, summed
+        torch.testing.assert_close(sharded[name], parameter.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sharded_process_holds_gathered_weights_only_where_its_memory_allows():
+    from lowmem_aitextgen.budget import budgeted_bytes, ladder
+    from lowmem_aitextgen.estimate import estimate_plan
+
+    call = dict(n_gpu=0, devices=2, strategy="fsdp", batch_size=1, gradient_accumulation_steps=4, pin_micro_batch=True,
+                gradient_checkpointing=True, precision="32-true")
+    fastest, estimate = plan_on("355M", None, BIG_HOST, **call)
+    assert fastest.gathered_for == "step"  # collectives once a step: the fastest, with memory to spare
+    assert "gathered whole for a step" in fastest.describe(1, 1, 0)
+    # the same plan holding a block at a time needs less memory by about the whole weights (1.3 GiB)
+    least = dataclasses.replace(fastest, gathered_for="block", hold_freed_heap=True)
+    needs = budgeted_bytes(least, estimate_plan(cards.model_config("355M"), least, 1024))
+    assert budgeted_bytes(fastest, estimate) > needs + 2**30
+    lean, _ = plan_on("355M", None, BIG_HOST, max_memory=needs, **call)
+    assert lean.gathered_for == "block"
+    # out of memory, the first thing given up is what a process holds gathered
+    assert [change for change, _ in ladder(fastest, False)][:2] == [
+        "the plan as given", "each block's weights gathered only while it computes"]

@@ -6,7 +6,8 @@ usage: sharded_train.py DATA TOKENIZER BASE_FOLDER OUTPUT_DIR RECORD_DIR STRATEG
 (VAL_DATA: a fraction of DATA held out, evaluated every 2 steps; 0: none)
 (STOP_AT: the step after which every rank stops, leaving a checkpoint; 0: none)
 (PRECISION "device": not given, the device's choice; with PRESENT_CPUS="A,B" in the environment, rank 0 is
-shown hardware.CPUS[A] and rank 1 hardware.CPUS[B] for its plan)
+shown hardware.CPUS[A] and rank 1 hardware.CPUS[B] for its plan; MAX_MEMORY in the environment: max_memory=)
+Each step is 2 micro-batches of 2 blocks (pinned) in each process.
 """
 
 import contextlib
@@ -47,7 +48,8 @@ if __name__ == "__main__":
         ai.train(data, output_dir=output_dir, n_gpu=0, devices=2, strategy=strategy, num_steps=int(num_steps),
                  batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2, save_every=0, generate_every=0,
                  seed=1, callbacks=[recorder], gradient_checkpointing=True, lora=lora == "1",
-                 resume=resume == "1", **({} if precision == "device" else {"precision": precision}), **validation)
+                 resume=resume == "1", pin_micro_batch=True, max_memory=int(os.environ.get("MAX_MEMORY", 0)) or None,
+                 **({} if precision == "device" else {"precision": precision}), **validation)
     if rank == 0:
         with open(os.path.join(record, "losses.json"), "w") as f:
             json.dump(recorder.losses, f)
