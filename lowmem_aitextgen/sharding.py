@@ -125,9 +125,20 @@ def shard(model: nn.Module, mesh: Any, plan: TrainPlan) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """A sharded model back to its shards alone.  A forward outside training (validation) leaves the blocks
+    gathered where the plan holds them from forward to backward (gathered_for), and what reads the model's
+    state (a save, the checkpoint) reads the shards.  Local: no collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_model(model: nn.Module) -> nn.Module | None:
@@ -139,6 +150,7 @@ def full_model(model: nn.Module) -> nn.Module | None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    reshard(model)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return None

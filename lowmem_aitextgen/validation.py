@@ -41,7 +41,7 @@ from .chunked_loss import causal_lm_loss
 from .data import seeded_generator
 from .lightning_module import CausalLMModule
 from .plan import Schedule
-from .sharding import full_model
+from .sharding import full_model, reshard
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -199,6 +199,7 @@ class ValidatedModule(CausalLMModule):
         # every rank now holds the same value: sync_dist averages equal numbers (and keeps Lightning from
         # warning that an epoch-level metric is not synchronised)
         self.log(METRIC, (totals[0] / totals[1]).float(), prog_bar=True, batch_size=1, sync_dist=True)
+        reshard(self.model)  # before the callbacks save the best model or the checkpoint (sharding.py)
 
 
 # --- when to evaluate, and what to keep ---------------------------------------------------
