@@ -53,12 +53,6 @@ from torch import nn
 
 from .plan import TrainPlan
 
-SHARDED_STRATEGIES = ("fsdp",)
-
-
-def is_sharded_strategy(strategy: Any) -> bool:
-    return isinstance(strategy, str) and strategy in SHARDED_STRATEGIES
-
 
 def lightning_strategy(plan: TrainPlan) -> Any:
     """The Lightning strategy for the plan: a sharded plan (strategy="fsdp", or offloading) as
