@@ -18,7 +18,7 @@ Experiments:
                     create_selective_checkpoint_contexts) keeping the blocks' addmm outputs
                     (--save all, or only the widening c_attn and c_fc: --save wide)
   held_heap         glibc handing the freed top of its heap back at every free against holding
-                    it until the release before the optimizer step (heap.hold_freed_heap)
+                    it until the release before the optimizer step (heap.HELD's trim threshold)
   frozen_head_loss  (--mode lora) the chunked loss of a frozen head checkpointed chunk by chunk
                     (its logits made twice) against its gradient made in forward
 """
@@ -136,7 +136,7 @@ def held_heap_variants(model: nn.Module, args: argparse.Namespace) -> dict:
 
     def held() -> None:
         if not undo:
-            undo.append(heap.hold_freed_heap())
+            undo.append(heap.use(heap.HeapSettings("held", trim_threshold=heap.HELD_HEAP_BYTES)))
 
     return {"heap not held": not_held, "heap held": held}
 

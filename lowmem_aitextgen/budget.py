@@ -25,7 +25,7 @@ accumulation) and every argument given are kept.  What it may change, and the tr
 | LoRA's frozen base in fp32      | fp32                            | bf16, upcast per layer (storage16.py)|
 | plans (unless fp16/precision    |                                 |                                      |
 | was given)                      |                                 |                                      |
-| CPU heap (cpu.ReleaseFreedHeap) | glibc left alone                | held in a block, released at every   |
+| CPU heap (heap.py, cpu.py)      | glibc left alone                | held in a block, released at every   |
 |                                 |                                 | block: no allocator slack, the       |
 |                                 |                                 | activations faulted in every block   |
 Only when no such plan fits, in turn: 8-bit AdamW (torchao installed; a quarter of AdamW's state,
@@ -49,7 +49,7 @@ from . import hardware
 from .arguments import parse_bytes
 from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
 from .hardware import eight_bit_available, format_bytes
-from .heap import freed_tensors_unmapped, glibc_heap_available, release_freed_heap
+from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
 from .plan import (
     GATHERED_FOR,
     Budget,
@@ -324,9 +324,10 @@ def fit_to_budget(plan: TrainPlan, config: object, block_size: int, weights_on_g
     budget = budget_for(plan, weights_on_gpu)
     if budget is None:
         return plan
-    # the probes make and free model blocks at the model's width on the CPU: each goes back to the OS when
-    # freed, not into glibc's heap, where it would stay resident under the training it plans
-    with freed_tensors_unmapped():
+    # the probes make and free model blocks at the model's width on the CPU: what they freed goes back to the
+    # OS afterwards instead of staying resident in glibc's heap under the training it plans (no mallopt:
+    # training's own heap settings must be the plan's, heap.py)
+    with freed_memory_returned():
         fitted, _ = fit_plan(config, plan, block_size, budget)
     return fitted
 

@@ -1,7 +1,8 @@
 """CPU training: what makes a step faster or leaner on CPU, in place for the length of train() only.
 
-Two callbacks, one concern each, install these at train start and undo them when training ends or
-fails: `CpuSpeedups` (the swaps) and `ReleaseFreedHeap` (glibc's allocator policy).
+Callbacks, one concern each, install these at train start and undo them when training ends or fails:
+`CpuSpeedups` (the swaps), `GlibcHeap` (glibc's settings the plan names, on every device) and
+`ReleaseFreedHeap` (with the heap held, its release at every block).
 
 | change                            | saves                                  | costs / differs by         |
 |-----------------------------------|----------------------------------------|----------------------------|
@@ -26,11 +27,11 @@ bits each).  What that changes, and why it is the same training:
 - GPT-2's attention is transformers' eager math while dropout is on: SDPA draws its dropout
   internally, and with dropout its CPU path is that math.
 
-glibc.  ReleaseFreedHeap holds glibc's freed heap through a transformer block and releases it at each
-block's edges and before the optimizer step (a full fine-tune's peak); the settings themselves, and why,
-are heap.py's.  Measurements: benchmarks/RESULTS.md.
+glibc.  GlibcHeap puts the plan's settings in force for the whole of training; with the heap held,
+ReleaseFreedHeap releases it at each block's edges and before the optimizer step (a full fine-tune's
+peak).  The settings themselves, and why, are heap.py's.  Measurements: benchmarks/RESULTS.md.
 
-On other devices (CUDA's dropout is one fused kernel, its allocator caches) nothing is changed.
+On other devices (CUDA's dropout is one fused kernel, its allocator caches) only glibc's settings apply (the host's heap).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from transformers.activations import ACT2FN, NewGELUActivation
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from .heap import glibc_heap_available, hold_freed_heap, pin_mmap_threshold, release_freed_heap
+from .heap import glibc_heap_available, release_freed_heap, training_settings
+from .heap import use as use_heap_settings
 from .memory import transformer_blocks
 from .plan import TrainPlan
 
@@ -215,10 +217,23 @@ class WhileTraining(Callback):
             self.undo = None
 
 
+class GlibcHeap(WhileTraining):
+    """glibc's settings for the length of training: those the plan names (heap.training_settings), put in
+    force when training starts, whatever ran before it (the planner's probes, an earlier run), and set back
+    when it ends.  Nothing between the steps changes them (heap.py's rules)."""
+
+    def __init__(self, hold: bool) -> None:
+        super().__init__(self._use)
+        self.settings = training_settings(hold)
+
+    def _use(self, model: nn.Module) -> Callable[[], None]:
+        return use_heap_settings(self.settings) or (lambda: None)
+
+
 class ReleaseFreedHeap(WhileTraining):
-    """glibc: big freed tensors go back to the OS at once, smaller freed memory is kept for reuse within
-    a transformer block and given back at each block's start in forward and end in backward, before each
-    optimizer step and when training ends; glibc's settings are then set back as they were.
+    """With the heap held (heap.HELD, GlibcHeap): smaller freed memory is kept for reuse within a transformer
+    block and given back at each block's start in forward and end in backward, before each optimizer step
+    and when training ends.
 
     Why at every block: each block leaves a few long-lived tensors (a checkpointed block's input, the
     autograd graph's) above the memory its temporaries freed, so the next block's temporaries do not fit
@@ -230,15 +245,12 @@ class ReleaseFreedHeap(WhileTraining):
         self.release = release
 
     def _hold(self, model: nn.Module) -> Callable[[], None]:
-        undos = [undo for undo in (pin_mmap_threshold(), hold_freed_heap()) if undo is not None]
         hooks = [block.register_forward_pre_hook(self._at_block) for block in transformer_blocks(model)]
         self.release()
 
         def stop_holding() -> None:
             for hook in hooks:
                 hook.remove()
-            for undo in reversed(undos):
-                undo()
             self.release()
 
         return stop_holding
@@ -266,8 +278,10 @@ class CpuSpeedups(WhileTraining):
 
 
 def cpu_callbacks(plan: TrainPlan) -> list[Callback]:
-    """The CPU callbacks a plan asks for (plan.cpu_speedups, plan.hold_freed_heap; glibc for the heap)."""
+    """The CPU callbacks a plan asks for (plan.cpu_speedups; glibc's settings, plan.hold_freed_heap)."""
     callbacks: list[Callback] = [CpuSpeedups()] if plan.cpu_speedups else []
-    if plan.hold_freed_heap and glibc_heap_available():
-        callbacks.append(ReleaseFreedHeap())
+    if glibc_heap_available():
+        callbacks.append(GlibcHeap(plan.hold_freed_heap))
+        if plan.hold_freed_heap:
+            callbacks.append(ReleaseFreedHeap())
     return callbacks

@@ -28,7 +28,7 @@ from .callbacks import NonFiniteGuard, SaveAndSample
 from .cpu import cpu_callbacks
 from .data import training_loader
 from .generation import Samples
-from .heap import freed_tensors_unmapped
+from .heap import freed_memory_returned
 from .lightning_module import CausalLMModule
 from .oom import OutOfMemoryRecovery, cheaper_plan
 from .outputs import RunFiles
@@ -266,7 +266,7 @@ def finished_model(model: nn.Module) -> nn.Module:
     adapter (prefix tuning) stays on its base, as peft generates with it."""
     memory.disable_gradient_checkpointing(model)
     if is_mergeable(model):
-        with freed_tensors_unmapped():
+        with freed_memory_returned():
             model = merge_in_place(model)
     return model.eval()
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .heap import freed_tensors_unmapped
+from .heap import freed_memory_returned
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -250,7 +250,7 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
     try:
         try:
             os.mkdir(staging)
-            with freed_tensors_unmapped():
+            with freed_memory_returned():
                 write(staging)
             apply_umask(staging)
             _fsync_tree(staging)

@@ -191,7 +191,7 @@ def resident_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-assert heap.pin_mmap_threshold()
+assert heap.use(heap.HeapSettings("pinned", mmap_threshold=heap.PINNED_MMAP_THRESHOLD))
 """
 
 
@@ -241,7 +241,7 @@ import ctypes
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 SIZE = 256 * 2**20  # bigger than any hole the imports left in the heap
-assert heap.pin_mmap_threshold(2 * SIZE)  # served from the heap, not mmap
+assert heap.use(heap.HeapSettings("in the heap", mmap_threshold=2 * SIZE))  # served from the heap, not mmap
 
 def resident_after_free():
     block = libc.malloc(SIZE)
@@ -251,7 +251,7 @@ def resident_after_free():
     return with_block - resident_bytes()
 
 given_back_unheld = resident_after_free()
-stop_holding = heap.hold_freed_heap()
+stop_holding = heap.use(heap.HeapSettings("held", trim_threshold=heap.HELD_HEAP_BYTES))
 given_back_held = resident_after_free()
 held = resident_bytes()
 heap.release_freed_heap()
@@ -264,7 +264,7 @@ print(given_back_unheld, given_back_held, released, resident_after_free())
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
 def test_held_heap_keeps_freed_memory_until_released():
     """Unheld, glibc gives a freed block at the heap's top back at once; held, it stays
-    resident for the next tensors until release_freed_heap; the undo hold_freed_heap returns restores that."""
+    resident for the next tensors until release_freed_heap; the undo of holding gives the top back again."""
     probe = subprocess.run([sys.executable, "-c", HELD_HEAP_PROBE], capture_output=True, text=True, check=True)
     unheld, held, released, restored = (int(n) for n in probe.stdout.split()[-4:])
     assert unheld >= 255 * 2**20 and restored >= 255 * 2**20
