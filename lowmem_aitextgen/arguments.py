@@ -330,6 +330,8 @@ TRAIN_RULES: dict[str, Rule] = {
     "adapter": optional(one_of("prefix", fix="adapter='prefix' is prefix tuning; pass peft_config= for any other "
                                "peft method")),
     "chunked_loss": flag(),
+    "torch_compile": one_of(True, False, "blocks", "model", fix="True compiles each transformer block while "
+                            "training (for GPUs; compiling.py)"),
     "optimizer": optional(text("e.g. optimizer='adamw8bit'")),
     "strategy": strategy,
     "num_nodes": integer(1, "it counts machines, 1 for this one"),

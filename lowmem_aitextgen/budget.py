@@ -21,7 +21,7 @@ accumulation) and every argument given are kept.  What it may change, and the tr
 | effective batch)                | steps of overhead               | time                                 |
 | precision (unless fp16/precision| bf16 or fp16 where the device   | bf16/fp16 (half the activations),    |
 | was given)                      | has it natively, else fp32      | only where native                    |
-| chunked loss (if turned off)    | off for a trainable head        | on                                   |
+| chunked loss (if turned off)    | either: the same work           | on                                   |
 | LoRA's frozen base in fp32      | fp32                            | bf16, upcast per layer (storage16.py)|
 | plans (unless fp16/precision    |                                 |                                      |
 | was given)                      |                                 |                                      |
@@ -222,8 +222,10 @@ def offload_possible(plan: TrainPlan) -> bool:
 
 
 def offloading(plan: TrainPlan) -> TrainPlan:
-    """`plan` with its weights, gradients and AdamW states in host memory (FSDP2 in one process or more)."""
-    return dataclasses.replace(plan, offload=True, strategy="fsdp", optimizer="adamw", fixed=plan.fixed | {"optimizer"})
+    """`plan` with its weights, gradients and AdamW states in host memory (FSDP2 in one process or more), not
+    compiled (compiling.py compiles no sharded model)."""
+    return dataclasses.replace(plan, offload=True, strategy="fsdp", optimizer="adamw", fixed=plan.fixed | {"optimizer"},
+                               torch_compile=None)
 
 
 def fit_plan(config: object, plan: TrainPlan, block_size: int,

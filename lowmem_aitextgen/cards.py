@@ -1,7 +1,7 @@
 """What fits which card: train()'s own planner, run on the cards users have (hardware.CARDS), presented.
 
 Nothing here decides anything: `planned` builds the plan of a train() call exactly as train() does
-(plan.build_plan, then budget.fit_to_budget) while hardware.py presents a card or a CPU, so the README's
+(plan.build_plan, then budget.fit_to_budget) while hardware.py presents a card or a CPU, so docs/memory.md's
 table, `lowmem_aitextgen estimate 355M --table` and the tests' hardware matrix show the decisions a user
 on that card gets.  Everything is estimated; nothing is downloaded or trained.
 """

@@ -4,17 +4,17 @@ GPT-2's head turns every token into 50,257 logits: at block 1024 that is
 206 MB in fp32 per sequence, held several times over by the standard loss
 (16-bit logits, their fp32 copy, log-softmax, and the gradient of each).
 Here each chunk's logits are made, reduced to a loss and dropped, so only
-one chunk's logits ever exist.  Backward needs them again:
-- a trainable head: each chunk is checkpointed and backward recomputes its
-  logits.  Trade-off: the head's matmul runs twice (about 1/7 of GPT-2 355M's
-  forward FLOPs at block 1024);
-- a frozen head (LoRA, freeze_layers): forward makes each chunk's gradient
-  with its loss (`_FrozenHeadCrossEntropy`), and backward recomputes nothing.
+one chunk's logits ever exist.  Their gradients are known as soon as they are
+(`_HeadCrossEntropy`): forward makes the gradient of the hidden states, and of
+a trainable head's weight and bias, chunk by chunk, and backward scales them.
+Nothing is recomputed, and the head's weight gradient is one buffer the chunks
+add into.  A head that is not a plain nn.Linear (a LoRA-wrapped or quantized
+head, one with hooks) must see its forward called: its chunks are
+checkpointed, and backward recomputes their logits (the head's matmul twice).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -41,45 +41,73 @@ def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return body, head
 
 
-class _FrozenHeadCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T + bias`` (a frozen head) against `targets`, a
-    chunk of tokens at a time, the gradient of `hidden` made in forward.
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias`` against `targets`, a chunk of tokens at a time,
+    the gradients made in forward.
 
-    The gradient of a summed cross-entropy as to the logits is ``softmax(logits) -
-    one_hot(target)``, known as soon as the logits are; only the loss's incoming gradient (a
-    scalar: the mean's 1/N, a loss scale) waits for backward, which scales what forward kept
-    (tokens x dim).  Checkpointed chunks instead make every chunk's logits twice.  A trainable head would have to keep its weight's gradient
-    (vocab x dim) from forward on; it takes the checkpointed path.
+    The gradient of a summed cross-entropy as to the logits is ``softmax(logits) - one_hot(target)``, known
+    as soon as the logits are; only the loss's incoming gradient (a scalar: the mean's 1/N, a loss scale)
+    waits for backward, which scales what forward made.  Checkpointed chunks instead make every chunk's
+    logits twice and, for a trainable head, a new vocab x dim weight gradient per chunk to be added up
+    (measured on CPU: 355M at block 512, a full fine-tune's step 1.5x as long; benchmarks/RESULTS.md).
+    A trainable head's weight gradient is kept from forward on, where backward would make it first anyway;
+    estimate.py counts it with the gradients, so it is kept on ctx rather than among the saved tensors.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+                targets: torch.Tensor, chunk_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        ctx.parameter_dtype = weight.dtype
+        # the head in the dtype it computes in, cast once for all chunks (not per chunk, or per recompute)
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # fp32 sums over the chunks, in the parameters' own dtype once in backward
+        ctx.grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        ctx.grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):  # the caller chose weight's dtype
+        with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, targets.numel(), chunk_tokens):
-                chunk = hidden[start:start + chunk_tokens].to(weight.dtype)
+                chunk = hidden[start:start + chunk_tokens].to(dtype)
                 target = targets[start:start + chunk_tokens]
                 logits = F.linear(chunk, weight, bias).float()  # the softmax in fp32, as transformers' loss
                 ignored = (target == IGNORE_INDEX).unsqueeze(1)
                 picked = target.unsqueeze(1).masked_fill(ignored, 0)
                 log_normalizer = torch.logsumexp(logits, dim=1, keepdim=True)
                 total += (log_normalizer - logits.gather(1, picked)).masked_fill(ignored, 0.0).sum()
-                if grad_hidden is not None:
-                    grad_logits = logits.sub_(log_normalizer).exp_()  # softmax, in place of the logits
-                    # dtype given: under precision="bf16-true" Lightning makes bf16 the default dtype
-                    grad_logits.scatter_add_(1, picked, torch.full(picked.shape, -1.0, dtype=grad_logits.dtype,
-                                                                   device=picked.device))
-                    grad_logits.masked_fill_(ignored, 0.0)
-                    grad_hidden[start:start + chunk_tokens] = grad_logits.to(weight.dtype) @ weight
+                if any(ctx.needs_input_grad[:3]):
+                    _add_chunk_gradients(ctx, logits, log_normalizer, picked, ignored, chunk, weight,
+                                         grad_hidden, start)
         ctx.save_for_backward(grad_hidden)
         return total
 
     @staticmethod
-    def backward(ctx, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden.mul_(grad_total.to(grad_hidden.dtype)), None, None, None, None
+        grads = [grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None]
+        for made in (ctx.grad_weight, ctx.grad_bias):
+            grads.append(made.mul_(grad_total.float()).to(ctx.parameter_dtype) if made is not None else None)
+        ctx.grad_weight = ctx.grad_bias = None
+        return (*grads, None, None, None)
+
+
+def _add_chunk_gradients(ctx, logits: torch.Tensor, log_normalizer: torch.Tensor, picked: torch.Tensor,
+                         ignored: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor,
+                         grad_hidden: torch.Tensor | None, start: int) -> None:
+    """One chunk's share of the gradients (its logits are overwritten with theirs)."""
+    grad_logits = logits.sub_(log_normalizer).exp_()  # softmax, in place of the logits
+    # dtype given: under precision="bf16-true" Lightning makes bf16 the default dtype
+    grad_logits.scatter_add_(1, picked, torch.full(picked.shape, -1.0, dtype=grad_logits.dtype, device=picked.device))
+    grad_logits.masked_fill_(ignored, 0.0)
+    if ctx.grad_bias is not None:
+        ctx.grad_bias += grad_logits.sum(0)
+    grad_logits = grad_logits.to(weight.dtype)
+    if grad_hidden is not None:
+        grad_hidden[start:start + len(chunk)] = grad_logits @ weight
+    if ctx.grad_weight is not None:
+        if weight.dtype == torch.float32:
+            ctx.grad_weight.addmm_(grad_logits.t(), chunk)
+        else:  # a 16-bit product, as autograd's would be, added up in fp32
+            ctx.grad_weight += grad_logits.t() @ chunk
 
 
 def _chunk_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
@@ -94,27 +122,11 @@ def _is_plain_linear(head: nn.Module) -> bool:
     return type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
 
 
-def _in_compute_dtype(param: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """A head's weight or bias in autocast's dtype, else in the hidden states' where given (a 16-bit
-    frozen head computing in fp32, storage16.py): cast once for all chunks."""
-    device = param.device.type
-    if torch.is_autocast_enabled(device):
-        return param.to(torch.get_autocast_dtype(device))
-    return param if hidden is None else param.to(hidden.dtype)
-
-
-def _head_cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The head with its weight cast once for all chunks under autocast, else the head itself.
-
-    Autocast would cast the weight in every chunk's recompute during backward (each recompute
-    runs in a fresh autocast context, whose weight cache is empty) and upcast every chunk's
-    gradient of it, GPT-2's 51M-parameter head each time.  Cast once, the chunks' bf16 gradients are summed in bf16 and upcast
-    once.  Only a plain nn.Linear with no hooks of its own is bypassed like this: a subclass
-    (a quantized layer) or a hook must see its forward called.
-    """
-    if not _is_plain_linear(head) or not torch.is_autocast_enabled(head.weight.device.type):
-        return head
-    return functools.partial(F.linear, weight=_in_compute_dtype(head.weight), bias=head.bias)
+def _compute_dtype(weight: torch.Tensor, hidden: torch.Tensor) -> torch.dtype:
+    """What a head computes in: autocast's dtype, else the hidden states' (a 16-bit frozen head computing in
+    fp32, storage16.py)."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
 def chunked_lm_loss(
@@ -129,17 +141,13 @@ def chunked_lm_loss(
     hidden = hidden[:, :-1].reshape(-1, dim)
     targets = labels[:, 1:].reshape(-1)
     count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    frozen = not (head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad))
-    if frozen and _is_plain_linear(head):
-        weight = _in_compute_dtype(head.weight, hidden)
-        bias = None if head.bias is None else _in_compute_dtype(head.bias, hidden)
-        return _FrozenHeadCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens) / count
-    head_function = _head_cast_once(head)
+    if _is_plain_linear(head):
+        return _HeadCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_tokens,
+                                       _compute_dtype(head.weight, hidden)) / count
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk_tokens):
         end = start + chunk_tokens
-        total = total + checkpoint(_chunk_loss_sum, head_function, hidden[start:end], targets[start:end],
-                                   use_reentrant=False)
+        total = total + checkpoint(_chunk_loss_sum, head, hidden[start:end], targets[start:end], use_reentrant=False)
     return total / count
 
 

@@ -47,6 +47,7 @@ from transformers.activations import ACT2FN, NewGELUActivation
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
+from .callbacks import WhileTraining
 from .heap import glibc_heap_available, release_freed_heap, training_settings
 from .heap import use as use_heap_settings
 from .memory import transformer_blocks
@@ -192,29 +193,6 @@ def use_cpu_speedups(model: nn.Module) -> Callable[[], None]:
 
 
 # --- the callbacks ---------------------------------------------------------------------
-
-
-class WhileTraining(Callback):
-    """Changes the model or the process for the length of training: `install(model)` makes the change
-    and returns its undo, which runs when training ends or fails."""
-
-    def __init__(self, install: Callable[[nn.Module], Callable[[], None]]) -> None:
-        self.install = install
-        self.undo: Callable[[], None] | None = None
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.undo = self.install(pl_module.model)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        if self.undo is not None:
-            self.undo()
-            self.undo = None
 
 
 class GlibcHeap(WhileTraining):

@@ -4,7 +4,7 @@ Every decision that depends on the hardware (the accelerator and precision in pl
 in budget.py, the step-time model's bf16 speed) asks `gpu()` and `cpu()` here, never torch.cuda or /proc
 directly.  `presenting(...)` puts any card or CPU in their place for the length of a `with`: the tests
 present the cards users have (`CARDS`) and both kinds of CPU to the same planner that runs on a real
-machine, and the README's card table is made that way on a machine without a GPU.
+machine, and docs/memory.md's card table is made that way on a machine without a GPU.
 
 What is read, and why each fact matters:
 

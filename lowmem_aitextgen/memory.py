@@ -10,7 +10,7 @@
 | (LoRA, see lora.py; other     | gradients + optimizer state of the base | adapter capacity only          |
 |   peft adapters, adapters.py) |                                         |                                |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
-| (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | a trainable head's matmul twice|
+| (chunked loss, chunked_loss.py)| full-block fp32 logits and their grads | gradients made in forward      |
 | (8-bit AdamW, optimizers.py)  | 3/4 of AdamW's state                    | states rounded to 8 bits       |
 | (glibc's heap, cpu.py)        | heap fragmentation, page faults (CPU)   | see cpu.py                     |
 """

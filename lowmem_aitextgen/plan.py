@@ -220,6 +220,7 @@ class TrainPlan:
     loss_chunk_tokens: int | None = None  # None: the model's own (unchunked) loss
     optimizer: str = "adamw"
     cpu_speedups: bool = False  # cpu.py's swaps while training
+    torch_compile: str | None = None  # compiling.py: "blocks" or "model" compiled while training; None: eager
     hold_freed_heap: bool = False  # cpu.py's glibc heap policy while training (False: glibc left alone)
     num_workers: int = 0
     output_dir: str = ""
@@ -314,6 +315,7 @@ class TrainPlan:
             + (f"strategy={self.strategy}, nodes={self.num_nodes}, devices={self.devices}, " if scale_out else "")
             + ("offload=fp32 weights, gradients and AdamW states in host memory, " if self.offload else "")
             + (f"gathered whole for a {self.gathered_for}, " if self.shards > 1 else "")
+            + (f"compiled={self.torch_compile}, " if self.torch_compile else "")
             + f"batch={self.micro_batch_size}x{self.accumulation} (micro-batch x accumulation), "
             f"trainable parameters={trainable:,} of {total:,}, "
             f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"
@@ -511,6 +513,19 @@ def decide_sharding(args: Arguments, accelerator: str, optimizer: str) -> tuple[
     return strategy, offload
 
 
+def decide_compile(args: Arguments, accelerator: str, strategy: Any) -> str | None:
+    """What torch.compile compiles while training (compiling.py): only what the user asked for, never on a
+    sharded model."""
+    how = {True: "blocks", "blocks": "blocks", "model": "model"}.get(args.get("torch_compile", False))
+    if how and strategy == "fsdp":
+        raise ValueError(f"torch_compile={args.torch_compile!r} cannot be used with strategy={args.strategy!r}: a "
+                         "sharded model is not compiled here. Leave torch_compile out, or use strategy='ddp'.")
+    if how and accelerator == "cpu":
+        logger.warning(f"torch_compile={args.torch_compile!r} on CPU: compiling measured slower than eager on CPUs "
+                       "(benchmarks/RESULTS.md), and the first step waits for the compiler.")
+    return how
+
+
 def validation_interval(args: Arguments) -> int:
     """Optimizer steps between evaluations: eval_every, else save_every, else num_steps // 10; 0 without
     val_data."""
@@ -578,6 +593,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         loss_chunk_tokens=default_chunk_tokens(accelerator) if args.chunked_loss else None,
         optimizer=decide_optimizer(args, resumed),
         cpu_speedups=on_cpu,
+        torch_compile=decide_compile(args, accelerator, strategy),
         hold_freed_heap=False,  # budget.py holds the heap where the memory needs it
         # The DataLoader only slices an in-memory array: worker processes cost
         # start-up time and crash scripts without a `__main__` guard.

@@ -161,6 +161,8 @@ class RunRecorder(OptimizerStepCallback):
                 "shards": plan.shards,  # processes the model is sharded across (strategy="fsdp")
                 "offload": plan.offload,  # weights, gradients and AdamW states in host memory
                 "gathered_for": plan.gathered_for if plan.sharded else None,  # what a sharded process holds whole
+                "held_heap": plan.hold_freed_heap,  # glibc's heap held and released at every block (heap.py)
+                "compiled": plan.torch_compile,  # torch.compile while training (compiling.py)
                 "trainable_parameters": trainable,
                 "parameters": total,
                 "budget_bytes": plan.budget.bytes if plan.budget else None,

@@ -25,6 +25,7 @@ from torch import nn
 from . import _compat, memory
 from .adapters import base_fingerprint, is_mergeable, merge_in_place
 from .callbacks import NonFiniteGuard, SaveAndSample
+from .compiling import Compiled
 from .cpu import cpu_callbacks
 from .data import training_loader
 from .generation import Samples
@@ -185,7 +186,8 @@ class TrainingRun:
         # the recorder first (the progress bar shows what it recorded); the callbacks that stop
         # training before the one that saves
         callbacks = [self.recorder, progress, self.guard, self.signals, *validating, saves, data_order,
-                     self.recovery, *cpu_callbacks(plan), *self.extra_callbacks]
+                     self.recovery, *cpu_callbacks(plan),
+                     *([Compiled(plan.torch_compile)] if plan.torch_compile else []), *self.extra_callbacks]
         return pl.Trainer(
             accelerator=plan.accelerator, devices=list(plan.devices) if isinstance(plan.devices, tuple)
             else plan.devices, strategy=lightning_strategy(plan),

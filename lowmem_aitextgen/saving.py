@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .heap import freed_memory_returned
+from .heap import freed_memory_returned, release_freed_heap
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -160,6 +160,9 @@ def write_safetensors(path: str, weights: list[WeightSource]) -> None:
                                    f"{weight.dtype} {weight.shape}")
             f.write(tensor.view(-1).view(torch.uint8).numpy().data)
             del tensor
+            # under glibc's dynamic threshold a freed tensor stays in the heap, where the next, larger one
+            # does not fit: given back at once, the save grows by one tensor (heap.py: no mallopt here)
+            release_freed_heap()
 
 
 def save_model_files(folder: str, plain: nn.Module, weights: list[WeightSource] | None = None) -> None:

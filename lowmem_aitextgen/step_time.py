@@ -8,7 +8,6 @@ the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
 | matmul work per token         | the model's width, depth, vocabulary, block     | 2 FLOPs a weight, attention  |
 | backward                      | 2x forward; LoRA or frozen: 1x (no weight grads)| autograd                     |
 | recompute                     | one more forward of each checkpointed block     | checkpointing                |
-| a trainable head, chunked     | the head's matmul once more                    | chunked_loss                 |
 | throughput                    | device and precision (bf16 is slower than fp32  | DEVICE_FLOPS, hardware.py's  |
 |                               | on CPUs without native bf16)                   | CPU_BF16_SPEED               |
 | micro-batch                   | tokens per micro-batch below a device's         | SATURATION_TOKENS            |
@@ -88,8 +87,8 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
     frozen_base = plan.trains_adapter
     backward = forward if frozen_base else 2 * forward
     recompute = min(plan.checkpointed_blocks, n_layer) * block_flops
-    head_again = head_flops if plan.loss_chunk_tokens and not frozen_base else 0
-    flops_per_token = forward + backward + recompute + head_again
+    # the chunked loss makes its gradients in forward: no more work than the model's own loss (chunked_loss.py)
+    flops_per_token = forward + backward + recompute
     tokens_per_micro = plan.micro_batch_size * block_size
     seconds_per_token = flops_per_token / throughput(plan, width, bf16_native)
     seconds_per_token *= 1 + SATURATION_TOKENS[plan.accelerator] / tokens_per_micro

@@ -1,6 +1,6 @@
 """cards: the planner on the hardware users have, presented as data (no GPU needed): every GPT-2 size, full
 fine-tune, LoRA and lora="auto", block 1024, batch_size=1 x 8, on common cards, shared cards and both kinds
-of CPU; and the README's card table is what the same code writes."""
+of CPU; and docs/memory.md's card table is what the same code writes."""
 
 import dataclasses
 import os
@@ -141,15 +141,15 @@ def test_a_notebook_that_already_holds_a_model_names_it_and_how_to_free_it():
     assert "del old_ai" in message and "torch.cuda.empty_cache()" in message
 
 
-# --- the README's table --------------------------------------------------------------------------------
+# --- the documented card table (docs/memory.md) ---------------------------------------------------------
 
 
-def test_the_readme_table_is_what_its_script_writes():
-    """README.md's "What fits my card" rows, regenerated (the planner on each presented card): the same plans,
+def test_the_documented_table_is_what_its_script_writes():
+    """docs/memory.md's "What fits my card" rows, regenerated (the planner on each presented card): the same plans,
     each estimate within 1% (the probes measure the installed transformers' kernels)."""
-    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8").read()
-    start = readme.index("<!-- fits-table: benchmarks/fits_table.py -->\n")
-    documented = readme[start:readme.index("<!-- /fits-table -->")].splitlines()[1:]
+    document = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "memory.md"), encoding="utf-8").read()
+    start = document.index("<!-- fits-table: benchmarks/fits_table.py -->\n")
+    documented = document[start:document.index("<!-- /fits-table -->")].splitlines()[1:]
     ours = fits_table().splitlines()
     assert documented[:2] == ours[:2] and len(documented) == len(ours)
     for theirs_row, our_row in zip(documented[2:], ours[2:]):
@@ -157,7 +157,7 @@ def test_the_readme_table_is_what_its_script_writes():
             assert theirs.split(": ")[0] == cell.split(": ")[0], (our_row, theirs_row)  # the same plan
             if ": " in cell:
                 assert _gib(cell) == pytest.approx(_gib(theirs), rel=0.01), (our_row, theirs_row)
-    assert f"block {TABLE_BLOCK}" in readme[:start][-1500:]
+    assert f"block {TABLE_BLOCK}" in document[:start][-1500:]
 
 
 def _cells(row: str) -> list[str]:

@@ -7,7 +7,7 @@ import pathlib
 import lowmem_aitextgen
 
 PACKAGE = pathlib.Path(lowmem_aitextgen.__file__).parent
-TECHNIQUES = {"storage16", "memory", "lora", "cpu", "chunked_loss", "optimizers"}
+TECHNIQUES = {"storage16", "memory", "lora", "cpu", "chunked_loss", "optimizers", "compiling"}
 
 
 def package_imports() -> dict[str, set[str]]:

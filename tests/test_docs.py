@@ -1,0 +1,69 @@
+"""The documentation names only what exists: every file, module and link in README.md, MIGRATING.md and docs/
+is in the tree, and every `lowmem_aitextgen ...` command shown names a verb and flags the command knows."""
+
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from lowmem_aitextgen import cli
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCUMENTS = [ROOT / "README.md", ROOT / "MIGRATING.md", *sorted((ROOT / "docs").glob("*.md"))]
+# where a bare file name (`plan.py`) may live
+HOMES = ("", "lowmem_aitextgen", "tests", "benchmarks", "samples", "docs")
+# names the documents use for the user's own files, not this tree's
+USERS_FILES = {"your_script.py", "data.txt", "input.txt", "train.py"}
+PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:py|md|sh|jsonl|cfg|ini|toml))(?![\w/])")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+COMMAND = re.compile(r"lowmem_aitextgen ((?:encode|train_tokenizer|train|generate|estimate)(?![\w/])[^`\n]*)")
+
+
+def test_the_front_door_is_one_page_and_the_manual_is_in_docs():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 150
+    assert {"memory.md", "runs.md", "scaling.md", "cli.md", "architecture.md"} <= {p.name for p in DOCUMENTS}
+
+
+def referenced_files(document: pathlib.Path) -> set[str]:
+    text = document.read_text(encoding="utf-8")
+    names = {match for match in PATH.findall(text) if "://" not in match}
+    return names | {link for link in LINK.findall(text) if "://" not in link}
+
+
+def exists(name: str, document: pathlib.Path) -> bool:
+    if name in USERS_FILES or name.startswith("aitextgen/"):  # aitextgen 0.6.0's own files
+        return True
+    candidates = [document.parent / name] + [ROOT / home / name for home in HOMES]
+    return any(candidate.exists() for candidate in candidates)
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_file_module_and_link_named_exists(document):
+    missing = sorted(name for name in referenced_files(document) if not exists(name, document))
+    assert not missing, f"{document.name} names files that do not exist: {missing}"
+
+
+def test_the_reader_finds_what_it_should():
+    """The reader is not vacuous: it sees the names in backticks, paths and links, and misses a wrong one."""
+    readme = ROOT / "README.md"
+    found = referenced_files(readme)
+    assert {"MIGRATING.md", "docs/memory.md", "samples/train_small_gpt2.py"} <= found
+    assert not exists("cpu_speed.py", readme) and exists("cpu.py", readme)
+
+
+def shown_commands() -> list[str]:
+    return [command.strip() for document in DOCUMENTS
+            for command in COMMAND.findall(document.read_text(encoding="utf-8"))]
+
+
+def test_every_command_shown_parses():
+    commands = shown_commands()
+    assert len(commands) >= 6
+    for command in commands:
+        verb, *argv = shlex.split(command)
+        assert verb in cli.COMMANDS, command
+        try:
+            cli.checked_argv(verb, argv)
+        except SystemExit:
+            pytest.fail(f"the documented command `lowmem_aitextgen {command}` does not parse")
