@@ -45,7 +45,7 @@ case "$group" in
   # issue 30's: 774M full fine-tune with 6 GiB free (on-card tiers first), and strategy="fsdp_cpu_offload" on
   # the whole card, 355M
   offload2) only=() ;;
-  # issue 36's: eager against each block compiled against the whole model compiled (torch_compile=), for 124M
+  # issue 36's: eager against each block compiled against the model's body compiled (torch_compile=), for 124M
   # and 355M, at batch 1 and at the planner's micro-batch (gradient_accumulation_steps=8); step_seconds[0] in the
   # results is the first step, compile included
   compile124|compile355) only=(ours_full ours_compile_blocks ours_compile_model) ;;

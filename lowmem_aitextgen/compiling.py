@@ -17,9 +17,9 @@ Off by default everywhere.  On CPU it measured slower (124M, block 512, bf16, 2 
 eager, 2.26 s with each block compiled, 2.49 s with the whole model; the first step 13-46 s), so the
 planner never compiles there; on GPUs it stays off until benchmarks/gpu_session.sh's compile rows say
 otherwise.  The LM head and the loss stay eager either way: the chunked loss (chunked_loss.py) calls the
-body and then the head chunk by chunk, never the model's own forward.  Generation after training runs eager: the compiled wrappers come off when training ends.
-A sharded model (strategy="fsdp", the offload tier) is not compiled: FSDP2's per-block hooks would be
-traced with it, which nothing here tests.
+body and then the head chunk by chunk, never the model's own forward.  Generation after training runs
+eager: the compiled wrappers come off when training ends.  A sharded model (strategy="fsdp", the offload
+tier) is not compiled: FSDP2's per-block hooks would be traced with it, which nothing here tests.
 """
 
 from __future__ import annotations

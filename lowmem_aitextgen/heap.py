@@ -22,8 +22,8 @@ back on.  Hence two rules:
 | freed_memory_returned (a phase) | the phase's freed heap, given back after  | the next step faults that back in once |
 |                                 | it                                        |                                        |
 | (gone) mmap 128 KiB for a phase | the phase's growth while it ran           | every tensor over 128 KiB mmapped for  |
-|                                 |                                           | the rest of the process: 1.6-1.8x      |
-|                                 |                                           | slower steps (benchmarks/RESULTS.md)   |
+|                                 |                                           | the rest of the process: steps 1.2-1.8x|
+|                                 |                                           | slower (benchmarks/RESULTS.md)         |
 
 An explicit mmap threshold needs its trim threshold beside it: alone, glibc's 128 KiB trim threshold hands
 the heap's top back on every free, and each step faults it in again (measured: thousands of faults a step).
@@ -92,12 +92,6 @@ def _environment_setting(option: int) -> int | None:
         if value and value.isdigit():
             return int(value)
     return None
-
-
-def dynamic_threshold_on() -> bool:
-    """Whether glibc still adjusts its mmap threshold: nothing here has set a threshold in this process, and
-    the environment set none."""
-    return not _in_force and all(_environment_setting(option) is None for option in _ENVIRONMENT_NAMES)
 
 
 def training_settings(hold: bool) -> HeapSettings:

@@ -130,8 +130,11 @@ def test_training_steps_fault_no_more_pages_after_a_save_a_validation_and_a_plan
     the planner's probes ran again."""
     first, second = (run["faults"] for run in runs["runs"][:2])
     assert not runs["runs"][0]["held"] and not runs["runs"][1]["held"]
+    # two steps are few to take a median of: twice the larger, and 4 MB of pages (a left-behind 128 KiB
+    # threshold faults about 11,000 pages a step here)
+    bound = 2 * max(first[1:3]) + 1024
     for after in (first[4:6], first[7:9], second[1:]):
-        assert statistics.median(after) <= no_more_than(first[1:3]), runs["runs"]
+        assert statistics.median(after) <= bound, runs["runs"]
 
 
 def test_the_settings_in_force_during_training_are_the_plans(runs):
