@@ -55,7 +55,6 @@ SETTLED_MMAP_THRESHOLD = 32 * 2**20
 SETTLED_TRIM_THRESHOLD = 2 * SETTLED_MMAP_THRESHOLD
 _ENVIRONMENT_NAMES = {M_TRIM_THRESHOLD: ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold"),
                       M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold")}
-_SETTLED = {M_MMAP_THRESHOLD: SETTLED_MMAP_THRESHOLD, M_TRIM_THRESHOLD: SETTLED_TRIM_THRESHOLD}
 _in_force: dict[int, int] = {}  # what this module last set, per option
 
 
@@ -66,6 +65,11 @@ class HeapSettings:
     name: str
     mmap_threshold: int | None = None
     trim_threshold: int | None = None
+
+    def options(self) -> dict[int, int]:
+        """mallopt's option numbers and the values to set (the thresholds left as they are: none)."""
+        values = {M_MMAP_THRESHOLD: self.mmap_threshold, M_TRIM_THRESHOLD: self.trim_threshold}
+        return {option: value for option, value in values.items() if value is not None}
 
 
 GLIBC_OWN = HeapSettings("glibc's own (dynamic threshold)")
@@ -109,9 +113,9 @@ def use(settings: HeapSettings) -> Callable[[], None] | None:
     libc = _glibc()
     if libc is None:
         return None
-    wanted = {M_MMAP_THRESHOLD: settings.mmap_threshold, M_TRIM_THRESHOLD: settings.trim_threshold}
-    wanted = {option: value for option, value in wanted.items() if value is not None}
-    previous = {option: _in_force.get(option, _environment_setting(option) or _SETTLED[option]) for option in wanted}
+    wanted = settings.options()
+    settled = SETTLED.options()
+    previous = {option: _in_force.get(option, _environment_setting(option) or settled[option]) for option in wanted}
     _set(libc, wanted)
 
     def undo() -> None:
