@@ -1,8 +1,8 @@
 """aitextgen's TokenDataset, encoding correctly on transformers 5 and numpy 2.
 
 Same constructor, attributes and cache format as aitextgen 0.6.0; the
-encoding (which overflowed under numpy 2) and the tokenizer construction
-(empty under transformers 5) go through _compat.
+encoding (which overflowed under numpy 2) is encode_texts below, and the tokenizer construction
+(empty under transformers 5) goes through _compat.
 
 A cache's token ids mean something only with the tokenizer that made them.  save() writes, beside
 the cache (aitextgen's format, unchanged), CACHE.json: the tokenizer's fingerprint (a hash of its
@@ -18,11 +18,12 @@ import contextlib
 import csv
 import gzip
 import hashlib
+import itertools
 import json
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 import numpy as np
@@ -254,7 +255,7 @@ class TokenDataset(_AitextgenTokenDataset):
                              "there would replace the text. Name another file, e.g. 'dataset_cache.tar.gz'.")
         if texts is not None:
             self.str_suffix = "via application."
-            tokens = _compat.encode_texts((text + eos_token for text in texts), tokenizer)
+            tokens = encode_texts((text + eos_token for text in texts), tokenizer)
         else:
             check_text_file(file_path)
             self.line_by_line = line_by_line
@@ -264,7 +265,7 @@ class TokenDataset(_AitextgenTokenDataset):
             # Bulk text is one stream: no eos between lines, as in aitextgen.
             read: dict[str, Any] = {}
             texts_iter = _read_texts(str(file_path), line_by_line, header, eos_token if line_by_line else "", read)
-            tokens = _compat.encode_texts(texts_iter, tokenizer)
+            tokens = encode_texts(texts_iter, tokenizer)
             if tokens.shape[0] == 0:
                 raise _nothing_read(str(file_path), line_by_line, read)
         self._set_tokens(tokens)
@@ -341,13 +342,13 @@ def encode_tokens_from_file(file_path: str, eos_token: str, tokenizer: Any, newl
                             batch_size: int = 1024) -> np.ndarray:
     """aitextgen's: each line (or CSV row) followed by eos_token, as one array of token ids (numpy 2 safe)."""
     check_text_file(file_path)
-    return _compat.encode_texts(_read_texts(str(file_path), True, header, eos_token), tokenizer, batch_size)
+    return encode_texts(_read_texts(str(file_path), True, header, eos_token), tokenizer, batch_size)
 
 
 def encode_tokens_from_list(texts: list[str], eos_token: str, tokenizer: Any, progress_bar_refresh_rate: int = 20,
                             batch_size: int = 1024) -> np.ndarray:
     """aitextgen's: each text followed by eos_token, as one array of token ids (numpy 2 safe)."""
-    return _compat.encode_texts((text + eos_token for text in texts), tokenizer, batch_size)
+    return encode_texts((text + eos_token for text in texts), tokenizer, batch_size)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -372,3 +373,33 @@ def merge_datasets(datasets: list[TokenDataset], equalize: bool = True) -> Token
     merged = TokenDataset(tokenized_texts=np.concatenate(parts), block_size=block_size)
     merged.tokenizer_record = json.loads(records.pop()) if records else None
     return merged
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """Smallest unsigned dtype that holds every token id.
+
+    aitextgen picked the same dtypes but filled arrays with -1 as a sentinel:
+    ``np.full(..., -1, dtype=np.uint16)`` raises OverflowError under numpy 2
+    (NEP 50), so TokenDataset could not encode anything.  We never need a
+    sentinel: ids are streamed straight into a flat array.
+    """
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return dtype
+    return np.uint64
+
+
+def encode_texts(texts: Iterable[str], tokenizer, batch_size: int = 1024) -> np.ndarray:
+    """Encode texts in batches into one flat token array (numpy-2 safe)."""
+    dtype = token_dtype(len(tokenizer))
+    chunks: list[np.ndarray] = []
+    texts = iter(texts)
+    while batch := list(itertools.islice(texts, batch_size)):
+        ids = tokenizer(
+            batch,
+            add_special_tokens=False,
+            return_token_type_ids=False,
+            return_attention_mask=False,
+        )["input_ids"]
+        chunks.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype))
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)

@@ -9,7 +9,8 @@ Import-time breakage is handled by :func:`install`, which imports aitextgen once
 under *temporary* shims: every stand-in is removed again afterwards, so no other
 library ever sees a fake ``pkg_resources`` or ``requests``.  Breakage beyond
 import is handled by the replacement functions below, which the rest of
-lowmem_aitextgen calls instead of aitextgen's own.
+lowmem_aitextgen calls instead of aitextgen's own, and by two that live where they are used:
+TokenDataset.encode_texts (numpy 2) and saving.find_weights (safetensors folders).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import itertools
 import json
 import logging
 import os
@@ -27,8 +27,6 @@ import warnings
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from typing import Any
-
-import numpy as np
 
 _installed = False
 
@@ -274,52 +272,3 @@ def _read_merges(merges_file: str) -> list[tuple[str, str]]:
                          f"{lines[bad][:60]!r}; is it the vocab file? Pass vocab_file='...vocab.json', "
                          "merges_file='...merges.txt'.")
     return merges
-
-
-def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
-    """Smallest unsigned dtype that holds every token id.
-
-    aitextgen picked the same dtypes but filled arrays with -1 as a sentinel:
-    ``np.full(..., -1, dtype=np.uint16)`` raises OverflowError under numpy 2
-    (NEP 50), so TokenDataset could not encode anything.  We never need a
-    sentinel: ids are streamed straight into a flat array.
-    """
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if vocab_size <= np.iinfo(dtype).max + 1:
-            return dtype
-    return np.uint64
-
-
-def encode_texts(texts: Iterable[str], tokenizer, batch_size: int = 1024) -> np.ndarray:
-    """Encode texts in batches into one flat token array (numpy-2 safe)."""
-    dtype = token_dtype(len(tokenizer))
-    chunks: list[np.ndarray] = []
-    texts = iter(texts)
-    while batch := list(itertools.islice(texts, batch_size)):
-        ids = tokenizer(
-            batch,
-            add_special_tokens=False,
-            return_token_type_ids=False,
-            return_attention_mask=False,
-        )["input_ids"]
-        chunks.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype))
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
-
-
-# Weight files a model folder may hold, newest format first.  aitextgen 0.6.0's
-# `model_folder` asserted that pytorch_model.bin exists, but transformers has
-# written model.safetensors by default since 4.35 (and only safetensors since 5).
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def find_weights(folder: str) -> str | None:
-    """The weight file transformers will load from `folder`, or None."""
-    for name in WEIGHT_FILES:
-        if os.path.isfile(os.path.join(folder, name)):
-            return name
-    return None

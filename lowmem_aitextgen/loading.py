@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from . import _compat
+from . import _compat, saving
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -68,10 +68,10 @@ def check_model_folder(model_folder: str) -> None:
     if not os.path.isfile(config):
         raise FileNotFoundError(f"There is no config.json in model_folder={model_folder!r}; it is not a saved model.")
     read_json(config, "model_folder")
-    if _compat.find_weights(model_folder) is None:
+    if saving.find_weights(model_folder) is None:
         raise FileNotFoundError(
             f"model_folder={model_folder!r} has config.json but no weights "
-            f"(expected one of {', '.join(_compat.WEIGHT_FILES)})."
+            f"(expected one of {', '.join(saving.WEIGHT_FILES)})."
         )
 
 
@@ -95,7 +95,7 @@ def from_folder(model_folder: str, what: str, **kwargs: Any) -> nn.Module:
 
 
 def _damaged(model_folder: str, what: str, error: Exception) -> ValueError:
-    weights = os.path.join(model_folder, _compat.find_weights(model_folder) or "")
+    weights = os.path.join(model_folder, saving.find_weights(model_folder) or "")
     return ValueError(f"{what}: the weights in {weights} cannot be loaded ({type(error).__name__}: {error}); "
                       "the file is damaged or incomplete. Save the model again, or load an earlier copy.")
 
@@ -130,7 +130,7 @@ class DeferredModel:
 
     @staticmethod
     def possible(folder: str) -> bool:
-        return _compat.find_weights(folder) == "model.safetensors"
+        return saving.find_weights(folder) == "model.safetensors"
 
     def load(self, dtype: Any = None) -> nn.Module:
         """The model with its weights, in `dtype` (None: as transformers reads them), sharing the

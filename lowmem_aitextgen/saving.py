@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat
 from .heap import freed_memory_returned, release_freed_heap
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -261,7 +260,7 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
             raise OSError(error.errno, f"Saving the model to {output_dir} failed ({error.strerror or error}); the "
                                        "files already there are untouched. Free some disk space or choose another "
                                        "folder.") from error
-        written = _compat.find_weights(staging)
+        written = find_weights(staging)
         names = sorted(os.listdir(staging))
         _move_into(staging, output_dir)
     finally:
@@ -395,3 +394,22 @@ class OutputDirLock:
             os.remove(self.path)  # before closing: whoever waits locks a fresh file
             os.close(self.fd)
             self.fd = None
+
+
+# Weight files a model folder may hold, newest format first.  aitextgen 0.6.0's
+# `model_folder` asserted that pytorch_model.bin exists, but transformers has
+# written model.safetensors by default since 4.35 (and only safetensors since 5).
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def find_weights(folder: str) -> str | None:
+    """The weight file transformers will load from `folder`, or None."""
+    for name in WEIGHT_FILES:
+        if os.path.isfile(os.path.join(folder, name)):
+            return name
+    return None

@@ -154,13 +154,15 @@ def test_default_tokenizer_is_gpt2_bpe_not_empty():
 def test_encoding_overflowed_under_numpy2_and_ours_does_not():
     from aitextgen.TokenDataset import encode_tokens_from_list
 
+    from lowmem_aitextgen.TokenDataset import encode_texts
+
     vocab, merges = _compat.default_gpt2_vocab_files()
     tokenizer = _compat.gpt2_tokenizer_from_files(vocab, merges)
     texts = ["Hello world.", "A second text."]
     if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
         with pytest.raises(OverflowError):
             encode_tokens_from_list(texts, "<|endoftext|>", tokenizer)
-    tokens = _compat.encode_texts((t + "<|endoftext|>" for t in texts), tokenizer)
+    tokens = encode_texts((t + "<|endoftext|>" for t in texts), tokenizer)
     assert tokens.dtype == np.uint16
     assert tokens.tolist() == tokenizer("Hello world.<|endoftext|>A second text.<|endoftext|>")["input_ids"]
 
