@@ -234,9 +234,9 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
         ai.train(data, output_dir=out, num_steps=steps, learning_rate=1e-4, generate_every=0,
                  n_gpu=1 if gpu else 0, callbacks=[LightningProbe()], progress_bar_refresh_rate=1, **kwargs)
     plan = chosen["plan"]
-    described = {"precision": plan.precision, "compiled": plan.torch_compile, "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer),
+    described = {"precision": plan.precision, "compiled": plan.torch_compile, "checkpointed_blocks": plan.checkpointed_blocks,
                  "held_heap": plan.hold_freed_heap,
-                 "lora": plan.lora is not None, "chunked_loss": bool(plan.loss_chunk_tokens),
+                 "lora": plan.trains_lora, "chunked_loss": bool(plan.loss_chunk_tokens),
                  "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}"}
     return {"last_loss": chosen["last_loss"], "plan": described,
             "estimate_bytes": estimate_plan(ai.model.config, plan, data.block_size).total}

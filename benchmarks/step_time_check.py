@@ -27,25 +27,26 @@ from memory_speed import dataset  # noqa: E402
 from transformers import GPT2Config  # noqa: E402
 
 from lowmem_aitextgen import aitextgen  # noqa: E402
+from lowmem_aitextgen.adapter_settings import AdapterSettings  # noqa: E402
 from lowmem_aitextgen.hardware import bf16_native  # noqa: E402
-from lowmem_aitextgen.plan import ALL_BLOCKS, LoraSettings  # noqa: E402
 from lowmem_aitextgen.step_time import step_seconds  # noqa: E402
 
 SIZES = {"355M": dict(n_layer=24, n_embd=1024, n_head=16), "124M": dict(n_layer=12, n_embd=768, n_head=12),
          "w256": dict(n_layer=4, n_embd=256, n_head=4), "tiny": dict(n_layer=2, n_embd=64, n_head=4)}
+ALL, HALF = -1, -2  # checkpointed_blocks: every block, half of them (the model's n_layer is put in)
 # (name, plan fields): the choices the planner weighs, one at a time from "k=0 m=1 bf16" (glibc left alone)
 PLANS = [
     ("k=0 m=1 bf16", dict()),
-    ("k=all m=1 bf16", dict(checkpointed_blocks=ALL_BLOCKS)),
-    ("k=half m=1 bf16", dict(checkpointed_blocks=-2)),
+    ("k=all m=1 bf16", dict(checkpointed_blocks=ALL)),
+    ("k=half m=1 bf16", dict(checkpointed_blocks=HALF)),
     ("k=0 m=2 bf16", dict(micro_batch_size=2, accumulation=1)),
     ("k=0 m=1x2 bf16", dict(micro_batch_size=1, accumulation=2)),
     ("k=0 m=1 fp32", dict(precision="32-true")),
     ("k=0 m=1 bf16 8-bit", dict(optimizer="adamw8bit")),
-    ("k=0 m=1 bf16 LoRA", dict(lora=LoraSettings())),
-    ("k=all m=1 bf16 LoRA", dict(lora=LoraSettings(), checkpointed_blocks=ALL_BLOCKS)),
+    ("k=0 m=1 bf16 LoRA", dict(adapter=AdapterSettings.lora())),
+    ("k=all m=1 bf16 LoRA", dict(adapter=AdapterSettings.lora(), checkpointed_blocks=ALL)),
     ("k=0 m=1 bf16 held heap", dict(hold_freed_heap=True)),  # CPU only: cpu.ReleaseFreedHeap
-    ("k=all m=1 bf16 held heap", dict(hold_freed_heap=True, checkpointed_blocks=ALL_BLOCKS)),
+    ("k=all m=1 bf16 held heap", dict(hold_freed_heap=True, checkpointed_blocks=ALL)),
 ]
 
 
@@ -67,11 +68,8 @@ class StepTimes(pl.Callback):
 def forced(fields: dict):
     class Forced(aitextgen):
         def _training_plan(self, args):
-            plan, data = super()._training_plan(args)
-            changes = dict(fields)
-            if changes.get("checkpointed_blocks") == -2:
-                changes["checkpointed_blocks"] = plan.n_layer // 2
-            return dataclasses.replace(plan, **changes, chosen_because="forced"), data
+            plan, *rest = super()._training_plan(args)
+            return dataclasses.replace(plan, **with_blocks(fields, plan.n_layer), chosen_because="forced"), *rest
     return Forced
 
 
@@ -86,7 +84,7 @@ def measure(size: str, block: int, steps: int, name: str, fields: dict, device: 
                  gradient_checkpointing=False, progress_bar_refresh_rate=1000)
         plan = probe_plan(ai, out)
     measured = statistics.median(probe.times)
-    trainable = sum(p.numel() for p in ai.model.parameters()) if "lora" not in fields else plan["trainable_parameters"]
+    trainable = sum(p.numel() for p in ai.model.parameters()) if "adapter" not in fields else plan["trainable_parameters"]
     predicted = step_seconds(rebuild(fields, config, device), config, block, trainable, bf16_native(device))
     return {"size": size, "block": block, "device": device, "plan": name, "measured_s": measured,
             "predicted_s": predicted}
@@ -101,10 +99,13 @@ def rebuild(fields: dict, config: GPT2Config, device: str):
     from lowmem_aitextgen.estimate import memory_plan
 
     plan = memory_plan("bf16-mixed", False, None, 1, "adamw", True, device=device)
-    changes = dict(fields)
-    if changes.get("checkpointed_blocks") == -2:
-        changes["checkpointed_blocks"] = config.n_layer // 2
-    return dataclasses.replace(plan, n_layer=config.n_layer, **changes)
+    return dataclasses.replace(plan, n_layer=config.n_layer, **with_blocks(fields, config.n_layer))
+
+
+def with_blocks(fields: dict, n_layer: int) -> dict:
+    """The plan fields with ALL or HALF as the model's number of blocks."""
+    blocks = fields.get("checkpointed_blocks", 0)
+    return {**fields, "checkpointed_blocks": {ALL: n_layer, HALF: n_layer // 2}.get(blocks, blocks)}
 
 
 def measure_in_child(args: argparse.Namespace, name: str) -> dict:

@@ -98,7 +98,7 @@ def main() -> None:
     result = {"size": args.size, "block": args.block, "steps": args.steps, "lora": args.lora,
               "checkpointing": args.checkpointing, "max_memory": args.max_memory, "precision": args.precision,
               "from_folder": args.from_folder, "train_call_s": round(train_seconds, 2),
-              "plan": {"precision": plan.precision, "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer),
+              "plan": {"precision": plan.precision, "checkpointed_blocks": plan.checkpointed_blocks,
                        "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}",
                        "upcast_bf16_weights": plan.upcasts_bf16_weights},
               "estimate_bytes": estimate.total, **{f"{k}_peak_bytes": v for k, v in marks.items()},

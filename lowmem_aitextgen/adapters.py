@@ -1,5 +1,5 @@
-"""peft adapters: the settings of any peft method for causal LMs, putting one on a model, merging it after
-training, and what a save writes of it.  LoRA's own choices (default targets, its rounding) are lora.py's.
+"""peft adapters: putting one on a model, merging it after training, and what a save writes of it.  Their
+settings are adapter_settings.py's; LoRA's own choices (default targets, its rounding) are lora.py's.
 
 | method (peft)                 | trains                              | merged after training | output_dir holds                  |
 |-------------------------------|-------------------------------------|-----------------------|-----------------------------------|
@@ -29,14 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat
+from . import _compat, lora
+from .adapter_settings import AdapterSettings
 from .heap import release_freed_heap
-from .lora import ADAPTER_SUBFOLDER as LORA_SUBFOLDER
-from .lora import merged_weight
-from .plan import AdapterSettings
 from .saving import WeightSource, model_weights, save_model_files
 
-ADAPTER_SUBFOLDER = "adapter"  # a mergeable adapter other than LoRA, beside the merged model
 BASE_RECORD = "base_weights.json"  # in the adapter folder: which weights the adapter was trained on
 
 
@@ -61,11 +58,30 @@ def positions_taken(model: nn.Module) -> int:
 
 
 def add_adapter(model: nn.Module, settings: AdapterSettings) -> nn.Module:
-    """`model` wrapped in the peft adapter `settings` names; only the adapter's parameters require grad."""
+    """`model` wrapped in the peft adapter `settings` names (LoRA completed for the model: lora.for_model);
+    only the adapter's parameters require grad.  Layers named that the model lacks fail here, with the
+    names it has, not deep inside peft."""
     from peft import get_peft_model
 
+    config = settings.peft_config()
+    if settings.is_lora:
+        config = lora.for_model(config, model)
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, (list, tuple, set, frozenset)):
+        check_target_modules(model, tuple(sorted(targets)))
     with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
-        return get_peft_model(model, settings.peft_config())
+        return get_peft_model(model, config)
+
+
+def check_target_modules(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """Every target a layer of the model (by its name or the end of it); else the linear layers it has."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if missing:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if type(m).__name__ in ("Linear", "Conv1D")})
+        raise ValueError(f"target_modules {missing} are not in this model (lora_target_modules=, or peft_config's "
+                         f"target_modules); its linear layers are {linear}.")
 
 
 def is_mergeable(model: nn.Module) -> bool:
@@ -86,7 +102,7 @@ def _merged_layer_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     from peft.tuners.lora import LoraLayer
 
     if isinstance(module, LoraLayer):
-        return merged_weight(module.get_base_layer().weight, module, dtype)
+        return lora.merged_weight(module.get_base_layer().weight, module, dtype)
     layer = copy.deepcopy(module)
     layer.merge()
     return layer.get_base_layer().weight.detach().to(dtype)
@@ -170,9 +186,8 @@ def read_adapter_into(model: nn.Module, folder: str) -> None:
 
 
 def adapter_subfolder(model: nn.Module) -> str:
-    """Where beside the merged model its adapter is saved."""
-    lora = str(model.peft_config[model.active_adapter].peft_type).endswith("LORA")
-    return LORA_SUBFOLDER if lora else ADAPTER_SUBFOLDER
+    """Where beside the merged model its adapter is saved (AdapterSettings.subfolder)."""
+    return AdapterSettings.of(model.peft_config[model.active_adapter]).subfolder
 
 
 def base_fingerprint(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, str]:

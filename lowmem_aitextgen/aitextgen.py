@@ -26,7 +26,7 @@ from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
 from .optimizers import check_optimizer
-from .plan import TrainPlan, build_plan
+from .plan import RunSettings, TrainPlan, build_plan, planner_inputs, run_settings
 from .report import make_loggers
 from .resume import check_resumable, checkpoint_to_resume, read_run_description
 from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun
@@ -51,7 +51,24 @@ def _configure_logging(verbose: bool) -> None:
 class aitextgen(_aitextgen):
     """aitextgen's main object, fine-tuning in little memory on today's stack.
 
-    Constructor arguments are aitextgen 0.6.0's; see MIGRATING.md for what changed.
+    Constructor arguments are aitextgen 0.6.0's (MIGRATING.md says what changed), plus gradient_checkpointing.
+
+    Args:
+        model: a hub id ("gpt2", "gpt2-medium", ...); left out with no other source: the 124M GPT-2.
+        model_folder: a folder a train() or save() wrote (or any transformers model folder); an adapter saved
+            beside its base is loaded with it, refused if the base weights are not the ones it was trained on.
+        config: a transformers config (or its config.json path): a new, randomly initialised model of it.
+        vocab_file, merges_file: a GPT-2 BPE tokenizer's files (vocab.json, merges.txt).
+        tokenizer_file: train_tokenizer()'s aitextgen.tokenizer.json.
+        schema_tokens, schema_return: aitextgen's schema generation (kept on the model's config).
+        cache_dir: where hub downloads are kept (default "aitextgen").
+        tf_gpt2: "124M", "355M", "774M" or "1558M": OpenAI's GPT-2 of that size, from the hub.
+        to_gpu: move the model to a GPU (said once, and kept on the CPU, where there is none).
+        to_fp16: hold the model in fp16 (for generation; train() plans its own precision).
+        verbose: transformers' and Lightning's own log lines too.
+        gradient_checkpointing: True or False forces it for every train() of this object; None (default): the
+            planner checkpoints the blocks memory needs.
+        bos_token, eos_token, unk_token: the tokenizer's special tokens (default "<|endoftext|>").
     """
 
     def __init__(
@@ -163,8 +180,26 @@ class aitextgen(_aitextgen):
                  schema: bool = False, normalize_key: bool = True, use_cache: bool = True, lstrip: bool = True,
                  nonempty_output: bool = True, skip_special_tokens: bool = True, batch_size: int | None = None,
                  **kwargs: Any) -> Any:
-        """aitextgen's generate(), checked before it starts; batch_size= makes the texts that many at a
-        time (transformers 5 no longer accepts it as a generation argument)."""
+        """aitextgen's generate(): texts from the model, printed (or returned), every argument checked before it
+        starts.
+
+        Args:
+            n: how many texts (default 1).
+            prompt: the text each one starts with.
+            prepend_bos: start from the beginning-of-text token (default: where the model was trained line by line).
+            min_length, max_length: tokens to generate, at least and at most (default max: 256, within the context).
+            temperature: sampling temperature (default 0.7).
+            do_sample: sample (default True), or decode greedily.
+            return_as_list: return the texts instead of printing them.
+            seed: makes the texts repeat exactly.
+            pad_token_id: the padding token (default: the end-of-text token).
+            schema, normalize_key: aitextgen's schema generation.
+            use_cache: the KV cache (default True).
+            lstrip: strip leading whitespace of each text.
+            nonempty_output: generate again where a text came out empty (default True).
+            skip_special_tokens: leave special tokens out of the texts (default True).
+            batch_size: texts made at a time (transformers 5 no longer accepts it as a generation argument).
+            **kwargs: transformers' generate() arguments (top_k, top_p, repetition_penalty, ...)."""
         args = arguments.from_call(self.generate, locals())
         self._check_tokenizer("generate()")
         generation.check_generate(self.model, self.tokenizer, "generate()", args)
@@ -255,23 +290,67 @@ class aitextgen(_aitextgen):
         early_stopping_patience: int | None = None,
         **kwargs: Any,
     ) -> None:
-        """Fine-tune on a text file or TokenDataset; aitextgen's arguments plus
-        precision=, gradient_checkpointing=, lora*= (lora="auto": only if the memory budget needs it),
-        peft_config= (any peft method for causal LMs) or adapter="prefix" (prefix tuning),
-        chunked_loss=, torch_compile= (True: each transformer block compiled while training, for GPUs; off by
-        default, compiling.py), optimizer= ("adamw", or "adamw8bit" where the budget needs it), resume= (continue
-        from output_dir's checkpoint), max_memory= (fit the plan to a budget), pin_micro_batch= (keep
-        batch_size x gradient_accumulation_steps as given), Lightning's strategy=, num_nodes=, devices=
-        and callbacks=, and val_data= (a text file, a TokenDataset, or a fraction of train_data to hold out:
-        output_dir then keeps the model with the lowest validation loss), eval_every= (optimizer steps
-        between evaluations) and early_stopping_patience= (evaluations without improvement before stopping).
-        Other keyword arguments go to TokenDataset (e.g. line_by_line=True, block_size=256)."""
+        """Fine-tune on a text file or TokenDataset, in the fastest plan that fits the memory, and save the result
+        into output_dir (atomically; with val_data, the model with the lowest validation loss).  Every argument
+        is checked before any work.  aitextgen 0.6.0's arguments mean what they meant (MIGRATING.md); the
+        others are new.  After train() returns, the object holds the trained model (LoRA merged), ready to
+        generate.
+
+        Args:
+            train_data: a text file (or .csv, .gz) or a TokenDataset.
+            output_dir: where the model, its tokenizer, the summary and the checkpoint go (default "trained_model").
+            fp16: True: mixed precision (bf16 where native, fp16 with loss scaling on GPUs from capability 5.3,
+                fp32 with a warning where neither is native); False: fp32; None (default): bf16 where the device
+                computes it natively, else fp32.
+            fp16_opt_level, tpu_cores, use_deepspeed, save_gdrive, benchmark, run_id: obsolete; accepted, with one
+                line each saying what happens instead.
+            n_gpu: -1 (default) every GPU, 0 the CPU, or a number of GPUs.
+            max_grad_norm: gradient clipping (default 0.5; 0 turns it off).
+            gradient_accumulation_steps: micro-batches per optimizer step (default 1).
+            seed: makes a run repeat exactly (data order, LoRA's initialisation, dropout).
+            learning_rate, weight_decay, adam_epsilon, warmup_steps: AdamW's and its linear schedule's (defaults
+                1e-3, 0.05, 1e-8, 0).
+            num_steps: optimizer steps (default 5000).
+            save_every: steps between saves of the model and the checkpoint (default 1000; 0: only at the end).
+            generate_every, n_generate: steps between samples printed while training, and texts per sample.
+            loggers: Lightning loggers, "csv" or "tensorboard" (in output_dir/logs), or a list of them.
+            batch_size: sequences per optimizer step and micro-batch, before the planner splits it (default 1).
+            num_workers: DataLoader workers (default 0: the data is an in-memory array).
+            avg_loss_smoothing: the weight of each step's loss in the progress bar's average (default 0.01).
+            progress_bar_refresh_rate: steps between progress bar updates (default 20).
+            freeze_layers, num_layers_freeze: freeze the first blocks (aitextgen's; 1558M freezes by default).
+            precision: a Lightning precision string ("32-true", "bf16-mixed", "16-mixed", ...); wins over fp16.
+            gradient_checkpointing: True or False forces it for every block; None (default): the blocks memory
+                needs, every block from 300M parameters without a budget.
+            lora: True trains LoRA adapters (merged into the saved model; the adapter in lora_adapter/); "auto":
+                only where the memory budget needs it; False (default): every weight.
+            lora_r, lora_alpha, lora_dropout, lora_target_modules: LoRA's settings (defaults 8, 16, 0.05, every
+                projection of the block).
+            peft_config: any peft config for causal LMs (peft.PrefixTuningConfig(...), IA3Config, LoraConfig, ...).
+            adapter: "prefix": prefix tuning with 20 virtual tokens.
+            chunked_loss: the loss a chunk of tokens at a time (default True; 256 tokens on a GPU, 128 on CPU).
+            torch_compile: True or "blocks" compiles each transformer block while training, "model" the body;
+                off by default (for GPUs).
+            optimizer: "adamw" (default), "adamw8bit" (torchao) or "adafactor"; the planner may choose 8-bit AdamW
+                where the budget needs it, unless given.
+            strategy, num_nodes, devices: Lightning's; strategy="fsdp" shards the model (FSDP2, GPUs and CPU).
+            resume: True continues from output_dir's checkpoint; or a checkpoint's path.
+            max_memory: fit the plan to this budget ("6GiB", "7.5GB" or bytes) instead of the device's memory.
+            pin_micro_batch: keep batch_size x gradient_accumulation_steps as given (default: the planner may
+                split the same effective batch otherwise).
+            callbacks: extra Lightning callbacks.
+            val_data: a text file, a TokenDataset, or a fraction of train_data to hold out (e.g. 0.1).
+            eval_every: optimizer steps between evaluations (default save_every, or num_steps // 10).
+            early_stopping_patience: evaluations without improvement before stopping.
+            **kwargs: TokenDataset's arguments (line_by_line=True, block_size=256, ...).
+
+        docs/arguments.md and docs/memory.md say more; docs/runs.md what output_dir holds."""
         args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
         loggers = make_loggers(args.loggers, args.output_dir)
-        plan, dataset, val_dataset = self._training_plan(args)
+        plan, settings, dataset, val_dataset = self._training_plan(args)
         model = self._model_for(plan)
         model.config.line_by_line = getattr(dataset, "line_by_line", False)
-        run = TrainingRun(model, self.tokenizer, self.model_source.name, plan, dataset, loggers,
+        run = TrainingRun(model, self.tokenizer, self.model_source.name, plan, settings, dataset, loggers,
                           list(args.callbacks or []), val_dataset)
         try:
             outcome = run.run()
@@ -302,9 +381,9 @@ class aitextgen(_aitextgen):
         check_optimizer(args.optimizer or "adamw")
         return args
 
-    def _training_plan(self, args: arguments.Arguments) -> tuple[TrainPlan, Dataset, Dataset | None]:
-        """The plan (fitted to the memory budget), the training data and the validation data (None without
-        val_data), with a checkpoint to resume checked."""
+    def _training_plan(self, args: arguments.Arguments) -> tuple[TrainPlan, RunSettings, Dataset, Dataset | None]:
+        """The plan (fitted to the memory budget), the run's settings, the training data and the validation
+        data (None without val_data), with a checkpoint to resume checked."""
         resume_from = checkpoint_to_resume(args.resume, args.output_dir)
         resumed = read_run_description(resume_from)
         model = self.model_shape
@@ -316,10 +395,11 @@ class aitextgen(_aitextgen):
                                                        unk_token=self.unk_token),
                                    reserved=plan.adapter.positions_taken if plan.adapter is not None else 0)
         dataset, val_dataset = validation.validation_datasets(encode(args.train_data), args, encode)
-        plan = fit_to_budget(plan, model.config, dataset.block_size, weights_on_gpu(model))
+        plan = fit_to_budget(plan, planner_inputs(args), model.config, dataset.block_size, weights_on_gpu(model))
+        settings = run_settings(args)
         if resumed is not None:
-            check_resumable(resume_from, resumed, plan, model)
-        return plan, dataset, val_dataset
+            check_resumable(resume_from, resumed, plan, settings, model)
+        return plan, settings, dataset, val_dataset
 
     def cross_train(self, inputs: list, learning_rate: float | list[float] = 1e-4,
                     num_steps: int | list[int] = 4000, run_id: str | None = None, **kwargs: Any) -> None:

@@ -77,6 +77,18 @@ def from_call(method: Callable, local_values: Mapping[str, Any]) -> Arguments:
     return Arguments(values, defaults)
 
 
+def of_call(method: Callable, **given: Any) -> Arguments:
+    """The arguments `method(**given)` would read with from_call, its defaults filled in: a call planned but not
+    made (cards.py plans train() calls on cards nobody has)."""
+    local_values: dict[str, Any] = {}
+    for name, parameter in inspect.signature(method).parameters.items():
+        if parameter.kind is parameter.VAR_KEYWORD:
+            local_values[name] = {key: value for key, value in given.items() if key not in local_values}
+        elif name != "self":
+            local_values[name] = given.get(name, parameter.default)
+    return from_call(method, local_values)
+
+
 def as_path(value: Any) -> Any:
     """A path argument as str where it came as pathlib.Path (or any os.PathLike), a list of them too;
     anything else as it is, for its rule to judge."""

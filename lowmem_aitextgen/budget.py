@@ -46,14 +46,14 @@ import logging
 from collections.abc import Iterable, Iterator
 
 from . import hardware
-from .arguments import parse_bytes
+from .adapter_settings import AdapterSettings
 from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
 from .plan import (
     GATHERED_FOR,
     Budget,
-    LoraSettings,
+    PlannerInputs,
     TrainPlan,
     default_chunk_tokens,
     mixed_precision,
@@ -118,18 +118,17 @@ def budgeted_bytes(plan: TrainPlan, estimate: MemoryEstimate) -> int:
         return estimate.total
     fragmented = 0.0
     if not plan.hold_freed_heap:
-        fragmented = FRAGMENTED_PER_CHECKPOINTED_BLOCK * min(plan.checkpointed_blocks, plan.n_layer or 0) \
+        fragmented = FRAGMENTED_PER_CHECKPOINTED_BLOCK * plan.checkpointed_blocks \
             * estimate.block_activations
     return CPU_LIBRARIES_BYTES + int(estimate.total * HEAP_SLACK[plan.hold_freed_heap] + fragmented)
 
 
-def budget_for(plan: TrainPlan, resident: int) -> Budget | None:
-    """max_memory (each process's), else the device's; on a GPU with the host memory an offloading plan
+def budget_for(plan: TrainPlan, max_memory: int | None, resident: int) -> Budget | None:
+    """max_memory (bytes, each process's), else the device's; on a GPU with the host memory an offloading plan
     may use.  The processes this machine runs share its host memory: each plans for its share (the CPU
     budget, and the host side of offloading)."""
     processes = max(1, processes_here(plan.accelerator, plan.devices))
-    max_memory = plan.args.get("max_memory")
-    budget = Budget(parse_bytes(max_memory), "max_memory") if max_memory is not None else \
+    budget = Budget(max_memory, "max_memory") if max_memory is not None else \
         device_budget(plan.accelerator, resident, processes)
     if budget is None or plan.accelerator != "gpu":
         return budget
@@ -144,14 +143,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[TrainPlan]:
+def open_choices(plan: TrainPlan, config: object | None = None,
+                 asked: PlannerInputs = PlannerInputs()) -> Iterator[TrainPlan]:
     """Every combination of the choices the user left open (checkpointed blocks, micro-batch,
     precision, chunked loss, CPU heap policy, and LoRA's base in bf16 under fp32 where the layers of a
     model of `config` are all ones storage16.py computes for), the effective batch kept."""
     fixed = plan.fixed
     blocks = [plan.checkpointed_blocks] if "gradient_checkpointing" in fixed else range(plan.n_layer + 1)
-    pinned = plan.args.get("pin_micro_batch", False)
-    micro = [plan.micro_batch_size] if pinned else divisors(plan.effective_batch_size)
+    micro = [plan.micro_batch_size] if asked.pin_micro_batch else divisors(plan.effective_batch_size)
     precisions = [plan.precision]
     if not fixed & {"fp16", "precision"}:
         precisions += [p for p in (mixed_precision(plan.accelerator), "32-true") if p not in (None, plan.precision)]
@@ -160,7 +159,7 @@ def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[Trai
         chunks.append(default_chunk_tokens(plan.accelerator))
     heaps = [False, True] if plan.accelerator == "cpu" and glibc_heap_available() else [False]
     effective = plan.effective_batch_size
-    upcast = _upcast_choices(plan, config)
+    upcast = _upcast_choices(plan, config, asked)
     # what a process sharded across others holds whole (sharding.py); an offloaded one gathers per block
     gathered = GATHERED_FOR if plan.shards > 1 and not plan.offload else [plan.gathered_for]
     for k, m, precision, chunk, heap, base, kept in itertools.product(blocks, micro, precisions, chunks, heaps, upcast,
@@ -172,42 +171,44 @@ def open_choices(plan: TrainPlan, config: object | None = None) -> Iterator[Trai
                                   upcast_bf16_weights=base, gathered_for=kept)
 
 
-def _upcast_choices(plan: TrainPlan, config: object | None) -> list[bool]:
+def _upcast_choices(plan: TrainPlan, config: object | None, asked: PlannerInputs) -> list[bool]:
     """Whether weights may be held in bf16 and computed in fp32 (storage16.py): a tier that asks for it keeps
     it; else offered for LoRA's base in fp32 only (mixed precision holds it in 16 bits anyway, and
     fp16=False/precision= given asks for fp32 weights; fp16=True asks for 16 bits, computed in fp32 where
     the device has no native 16-bit math), on models whose layers storage16.py computes for."""
     if plan.upcast_bf16_weights:
         return [True]
-    fp32_asked = "precision" in plan.fixed or ("fp16" in plan.fixed and not plan.args.get("fp16"))
+    fp32_asked = "precision" in plan.fixed or asked.fp32_asked
     if plan.trains_adapter and not fp32_asked and config is not None and storage16_supported(config):
         return [False, True]
     return [False]
 
 
-def tiers(plan: TrainPlan, config: object | None = None) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
+def tiers(plan: TrainPlan, config: object | None = None,
+          asked: PlannerInputs = PlannerInputs()) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
     """The plans to weigh, in groups; a later group only when nothing in an earlier one fits."""
     first = plan
-    yield "", open_choices(plan, config)
+    yield "", open_choices(plan, config, asked)
     if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
-        yield "8-bit AdamW", open_choices(plan)
+        yield "8-bit AdamW", open_choices(plan, asked=asked)
     # also where 8-bit AdamW was given or resumed: a run resumed from this tier must find it again
     if plan.optimizer == "adamw8bit" and not plan.fixed & {"fp16", "precision"}:
         choices = []
         if hardware.bf16_native(plan.accelerator):  # bf16 math: where emulated, storage16's fp32 math is faster
-            choices.append(open_choices(dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"})))
+            choices.append(open_choices(dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"}),
+                                        asked=asked))
         if config is not None and storage16_supported(config):  # the same bf16 weights, fp32 math
             upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
                                          upcast_bf16_weights=True)
-            choices.append(open_choices(upcast))
+            choices.append(open_choices(upcast, asked=asked))
         yield "16-bit weights with 8-bit AdamW", itertools.chain(*choices)
     if offload_possible(first):
         # not with fp16's loss scaling (nothing shows it right on offloaded gradients): fp32 where bf16 is not native
-        yield "offloading to host memory", (p for p in open_choices(offloading(first), config)
+        yield "offloading to host memory", (p for p in open_choices(offloading(first), config, asked)
                                             if not p.precision.startswith("16"))
-    if plan.args.get("lora") == "auto" and plan.lora is None:
-        yield "LoRA", open_choices(dataclasses.replace(plan, lora=LoraSettings()), config)
+    if asked.lora_if_needed is not None and plan.adapter is None:
+        yield "LoRA", open_choices(dataclasses.replace(plan, adapter=asked.lora_if_needed), config, asked)
 
 
 def offload_possible(plan: TrainPlan) -> bool:
@@ -228,8 +229,8 @@ def offloading(plan: TrainPlan) -> TrainPlan:
                                torch_compile=None)
 
 
-def fit_plan(config: object, plan: TrainPlan, block_size: int,
-             budget: int | Budget) -> tuple[TrainPlan, MemoryEstimate]:
+def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int | Budget,
+             asked: PlannerInputs = PlannerInputs()) -> tuple[TrainPlan, MemoryEstimate]:
     """The fastest plan whose estimate fits the budget (bytes: max_memory), with why it was chosen, or a
     clear error."""
     from .plan import block_count
@@ -240,7 +241,7 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int,
     jsons = config_jsons(config, plan.accelerator)
     smallest: tuple[int, MemoryEstimate] | None = None
     host_short: int | None = None  # the least host memory an offloading plan that fits the card needs
-    for needed, candidates in tiers(plan, config):
+    for needed, candidates in tiers(plan, config, asked):
         ranked, too_big = [], []
         for candidate in candidates:
             estimate = estimate_plan(config, candidate, block_size, jsons)
@@ -266,15 +267,15 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int,
                           offload_seconds(chosen, chosen.n_layer, estimate.host // 16) if chosen.offload else 0.0)
             logger.info(f"{why}.\n{estimate}")
             return dataclasses.replace(chosen, budget=budget, chosen_because=why), estimate
-    raise MemoryError(nothing_fits(plan, budget, *smallest, host_short))
+    raise MemoryError(nothing_fits(plan, budget, *smallest, host_short, lora_offered=asked.lora_if_needed is not None))
 
 
 def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEstimate,
-                 host_short: int | None = None) -> str:
+                 host_short: int | None = None, lora_offered: bool = False) -> str:
     """Why no plan fits: the budget and what made it, the smallest plan's needs, what else holds the
     card where that is known, and the fixes."""
     fixed = ", ".join(sorted(plan.fixed)) or "none"
-    lora = "" if plan.args.get("lora") == "auto" or plan.trains_adapter else "lora=True (or lora='auto'), "
+    lora = "" if lora_offered or plan.trains_adapter else "lora=True (or lora='auto'), "
     where = budget if budget.source == "max_memory" else f"the memory budget of {budget}"
     lines = [f"No plan fits {where}: the smallest one needs {format_bytes(needs)} "
              f"(arguments you fixed: {fixed}).", str(estimate)]
@@ -305,7 +306,7 @@ def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: li
     def short(p: TrainPlan) -> str:
         return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
                 f"{p.micro_batch_size}x{p.accumulation}, {p.precision}"
-                + ((" with a bf16 LoRA base" if p.lora else " with a bf16 base" if p.adapter else " with bf16 weights") if p.upcasts_bf16_weights else "")
+                + ((" with a bf16 LoRA base" if p.trains_lora else " with a bf16 base" if p.trains_adapter else " with bf16 weights") if p.upcasts_bf16_weights else "")
                 + (", heap released every block" if p.hold_freed_heap else "")
                 + (f", gathered whole for a {p.gathered_for}" if p.shards > 1 else ""))
 
@@ -320,17 +321,18 @@ def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: li
     return why
 
 
-def fit_to_budget(plan: TrainPlan, config: object, block_size: int, weights_on_gpu: int = 0) -> TrainPlan:
+def fit_to_budget(plan: TrainPlan, asked: PlannerInputs, config: object, block_size: int,
+                  weights_on_gpu: int = 0) -> TrainPlan:
     """The plan fitted to the budget (max_memory, else the device's), with the budget and the reason
     recorded; unchanged where no budget can be known."""
-    budget = budget_for(plan, weights_on_gpu)
+    budget = budget_for(plan, asked.max_memory, weights_on_gpu)
     if budget is None:
         return plan
     # the probes make and free model blocks at the model's width on the CPU: what they freed goes back to the
     # OS afterwards instead of staying resident in glibc's heap under the training it plans (no mallopt:
     # training's own heap settings must be the plan's, heap.py)
     with freed_memory_returned():
-        fitted, _ = fit_plan(config, plan, block_size, budget)
+        fitted, _ = fit_plan(config, plan, block_size, budget, asked)
     return fitted
 
 
@@ -354,7 +356,7 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     if plan.gathered_for != "block":
         plan = dataclasses.replace(plan, gathered_for="block")
         yield "each block's weights gathered only while it computes", plan
-    if "gradient_checkpointing" not in explicit and not plan.checkpoints_every_block:
+    if "gradient_checkpointing" not in explicit and plan.n_layer and not plan.checkpoints_every_block:
         plan = plan.checkpointing_all()
         yield "gradient checkpointing", plan
     mixed = mixed_precision(plan.accelerator)
@@ -371,5 +373,5 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
         plan = smaller
         yield f"micro-batch {plan.micro_batch_size} x {plan.accumulation} accumulation", plan
     if allow_lora and not plan.trains_adapter:
-        plan = dataclasses.replace(plan, lora=LoraSettings())
+        plan = dataclasses.replace(plan, adapter=AdapterSettings.lora())
         yield "LoRA", plan

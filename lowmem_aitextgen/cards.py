@@ -9,16 +9,16 @@ on that card gets.  Everything is estimated; nothing is downloaded or trained.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from . import hardware
+from .arguments import Arguments, of_call
 from .budget import fit_to_budget
 from .estimate import GPT2_SIZES, MemoryEstimate, estimate_plan, model_config
 from .hardware import format_bytes
-from .plan import TrainPlan, build_plan
+from .plan import TrainPlan, build_plan, planner_inputs
 
 # The call the table shows: aitextgen's batch_size=1 with accumulation to an effective batch of 8, GPT-2's
 # whole context.
@@ -27,16 +27,17 @@ TABLE_BLOCK = 1024
 TRAININGS = {"full fine-tune": False, "LoRA": True}
 
 
-def plan_of_call(model: torch.nn.Module, **given: object) -> TrainPlan:
-    """The plan build_plan makes for `ai.train("data.txt", **given)` on a freshly constructed model (train()'s
-    other arguments at their defaults), before any budget."""
+def train_call(**given: object) -> Arguments:
+    """The arguments of `ai.train("data.txt", **given)`, train()'s others at their defaults."""
     from .aitextgen import aitextgen
-    from .arguments import Arguments
 
-    defaults = {name: p.default for name, p in inspect.signature(aitextgen.train).parameters.items()
-                if name not in ("self", "kwargs")}
-    args = Arguments({**defaults, "train_data": "data.txt", **given}, defaults)
-    return build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
+    return of_call(aitextgen.train, train_data="data.txt", **given)
+
+
+def plan_of_call(model: torch.nn.Module, **given: object) -> TrainPlan:
+    """The plan build_plan makes for `ai.train("data.txt", **given)` on a freshly constructed model, before any
+    budget."""
+    return build_plan(model, train_call(**given), constructor_checkpointing=None, freeze_by_default=False,
                       loaded_adapter=None, resume_from=None, resumed=None)
 
 
@@ -55,9 +56,9 @@ def planned(size: str, card: str | None, lora: bool | str, cpu: str = "native bf
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     with hardware.presenting(hardware_named(card, cpu)):
-        plan = plan_of_call(model, lora=lora, **{**TABLE_CALL, **call})
+        given = {**TABLE_CALL, "lora": lora, **call}
         try:
-            fitted = fit_to_budget(plan, config, block)
+            fitted = fit_to_budget(plan_of_call(model, **given), planner_inputs(train_call(**given)), config, block)
         except MemoryError as error:
             return error
     return fitted, estimate_plan(config, fitted, block)
@@ -73,7 +74,7 @@ def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
         words.append("8-bit AdamW" if plan.optimizer == "adamw8bit" else plan.optimizer)
     if plan.offload:
         words.append(f"offloaded ({format_bytes(estimate.host)} of host memory)")
-    blocks = min(plan.checkpointed_blocks, plan.n_layer)
+    blocks = plan.checkpointed_blocks
     words.append(f"ckpt {blocks}/{plan.n_layer}" if blocks else "no ckpt")
     words.append(f"{plan.micro_batch_size}×{plan.accumulation}")
     return f"{', '.join(words)}: {format_bytes(estimate.total)}"

@@ -35,11 +35,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from transformers import AutoConfig
 
+from .adapter_settings import SHORT_FORMS, AdapterSettings
 from .chunked_loss import body_and_head, chunked_lm_loss, final_hidden
 from .hardware import format_bytes
 from .memory import apply_memory_plan, transformer_blocks, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
-from .plan import ALL_BLOCKS, PRECISIONS, SHORT_FORMS, AdapterSettings, LoraSettings, TrainPlan, default_chunk_tokens
+from .plan import PRECISIONS, TrainPlan, default_chunk_tokens
 from .step_time import shape
 from .storage16 import supported
 
@@ -199,6 +200,8 @@ def _probe(config: object, n_layer: int, plan: TrainPlan, lengths: tuple[int, ..
     model.tie_weights()
     if plan.precision.endswith("-true") and plan.half_dtype is not None:
         model = model.to(plan.half_dtype)
+    if plan.checkpointed_blocks:  # a checkpointing probe checkpoints each of its blocks
+        plan = replace(plan, n_layer=n_layer, checkpointed_blocks=n_layer)
     model, _ = apply_memory_plan(model, plan)
     with _ZeroMatmuls():
         return {t: saved_bytes(model, torch.randint(model.config.vocab_size, (1, t)), plan) for t in lengths}
@@ -254,14 +257,16 @@ def _with_vocab(config: object, vocab_size: int) -> object:
     return config
 
 
-def memory_plan(precision: str, gradient_checkpointing: bool | int, lora: LoraSettings | None, batch_size: int,
-                optimizer: str, chunked_loss: bool, device: str = "cpu") -> TrainPlan:
-    """A TrainPlan with just the memory decisions (the schedule does not change memory);
-    gradient_checkpointing: True (every block), False, or how many blocks."""
-    blocks = ALL_BLOCKS if gradient_checkpointing is True else int(gradient_checkpointing)
+def memory_plan(precision: str, gradient_checkpointing: bool | int, lora: AdapterSettings | None, batch_size: int,
+                optimizer: str, chunked_loss: bool, device: str = "cpu", n_layer: int = 0) -> TrainPlan:
+    """A TrainPlan with just the memory decisions (the schedule does not change memory) for a model of
+    n_layer blocks; gradient_checkpointing: True (every block), False, or how many blocks."""
+    if gradient_checkpointing is True and not n_layer:
+        raise ValueError("gradient_checkpointing=True checkpoints every block: give the model's n_layer.")
+    blocks = n_layer if gradient_checkpointing is True else int(gradient_checkpointing)
     return TrainPlan(
-        accelerator="gpu" if device in ("gpu", "cuda") else "cpu", precision=precision,
-        checkpointed_blocks=blocks, lora=lora, micro_batch_size=batch_size,
+        accelerator="gpu" if device in ("gpu", "cuda") else "cpu", precision=precision, n_layer=n_layer,
+        checkpointed_blocks=blocks, adapter=lora, micro_batch_size=batch_size,
         loss_chunk_tokens=default_chunk_tokens(device) if chunked_loss else None, optimizer=optimizer,
     )
 
@@ -270,13 +275,13 @@ def probe_plan(plan: TrainPlan) -> TrainPlan:
     """What the probes depend on, and nothing else (so that probes are shared between plans).  Frozen
     layers are left out: a one-block probe cannot freeze "the first N" blocks (frozen blocks save less
     for backward, so the estimate stays on the safe side)."""
-    return TrainPlan(accelerator=plan.accelerator, precision=plan.precision, lora=plan.lora, adapter=plan.adapter,
+    return TrainPlan(accelerator=plan.accelerator, precision=plan.precision, adapter=plan.adapter,
                      upcast_bf16_weights=plan.upcast_bf16_weights, loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
 def state_plan(plan: TrainPlan) -> TrainPlan:
     """What the parameter state (weights, gradients, optimizer states) depends on, and nothing else."""
-    return TrainPlan(precision=plan.precision, lora=plan.lora, adapter=plan.adapter,
+    return TrainPlan(precision=plan.precision, adapter=plan.adapter,
                      upcast_bf16_weights=plan.upcast_bf16_weights, freeze_layers=plan.freeze_layers,
                      num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer)
 
@@ -288,7 +293,7 @@ def estimate_memory(
     batch_size: int = 1,
     precision: str = "32-true",
     gradient_checkpointing: bool | int = False,
-    lora: bool | LoraSettings = False,
+    lora: bool | AdapterSettings = False,
     optimizer: str = "adamw",
     chunked_loss: bool = True,
     device: str = "cpu",
@@ -296,14 +301,25 @@ def estimate_memory(
     adapter: Any = None,
     offload: bool = False,
 ) -> MemoryEstimate:
-    """Peak memory of one training step, by part, for a model, a config or a GPT-2 size name
-    ("124M", "355M", "774M", "1558M") on device "cpu" or "cuda"; gradient_checkpointing is True
-    (every block), False or a number of blocks; shards: the processes of strategy="fsdp" (the estimate is
-    then one process's); adapter: "prefix" or a peft config (train()'s adapter= and peft_config=); offload:
-    the weights, gradients and AdamW states in host memory while a GPU computes (the planner's offload tier,
-    strategy="fsdp_cpu_offload"), counted in `host`.  Nothing is downloaded and no full-size activation is
-    made.  The caller's random state is left as it was: train() estimates before it trains, and that
-    must not change the run's seed or its data order."""
+    """Peak memory of one training step, by part (weights, gradients, optimizer states, activations, the loss,
+    the rest).  Nothing is downloaded and no full-size activation is made.  The caller's random state is left
+    as it was: train() estimates before it trains, and that must not change the run's seed or its data order.
+
+    Args:
+        model: a model, a config, or a GPT-2 size name ("124M", "355M", "774M", "1558M").
+        block_size: tokens per sequence (default 1024).
+        batch_size: sequences per micro-batch (default 1).
+        precision: a Lightning precision string (default "32-true").
+        gradient_checkpointing: True (every block), False, or a number of blocks.
+        lora: True for lora=True's adapter (or an AdapterSettings).
+        optimizer: "adamw" (default), "adamw8bit" or "adafactor".
+        chunked_loss: the loss a chunk of tokens at a time (default True).
+        device: "cpu" (default) or "cuda".
+        shards: the processes of strategy="fsdp"; the estimate is then one process's.
+        adapter: "prefix" or a peft config (train()'s adapter= and peft_config=).
+        offload: the weights, gradients and AdamW states in host memory while a GPU computes (the planner's
+            offload tier, strategy="fsdp_cpu_offload"), counted in `host`.
+    """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
     check_optimizer_name(optimizer)  # an estimate needs no torchao installed
@@ -317,15 +333,24 @@ def estimate_memory(
     if (shards > 1 or offload) and optimizer == "adamw8bit":
         raise ValueError("optimizer='adamw8bit' cannot train a sharded or offloaded model (train() refuses it with "
                          "strategy='fsdp'); use optimizer='adamw'.")
-    lora_settings = lora if isinstance(lora, LoraSettings) else (LoraSettings() if lora else None)
-    plan = memory_plan(precision, gradient_checkpointing, lora_settings, batch_size, optimizer, chunked_loss, device)
     if isinstance(adapter, str) and adapter not in SHORT_FORMS:
         raise ValueError(f"adapter={adapter!r} is not one of {', '.join(map(repr, SHORT_FORMS))}; pass a peft config "
                          "for any other method.")
-    settings = None if adapter is None else (
-        AdapterSettings.short_form(adapter) if isinstance(adapter, str) else AdapterSettings.of(adapter))
-    return estimate_plan(model_config(model), replace(plan, shards=shards, offload=bool(offload), adapter=settings),
-                         block_size)
+    if lora is not False and adapter is not None:
+        raise ValueError(f"lora={lora!r} and adapter={adapter!r} each choose the adapter; pass only one of them.")
+    config = model_config(model)
+    blocks = _n_layer(config)
+    if not (gradient_checkpointing in (True, False) or (isinstance(gradient_checkpointing, int)
+                                                          and 0 <= gradient_checkpointing <= blocks)):
+        raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r} must be True, False or a number of "
+                         f"blocks from 0 to the model's {blocks}.")
+    settings = lora if isinstance(lora, AdapterSettings) else AdapterSettings.lora() if lora else None
+    if adapter is not None:
+        settings = AdapterSettings.short_form(adapter) if isinstance(adapter, str) else \
+            AdapterSettings.of(adapter, getattr(config, "model_type", None))
+    plan = memory_plan(precision, gradient_checkpointing, settings, batch_size, optimizer, chunked_loss, device,
+                       n_layer=blocks)
+    return estimate_plan(config, replace(plan, shards=shards, offload=bool(offload)), block_size)
 
 
 @functools.lru_cache(maxsize=256)
@@ -399,10 +424,10 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
     probed = probe_plan(plan)
     block, rest, loss = _per_block_and_rest(config_json, probed)
     n_layer, tokens, batch_size = _n_layer(config), block_size, plan.micro_batch_size
-    kept = min(plan.checkpointed_blocks, n_layer)  # the first `kept` blocks keep only their inputs
+    kept = plan.checkpointed_blocks  # the first `kept` blocks keep only their inputs
     activations, recompute = n_layer * block(tokens) + rest(tokens), 0.0
     if kept:  # backward recomputes one checkpointed block at a time
-        kept_block, kept_rest, _ = _per_block_and_rest(config_json, replace(probed, checkpointed_blocks=ALL_BLOCKS))
+        kept_block, kept_rest, _ = _per_block_and_rest(config_json, replace(probed, n_layer=1, checkpointed_blocks=1))
         activations = kept * kept_block(tokens) + (n_layer - kept) * block(tokens) + kept_rest(tokens)
         recompute = block(tokens)
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
@@ -420,7 +445,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
         host=host,
         plan={"block_size": block_size, "batch_size": batch_size, "precision": plan.precision,
               "gradient_checkpointing": kept if 0 < kept < n_layer else bool(kept),
-              "lora": plan.lora is not None, "optimizer": plan.optimizer,
+              "lora": plan.trains_lora, "optimizer": plan.optimizer,
               **({"adapter": plan.adapter.settings} if plan.adapter is not None else {}),
               **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device,

@@ -16,17 +16,18 @@ from transformers import get_linear_schedule_with_warmup
 from . import sharding
 from .chunked_loss import causal_lm_loss
 from .optimizers import build_optimizer, portable_optimizer_states, restore_optimizer_states
-from .plan import TrainPlan
+from .plan import RunSettings, TrainPlan
 from .resume import RUN_KEY, align_to_step, base_parameters, random_states, run_description, set_random_states
 
 
 class CausalLMModule(pl.LightningModule):
     """Trains any transformers causal LM (or peft wrapper) on blocks of token ids."""
 
-    def __init__(self, model: nn.Module, plan: TrainPlan) -> None:
+    def __init__(self, model: nn.Module, plan: TrainPlan, settings: RunSettings) -> None:
         super().__init__()
         self.model = model
         self.plan = plan
+        self.settings = settings
         self.base = base_parameters(model)  # what a checkpoint records of the model, for resume's checks
         self.skipped_steps = 0
         self.gradient_norm: torch.Tensor | None = None  # this step's, for clipping (on_before_optimizer_step)
@@ -93,7 +94,7 @@ class CausalLMModule(pl.LightningModule):
         trainable = self._trainable_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["random_states"] = random_states()
-        checkpoint[RUN_KEY] = run_description(self.plan, self.base)
+        checkpoint[RUN_KEY] = run_description(self.plan, self.settings, self.base)
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = portable_optimizer_states(checkpoint["optimizer_states"])
 
@@ -117,11 +118,11 @@ class CausalLMModule(pl.LightningModule):
             set_random_states(checkpoint["random_states"])
 
     def configure_optimizers(self) -> dict:
-        args = self.plan.args
-        optimizer = build_optimizer(self.model, args.weight_decay, args.learning_rate, args.adam_epsilon,
+        settings = self.settings
+        optimizer = build_optimizer(self.model, settings.weight_decay, settings.learning_rate, settings.adam_epsilon,
                                     self.plan.optimizer)
         scheduler = get_linear_schedule_with_warmup(
-            optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.num_steps
+            optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=settings.num_steps
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

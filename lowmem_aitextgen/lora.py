@@ -1,20 +1,17 @@
-"""LoRA adapters through peft: its settings, targets and merge.
+"""LoRA through peft: the layers it adapts by default, and a merge that rounds each weight once.
 
 Only the adapters train; the base stays frozen (and, under mixed precision, is held in 16 bits by
-storage16.py).  What LoRA shares with peft's other adapters (saving the adapter beside the merged model,
-the record of its base weights, merging after training) is adapters.py's; here is what is LoRA's own:
-which layers it adapts by default, and a merge that rounds each weight once.
+storage16.py).  LoRA's settings are an adapter_settings.AdapterSettings like any peft method's; what LoRA
+shares with the others (adding it, saving it beside the merged model, the record of its base weights) is
+adapters.py's.  Here is what is LoRA's own.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
-
-from . import _compat
-from .plan import LoraSettings
-
-ADAPTER_SUBFOLDER = "lora_adapter"  # beside the merged model
 
 # Every projection of the block: attention in/out and both MLP layers.  peft's own
 # defaults adapt only attention (e.g. GPT-2: c_attn), which fine-tunes style less well.
@@ -43,35 +40,13 @@ def default_target_modules(model: nn.Module) -> tuple[str, ...]:
     )
 
 
-def check_target_modules(model: nn.Module, targets: tuple[str, ...]) -> None:
-    """Fail before training with the names that do exist, not deep inside peft."""
-    names = [name for name, _ in model.named_modules()]
-    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
-    if missing:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if type(m).__name__ in ("Linear", "Conv1D")})
-        raise ValueError(
-            f"lora_target_modules {missing} are not in this model; its linear layers are {linear}."
-        )
-
-
-def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """Wrap `model` in a peft LoRA model; only adapter weights require grad."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = settings.target_modules or default_target_modules(model)
-    check_target_modules(model, tuple(targets))
-    config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=list(targets),
-        # GPT-2's Conv1D stores weights transposed (in_features, out_features).
-        fan_in_fan_out=getattr(model.config, "model_type", "") == "gpt2",
-        task_type="CAUSAL_LM",
-    )
-    with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
-        return get_peft_model(model, config)
+def for_model(config: Any, model: nn.Module) -> Any:
+    """A LoraConfig completed for `model`: the model type's default targets where none are named, and
+    GPT-2's transposed weights (its Conv1D stores them as in_features x out_features)."""
+    if not config.target_modules:
+        config.target_modules = set(default_target_modules(model))
+    config.fan_in_fan_out = getattr(model.config, "model_type", "") == "gpt2"
+    return config
 
 
 def merged_weight(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:

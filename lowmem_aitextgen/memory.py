@@ -27,7 +27,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import storage16
 from .adapters import add_adapter, is_adapter_model
-from .lora import add_lora
 from .plan import TrainPlan
 
 
@@ -39,7 +38,7 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, lis
     if plan.trains_adapter:
         if not is_adapter_model(model):
             storage16.hold_base_before_adapters(model, plan)
-            model = add_lora(model, plan.lora) if plan.lora is not None else add_adapter(model, plan.adapter)
+            model = add_adapter(model, plan.adapter)
         storage16.hold_frozen_base(model, plan)
     else:
         if plan.upcasts_bf16_weights:

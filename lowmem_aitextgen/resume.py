@@ -17,7 +17,6 @@ import random
 import shutil
 import signal
 import threading
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -26,9 +25,10 @@ import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 from torch import nn
 
+from .adapter_settings import AdapterSettings, from_description
 from .adapters import base_weights
 from .callbacks import OptimizerStepCallback
-from .plan import CHECKPOINT_NAME, TrainPlan
+from .plan import CHECKPOINT_NAME, RunSettings, TrainPlan
 from .saving import STAGING_PREFIX, apply_umask
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -98,22 +98,27 @@ def base_parameters(model: nn.Module) -> dict[str, list[int]]:
     return {name: list(param.shape) for name, param in base_weights(model).items()}
 
 
-def run_description(plan: TrainPlan, base: dict[str, list[int]]) -> dict[str, Any]:
+def run_description(plan: TrainPlan, settings: RunSettings, base: dict[str, list[int]]) -> dict[str, Any]:
     """What a resumed run must share with the one that wrote the checkpoint."""
-    return {"run_id": plan.run_id, "base_parameters": base, "lora": asdict(plan.lora) if plan.lora else None,
+    return {"run_id": plan.run_id, "base_parameters": base,
             "adapter": plan.adapter.settings if plan.adapter is not None else None,
             "optimizer": plan.optimizer, "effective_batch_size": plan.effective_batch_size,
             "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and not plan.trains_adapter else None,
-            "validation": held_out(plan)}
+            "validation": held_out(settings)}
 
 
-def held_out(plan: TrainPlan) -> dict[str, Any] | None:
+def held_out(settings: RunSettings) -> dict[str, Any] | None:
     """What a run evaluates on: None without val_data; the fraction of train_data it holds out (None for a
     file or TokenDataset).  A resumed run must hold out the same blocks, or they would be trained on."""
-    if not plan.eval_every:
-        return None
-    val_data = plan.args.get("val_data")
-    return {"held_out_fraction": val_data if isinstance(val_data, float) else None}
+    return {"held_out_fraction": settings.held_out_fraction} if settings.validates else None
+
+
+def upgraded(saved: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A run description as this version writes it: the adapter of one written while LoRA had an entry of
+    its own ("lora" beside "adapter") in the one "adapter" entry."""
+    adapter = from_description(saved, model_type)
+    described = {key: value for key, value in saved.items() if key != "lora"}
+    return {**described, "adapter": adapter.settings if adapter is not None else None}
 
 
 # --- which checkpoint, and whether it fits ---------------------------------------------
@@ -163,10 +168,12 @@ def read_run_description(path: str | None) -> dict[str, Any] | None:
     return {**checkpoint[RUN_KEY], "global_step": checkpoint["global_step"]}
 
 
-def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, model: nn.Module) -> None:
-    """The checkpoint fits this run: same model, LoRA, optimizer and effective batch, steps left."""
-    ours = run_description(plan, base_parameters(model))
-    mismatch = next((key for key in ("base_parameters", "lora", "adapter", "frozen_layers", "optimizer",
+def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, settings: RunSettings,
+                    model: nn.Module) -> None:
+    """The checkpoint fits this run: same model, adapter, optimizer and effective batch, steps left."""
+    saved = upgraded(saved, getattr(model.config, "model_type", ""))
+    ours = run_description(plan, settings, base_parameters(model))
+    mismatch = next((key for key in ("base_parameters", "adapter", "frozen_layers", "optimizer",
                                      "effective_batch_size", "validation") if saved.get(key) != ours[key]), None)
     fixes = {
         "base_parameters": "construct aitextgen with the same model as the interrupted run",
@@ -179,13 +186,24 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, model: nn
         "validation": ("call train() with the same val_data (a held-out fraction of train_data must be the same, "
                        "or blocks trained on would be evaluated)"),
     }
+    if mismatch == "adapter" and any((d or {}).get("peft_type") == "LORA" for d in (saved["adapter"], ours["adapter"])):
+        mismatch = "lora"  # the arguments to change are LoRA's
+        saved, ours = ({**d, "lora": _described(d["adapter"])} for d in (saved, ours))
     if mismatch is not None:
         difference = _difference(saved.get(mismatch), ours[mismatch])
         raise ValueError(f"resume={path!r} was written by a run with another {mismatch.replace('_', ' ')} "
                          f"({difference}); {fixes[mismatch]}, or pass resume=False to start over.")
-    if saved["global_step"] >= plan.args.num_steps:
-        raise ValueError(f"resume={path!r} is at step {saved['global_step']:,}, and num_steps={plan.args.num_steps:,} "
+    if saved["global_step"] >= settings.num_steps:
+        raise ValueError(f"resume={path!r} is at step {saved['global_step']:,}, and num_steps={settings.num_steps:,} "
                          f"asks for no more; pass num_steps above {saved['global_step']:,} to train further.")
+
+
+def _described(adapter: dict[str, Any] | None) -> dict[str, Any] | None:
+    """LoRA's settings by train()'s names, any other adapter's as peft's."""
+    if adapter is None:
+        return None
+    settings = AdapterSettings.of(adapter)
+    return settings.lora_fields() or settings.settings
 
 
 def _difference(saved: Any, ours: Any) -> str:

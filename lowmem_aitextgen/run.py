@@ -33,7 +33,7 @@ from .heap import freed_memory_returned
 from .lightning_module import CausalLMModule
 from .oom import OutOfMemoryRecovery, cheaper_plan
 from .outputs import RunFiles
-from .plan import TrainPlan
+from .plan import RunSettings, TrainPlan
 from .report import RunRecorder, StepProgressBar, describe_summary
 from .resume import DiskCheckpointIO, StopOnSignal
 from .saving import NonFiniteWeights, OutputDirLock, prepare_output_dir
@@ -68,19 +68,21 @@ class Outcome:
 
 
 class TrainingRun:
-    """Trains `model` by `plan` on `dataset`; run() does it once."""
+    """Trains `model` by `plan` and `settings` on `dataset`; run() does it once."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, base_name: str | None, plan: TrainPlan, dataset: Any,
-                 loggers: list[Logger], callbacks: list[pl.Callback], val_dataset: Any = None) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any, base_name: str | None, plan: TrainPlan,
+                 settings: RunSettings, dataset: Any, loggers: list[Logger], callbacks: list[pl.Callback],
+                 val_dataset: Any = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.plan = plan
+        self.settings = settings
         self.dataset = dataset
-        self.val_dataset = val_dataset if plan.eval_every else None
+        self.val_dataset = val_dataset if settings.validates else None
         self.loggers = loggers
         self.extra_callbacks = callbacks
         self.dtype = next(model.parameters()).dtype
-        self.recorder = RunRecorder(plan)
+        self.recorder = RunRecorder(plan, settings.avg_loss_smoothing)
         self.history = ValidationHistory() if self.val_dataset is not None else None
         # the adapter's base recorded as loaded, before the plan casts it (lora.base_fingerprint)
         base_record = base_fingerprint(model) if plan.trains_adapter else None
@@ -104,9 +106,9 @@ class TrainingRun:
     def _train_and_save(self) -> Outcome:
         from aitextgen.utils import reset_seed, set_seed
 
-        plan = self.plan
-        if plan.args.seed is not None:
-            set_seed(plan.args.seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
+        plan, seed = self.plan, self.settings.seed
+        if seed is not None:
+            set_seed(seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
         model, frozen = memory.apply_memory_plan(self.model, plan)
         trainable, total = memory.trainable_parameters(model)
         if rank_zero_only.rank == 0:
@@ -125,7 +127,7 @@ class TrainingRun:
         finally:
             memory.set_requires_grad(frozen, True)
             outcome.model = self.trained_model = model if is_sharded(model) else finished_model(model)
-            if plan.args.seed is not None:
+            if seed is not None:
                 reset_seed()
         if (self.history is not None and not self.guard.reason and outcome.diverged is None
                 and not is_sharded(outcome.model)):
@@ -142,7 +144,7 @@ class TrainingRun:
         while True:
             self.recovery = OutOfMemoryRecovery(self.files.checkpoint)
             validating = self.val_dataset is not None
-            self.module = (ValidatedModule if validating else CausalLMModule)(model, self.plan)
+            self.module = (ValidatedModule if validating else CausalLMModule)(model, self.plan, self.settings)
             loader, data_order = training_loader(self.dataset, self.plan)
             val_loader = validation_loader(self.val_dataset, self.plan) if validating else None
             self.trainer = self._trainer(self.plan, data_order)
@@ -174,15 +176,16 @@ class TrainingRun:
                 resume_from = self.files.checkpoint_path
 
     def _trainer(self, plan: TrainPlan, data_order: pl.Callback) -> pl.Trainer:
-        progress = StepProgressBar(self.recorder, plan.args.num_steps,
-                                   plan.args.progress_bar_refresh_rate, plan.accelerator)
-        saves = SaveAndSample(plan.schedule, self.files, Samples(self.tokenizer, plan.args.n_generate), progress.write,
-                              save_models=self.history is None)  # with val_data, BestModel saves the model
+        settings = self.settings
+        progress = StepProgressBar(self.recorder, settings.num_steps, settings.progress_bar_refresh_rate,
+                                   plan.accelerator)
+        saves = SaveAndSample(settings.schedule, self.files, Samples(self.tokenizer, settings.n_generate),
+                              progress.write, save_models=self.history is None)  # with val_data, BestModel saves
         validating = []
         if self.history is not None:
             # BestModel before `saves`: a checkpoint written after an evaluation holds it
-            validating = [EvaluateLastStep(plan.schedule),
-                          BestModel(self.history, self.files, plan.early_stopping_patience, progress.write)]
+            validating = [EvaluateLastStep(settings.schedule),
+                          BestModel(self.history, self.files, settings.early_stopping_patience, progress.write)]
         # the recorder first (the progress bar shows what it recorded); the callbacks that stop
         # training before the one that saves
         callbacks = [self.recorder, progress, self.guard, self.signals, *validating, saves, data_order,
@@ -192,12 +195,12 @@ class TrainingRun:
             accelerator=plan.accelerator, devices=list(plan.devices) if isinstance(plan.devices, tuple)
             else plan.devices, strategy=lightning_strategy(plan),
             num_nodes=plan.num_nodes, precision=plan.precision,
-            max_steps=plan.args.num_steps, max_epochs=-1, accumulate_grad_batches=plan.accumulation,
-            gradient_clip_val=plan.args.max_grad_norm or None, logger=self.loggers or False, callbacks=callbacks,
+            max_steps=settings.num_steps, max_epochs=-1, accumulate_grad_batches=plan.accumulation,
+            gradient_clip_val=settings.max_grad_norm or None, logger=self.loggers or False, callbacks=callbacks,
             plugins=[DiskCheckpointIO()],
             use_distributed_sampler=False,  # data.py splits the data between ranks
             enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-            **(plan.schedule.lightning_validation(plan.accumulation) if self.history is not None else {}),
+            **(settings.schedule.lightning_validation(plan.accumulation) if self.history is not None else {}),
         )
 
     def _carry_back_from_spawned(self, trainer: pl.Trainer) -> None:
@@ -228,7 +231,7 @@ class TrainingRun:
             logger.warning(f"{module.skipped_steps} optimizer steps had NaN/inf gradients and were skipped.")
         if self.signals.reason:
             logger.warning(f"Training {self.signals.reason}.")
-        complete = outcome.early_stopped or (outcome.steps >= plan.args.num_steps and not outcome.stopped_because)
+        complete = outcome.early_stopped or (outcome.steps >= self.settings.num_steps and not outcome.stopped_because)
         if complete and not (outcome.diverged or outcome.out_of_memory or outcome.save_error):
             self.files.discard_checkpoint()
 

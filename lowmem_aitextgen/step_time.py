@@ -86,7 +86,7 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
     forward = n_layer * block_flops + head_flops
     frozen_base = plan.trains_adapter
     backward = forward if frozen_base else 2 * forward
-    recompute = min(plan.checkpointed_blocks, n_layer) * block_flops
+    recompute = plan.checkpointed_blocks * block_flops
     # the chunked loss makes its gradients in forward: no more work than the model's own loss (chunked_loss.py)
     flops_per_token = forward + backward + recompute
     tokens_per_micro = plan.micro_batch_size * block_size
@@ -101,7 +101,7 @@ def step_seconds(plan: TrainPlan, config: Any, block_size: int, trainable_parame
         optimizer = offload_seconds(plan, n_layer, trainable_parameters)
     refaults = 0.0
     if plan.hold_freed_heap:  # every block's activations, in forward and once more where recomputed
-        refaulted = activation_bytes + (n_layer + min(plan.checkpointed_blocks, n_layer)) * block_bytes
+        refaulted = activation_bytes + (n_layer + plan.checkpointed_blocks) * block_bytes
         refaults = plan.accumulation * refaulted * REFAULT_S_PER_BYTE
     return plan.accumulation * micro_batch + optimizer + refaults + shard_seconds(plan, config, *sharded_bytes)
 
@@ -125,7 +125,7 @@ def offload_seconds(plan: TrainPlan, n_layer: int, parameters: int) -> float:
     """What offloading adds to a step, and its optimizer step: every micro-batch copies each fp32 weight to
     the GPU in forward, backward and a checkpointed block's recompute, and each gradient back; AdamW runs
     on the CPU."""
-    recomputed = min(plan.checkpointed_blocks, n_layer) / max(n_layer, 1)
+    recomputed = plan.checkpointed_blocks / max(n_layer, 1)
     copied = plan.accumulation * parameters * 4 * (2 + recomputed + 1)
     return copied / OFFLOAD_BYTES_PER_S + parameters * OPTIMIZER_S_PER_PARAMETER[("cpu", "adamw")]
 
@@ -136,7 +136,7 @@ def upcast_seconds(plan: TrainPlan, n_layer: int, width: int, vocab: int) -> flo
     if not plan.upcasts_bf16_weights:
         return 0.0
     block = 12 * width * width
-    upcasts = (2 * n_layer + min(plan.checkpointed_blocks, n_layer)) * block + 2 * vocab * width
+    upcasts = (2 * n_layer + plan.checkpointed_blocks) * block + 2 * vocab * width
     return upcasts * UPCAST_S_PER_PARAMETER[plan.accelerator]
 
 

@@ -9,20 +9,22 @@ import pytest
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, hardware
-from lowmem_aitextgen.arguments import Arguments
-from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, ladder, open_choices, parse_bytes
+from lowmem_aitextgen.arguments import parse_bytes
+from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, ladder, open_choices
 from lowmem_aitextgen.estimate import estimate_plan, memory_plan
-from lowmem_aitextgen.plan import ALL_BLOCKS
+from lowmem_aitextgen.plan import PlannerInputs
 
 # Activations dominate (8 blocks, 256 tokens, small vocabulary): every choice moves the estimate.
 CONFIG = tiny_gpt2_config(n_layer=8, n_positions=256, dropout=0.1)
 BLOCK = 256
 
 
-def user_plan(batch_size=1, accumulation=4, fixed=("precision",), pin=False, **fields):
+PINNED = PlannerInputs(pin_micro_batch=True)  # batch_size x gradient_accumulation_steps kept as given
+
+
+def user_plan(batch_size=1, accumulation=4, fixed=("precision",), **fields):
     plan = memory_plan("32-true", False, None, batch_size, "adamw", chunked_loss=True)
-    return dataclasses.replace(plan, accumulation=accumulation, n_layer=8, fixed=frozenset(fixed),
-                               args=Arguments({"pin_micro_batch": pin}, {}), **fields)
+    return dataclasses.replace(plan, accumulation=accumulation, n_layer=8, fixed=frozenset(fixed), **fields)
 
 
 def needs(plan) -> int:
@@ -52,15 +54,15 @@ def test_with_memory_to_spare_nothing_recomputes_and_the_micro_batch_is_the_whol
 def test_a_pinned_split_between_the_needs_checkpoints_the_fewest_blocks_that_fit():
     """The documented table: micro-batch and precision fixed, each budget gets the fewest checkpointed
     blocks whose plan fits it; none when everything fits, all when only that does."""
-    plan = user_plan(pin=True)
+    plan = user_plan()
     by_blocks = [needs(dataclasses.replace(plan, checkpointed_blocks=k)) for k in range(9)]
     assert by_blocks[8] < by_blocks[4] < by_blocks[0]  # (one block alone adds its recompute: more than it saves)
     for budget in by_blocks:
-        chosen, estimate = fit_plan(CONFIG, plan, BLOCK, budget)
+        chosen, estimate = fit_plan(CONFIG, plan, BLOCK, budget, PINNED)
         assert chosen.checkpointed_blocks == min(k for k, need in enumerate(by_blocks) if need <= budget)
         assert budgeted_bytes(chosen, estimate) <= budget
         assert (chosen.micro_batch_size, chosen.accumulation) == (1, 4)  # pinned
-    assert len({fit_plan(CONFIG, plan, BLOCK, b)[0].checkpointed_blocks for b in by_blocks}) == 8  # 0 and 2..8
+    assert len({fit_plan(CONFIG, plan, BLOCK, b, PINNED)[0].checkpointed_blocks for b in by_blocks}) == 8  # 0 and 2..8
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.7, 0.4, 0.15, 0.0])
@@ -83,18 +85,18 @@ def test_every_choice_fits_keeps_the_effective_batch_and_is_the_fastest_that_fit
 
 
 def test_explicit_arguments_are_kept_and_lora_needs_auto():
-    plan = user_plan(fixed=("precision", "gradient_checkpointing", "optimizer"), pin=True)
+    plan = user_plan(fixed=("precision", "gradient_checkpointing", "optimizer"))
     smallest = needs(dataclasses.replace(plan, hold_freed_heap=True))
     with pytest.raises(MemoryError, match=r"(?s)No plan fits max_memory=.*smallest one needs.*lora='auto'"):
-        fit_plan(CONFIG, plan, BLOCK, smallest - 1)
-    chosen, _ = fit_plan(CONFIG, plan, BLOCK, smallest)
+        fit_plan(CONFIG, plan, BLOCK, smallest - 1, PINNED)
+    chosen, _ = fit_plan(CONFIG, plan, BLOCK, smallest, PINNED)
     assert chosen.checkpointed_blocks == 0 and chosen.hold_freed_heap  # the heap was the one choice left
 
 
 def test_train_with_max_memory_fits_and_keeps_the_effective_batch(corpus_file, tokenizer_file, tmp_path):
     ai = aitextgen(tokenizer_file=tokenizer_file, config=CONFIG)
-    plan = user_plan(batch_size=4, accumulation=2, pin=True)
-    budget = (needs(plan) + needs(dataclasses.replace(plan, checkpointed_blocks=ALL_BLOCKS))) // 2
+    plan = user_plan(batch_size=4, accumulation=2)
+    budget = (needs(plan) + needs(plan.checkpointing_all())) // 2
     ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=2, batch_size=4, fp16=False,
              gradient_accumulation_steps=2, max_memory=budget, generate_every=0, pin_micro_batch=True)
     with open(tmp_path / "out" / "training_summary.json", encoding="utf-8") as f:
@@ -133,7 +135,7 @@ def test_the_recovery_ladder_has_the_documented_rungs_each_cheaper(cpu):
     native = hardware.CPUS[cpu].bf16_native  # emulated bf16 is no rung: fp32 is 20x faster there
     expected = [rung if native else (*rung[:1], "32-true", *rung[2:]) for rung in RUNGS if native or rung != RUNGS[2]]
     assert [(p.gradient_checkpointing, p.precision, bool(p.loss_chunk_tokens), p.optimizer, p.micro_batch_size,
-             p.lora is not None) for p in rungs] == expected
+             p.trains_lora) for p in rungs] == expected
     totals = [estimate_plan(CONFIG, p, BLOCK).total for p in rungs]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)
     assert all(p.effective_batch_size == 8 for p in rungs)

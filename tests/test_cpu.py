@@ -12,6 +12,8 @@ from transformers.activations import ACT2FN, NewGELUActivation
 
 from conftest import AtBatchStart, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.adapter_settings import AdapterSettings
+from lowmem_aitextgen.adapters import add_adapter
 from lowmem_aitextgen.cpu import (
     ATTENTION,
     CpuDropout,
@@ -22,8 +24,6 @@ from lowmem_aitextgen.cpu import (
     keep_mask,
     use_cpu_speedups,
 )
-from lowmem_aitextgen.lora import add_lora
-from lowmem_aitextgen.plan import LoraSettings
 
 
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.5])
@@ -176,7 +176,7 @@ def test_lora_adapters_skip_the_upcast_only_under_autocast(tokenizer_file, corpu
     ai.train(corpus_file, num_steps=2, save_every=0, generate_every=1, lora=True, precision="bf16-mixed",
              callbacks=[spy])
     assert spy.seen == [{"UpcastOutsideAutocast"}] * 2
-    model = add_lora(GPT2LMHeadModel(tiny_gpt2_config()), LoraSettings())
+    model = add_adapter(GPT2LMHeadModel(tiny_gpt2_config()), AdapterSettings.lora())
     undo = use_cpu_speedups(model)
     assert flags(model) == {"UpcastOutsideAutocast"}
     undo()

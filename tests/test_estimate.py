@@ -13,13 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import estimate_memory
-from lowmem_aitextgen.arguments import Arguments
+from lowmem_aitextgen.adapter_settings import AdapterSettings
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.estimate import memory_plan, model_config
 from lowmem_aitextgen.hardware import format_bytes
 from lowmem_aitextgen.memory import apply_memory_plan
 from lowmem_aitextgen.optimizers import build_optimizer
-from lowmem_aitextgen.plan import LoraSettings
 
 SMALL = tiny_gpt2_config(n_layer=4, n_positions=512, dropout=0.1, n_embd=128)
 MEDIUM = tiny_gpt2_config(vocab_size=50257, n_layer=6, n_positions=1024, dropout=0.1, n_embd=256, n_head=8)
@@ -27,7 +26,8 @@ MEDIUM = tiny_gpt2_config(vocab_size=50257, n_layer=6, n_positions=1024, dropout
 
 def measured(config, block_size, batch_size, precision, checkpointing, lora, optimizer, chunked):
     """Train one real step as training does; count saved bytes, weights, gradients, optimizer states."""
-    plan = memory_plan(precision, checkpointing, LoraSettings() if lora else None, batch_size, optimizer, chunked)
+    plan = memory_plan(precision, checkpointing, AdapterSettings.lora() if lora else None, batch_size, optimizer, chunked,
+                       n_layer=config.n_layer)
     torch.manual_seed(0)
     model, _ = apply_memory_plan(AutoModelForCausalLM.from_config(config), plan)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -153,8 +153,7 @@ def test_a_gpu_plan_for_774m_within_6gib_holds_weights_in_16_bits():
     from lowmem_aitextgen import budget, hardware
 
     config = model_config("774M")
-    user = dataclasses.replace(memory_plan("bf16-mixed", False, None, 1, "adamw", True, device="cuda"), n_layer=36,
-                               args=Arguments({"max_memory": "6GiB"}, {}))
+    user = dataclasses.replace(memory_plan("bf16-mixed", False, None, 1, "adamw", True, device="cuda"), n_layer=36)
     with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"], hardware.CARDS["24 GiB"])):
         chosen, estimate = budget.fit_plan(config, user, 1024, 6 * 2**30)
     assert (chosen.precision, chosen.optimizer) == ("bf16-true", "adamw8bit")

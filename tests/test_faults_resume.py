@@ -83,7 +83,7 @@ def test_a_resumed_run_keeps_the_optimizer_the_budget_chose(small_data, base_fol
     from lowmem_aitextgen.estimate import estimate_plan, memory_plan
 
     config = tiny_gpt2_config()
-    smallest_adamw = dataclasses.replace(memory_plan("bf16-mixed", True, None, 1, "adamw", True), n_layer=2,
+    smallest_adamw = dataclasses.replace(memory_plan("bf16-mixed", True, None, 1, "adamw", True, n_layer=2),
                                          accumulation=2, hold_freed_heap=True)
     tight = budgeted_bytes(smallest_adamw, estimate_plan(config, smallest_adamw, 32)) - 1  # only 8-bit fits
     ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)

@@ -62,7 +62,7 @@ def test_a_cpu_budget_is_what_this_process_may_grow_to_less_a_margin_and_never_n
 
 def test_the_summary_records_the_card_its_free_memory_the_margin_and_the_budget(tmp_path):
     plan, _ = planned("355M", "T4", True)
-    summary = RunRecorder(plan).summary(GPT2LMHeadModel(tiny_gpt2_config()), str(tmp_path))["plan"]
+    summary = RunRecorder(plan, 0.01).summary(GPT2LMHeadModel(tiny_gpt2_config()), str(tmp_path))["plan"]
     card = hardware.CARDS["T4"]
     assert summary["budget"]["device"] == str(card) and summary["budget"]["available"] == card.free
     assert summary["budget"]["bytes"] == summary["budget_bytes"] == card.free - summary["budget"]["margin"]

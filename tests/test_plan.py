@@ -75,7 +75,7 @@ def test_each_decision_is_made_from_the_arguments_in_one_place():
 
     model = GPT2LMHeadModel(tiny_gpt2_config())
     plan = plan_for(model, n_gpu=0, lora=True, lora_r=4, batch_size=2, gradient_accumulation_steps=3, seed=5)
-    assert (plan.accelerator, plan.lora.r, plan.effective_batch_size, plan.data_seed) == ("cpu", 4, 6, 5)
+    assert (plan.accelerator, plan.adapter.lora_fields()["r"], plan.effective_batch_size, plan.data_seed) == ("cpu", 4, 6, 5)
     assert plan.cpu_speedups and not plan.hold_freed_heap and plan.loss_chunk_tokens == 128  # budget.py may hold it
     assert plan.fixed == frozenset()  # nothing a budget may change was set
     fixed = plan_for(model, n_gpu=0, optimizer="adafactor", gradient_checkpointing=False).fixed
@@ -103,11 +103,73 @@ def test_a_resumed_run_keeps_its_run_id_and_a_new_one_gets_its_own():
     from transformers import GPT2LMHeadModel
 
     from conftest import tiny_gpt2_config
+    from lowmem_aitextgen.cards import train_call
 
     model = GPT2LMHeadModel(tiny_gpt2_config())
     first, second = plan_for(model, seed=1), plan_for(model, seed=1)
     assert first.run_id != second.run_id and first == second  # the name is not a decision
-    resumed = plan.build_plan(model, first.args, constructor_checkpointing=None, freeze_by_default=False,
+    resumed = plan.build_plan(model, train_call(seed=1), constructor_checkpointing=None, freeze_by_default=False,
                               loaded_adapter=None, resume_from="last.ckpt",
                               resumed={"run_id": first.run_id, "lora": None, "optimizer": "adamw"})
     assert resumed.run_id == first.run_id
+
+
+def test_the_plan_holds_decisions_and_the_run_its_settings():
+    """The planner's inputs and the run's settings are values of their own, read from the call once; the
+    plan keeps no argument."""
+    from dataclasses import fields
+
+    from lowmem_aitextgen.cards import train_call
+
+    assert "args" not in {f.name for f in fields(plan.TrainPlan)}
+    call = train_call(lora="auto", lora_r=4, max_memory="2GiB", pin_micro_batch=True, fp16=False, num_steps=7,
+                      seed=3, save_every=2, val_data=0.25, max_grad_norm=0)
+    asked = plan.planner_inputs(call)
+    assert (asked.max_memory, asked.pin_micro_batch, asked.fp32_asked) == (2 * 2**30, True, True)
+    assert asked.lora_if_needed.lora_fields()["r"] == 4  # lora="auto" uses the call's LoRA settings
+    settings = plan.run_settings(call)
+    assert (settings.num_steps, settings.seed, settings.max_grad_norm, settings.held_out_fraction) == (7, 3, 0, 0.25)
+    assert settings.schedule == plan.Schedule(7, save_every=2, generate_every=1000, eval_every=2)
+
+
+def test_the_plan_stores_the_blocks_it_checkpoints_within_the_model():
+    from transformers import GPT2LMHeadModel
+
+    from conftest import tiny_gpt2_config
+
+    model = GPT2LMHeadModel(tiny_gpt2_config(n_layer=3))
+    every = plan_for(model, n_gpu=0, gradient_checkpointing=True)
+    assert every.checkpointed_blocks == every.n_layer == 3 and every.checkpoints_every_block
+    assert every.checkpointing_all() == every
+    with pytest.raises(ValueError, match="checkpointed_blocks=4 must be between 0 and the model's n_layer=3"):
+        plan.TrainPlan(n_layer=3, checkpointed_blocks=4)
+
+
+@pytest.mark.parametrize("lora", [True, False, "auto"])
+def test_lora_is_one_adapter_setting_and_checkpoints_written_with_a_lora_entry_still_resume(lora):
+    """Before the adapter was one field a run description had "lora" (r, alpha, dropout, target_modules)
+    beside "adapter": such a checkpoint resumes a LoRA run with the same settings, lora="auto" takes its LoRA,
+    and a full fine-tune or other LoRA settings are refused naming LoRA's arguments."""
+    from transformers import GPT2LMHeadModel
+
+    from conftest import tiny_gpt2_config
+    from lowmem_aitextgen.adapter_settings import AdapterSettings
+    from lowmem_aitextgen.cards import train_call
+    from lowmem_aitextgen.resume import base_parameters, check_resumable
+
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    old = {"run_id": "r", "base_parameters": base_parameters(model), "adapter": None, "optimizer": "adamw",
+           "lora": {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": None}, "effective_batch_size": 1,
+           "frozen_layers": None, "validation": None, "global_step": 2}
+    call = train_call(lora=lora, num_steps=5)
+    resumed = plan.build_plan(model, call, constructor_checkpointing=None, freeze_by_default=False, loaded_adapter=None,
+                              resume_from="last.ckpt", resumed=old)
+    assert resumed.adapter == (AdapterSettings.lora() if lora is not False else None)
+    if lora is False:
+        with pytest.raises(ValueError, match="another lora.*same lora"):
+            check_resumable("last.ckpt", old, resumed, plan.run_settings(call), model)
+    else:
+        check_resumable("last.ckpt", old, resumed, plan.run_settings(call), model)
+        other = {**old, "lora": {**old["lora"], "r": 4}}
+        with pytest.raises(ValueError, match="another lora.*same lora"):
+            check_resumable("last.ckpt", other, resumed, plan.run_settings(call), model)

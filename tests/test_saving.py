@@ -67,12 +67,12 @@ def test_safetensors_save_replaces_legacy_bin(tmp_path):
 
 def lora_model_as_trained():
     """A LoRA model as training leaves it: adapters that changed, the frozen base held in bf16."""
-    from lowmem_aitextgen.lora import add_lora
-    from lowmem_aitextgen.plan import LoraSettings
+    from lowmem_aitextgen.adapter_settings import AdapterSettings
+    from lowmem_aitextgen.adapters import add_adapter
     from lowmem_aitextgen.storage16 import cast_frozen_weights
 
     torch.manual_seed(0)
-    model = add_lora(GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)), LoraSettings(r=4))
+    model = add_adapter(GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)), AdapterSettings.lora(r=4))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 from transformers import GPT2Config
 
+from lowmem_aitextgen.adapter_settings import AdapterSettings
 from lowmem_aitextgen.estimate import memory_plan
-from lowmem_aitextgen.plan import ALL_BLOCKS, LoraSettings
 from lowmem_aitextgen.step_time import step_seconds
 
 GPT2_355M = GPT2Config(n_layer=24, n_embd=1024, n_head=16)
@@ -21,7 +21,7 @@ def seconds(device="cpu", config=GPT2_355M, block=512, trainable=PARAMETERS, **f
 
 
 def test_recompute_costs_time_in_proportion_to_the_blocks_checkpointed():
-    none, half, every = (seconds(checkpointed_blocks=k) for k in (0, 12, ALL_BLOCKS))
+    none, half, every = (seconds(checkpointed_blocks=k) for k in (0, 12, GPT2_355M.n_layer))
     assert none < half < every
     assert 1.15 < every / none < 1.45  # one more forward of every block: about a quarter to a third more
 
@@ -38,7 +38,7 @@ def test_a_larger_micro_batch_is_faster_for_the_same_sequences_more_so_on_a_gpu(
 
 def test_lora_steps_are_faster_and_8_bit_adamw_slower_than_the_full_adamw_step():
     full = seconds()
-    assert seconds(lora=LoraSettings(), trainable=3_000_000) < full
+    assert seconds(adapter=AdapterSettings.lora(), trainable=3_000_000) < full
     assert seconds(optimizer="adamw8bit") > full
 
 

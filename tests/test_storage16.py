@@ -13,11 +13,12 @@ from transformers.pytorch_utils import Conv1D
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, budget, hardware, storage16
+from lowmem_aitextgen.adapter_settings import AdapterSettings
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.estimate import estimate_plan, memory_plan, storage16_supported
 from lowmem_aitextgen.memory import apply_memory_plan
-from lowmem_aitextgen.plan import ALL_BLOCKS, LoraSettings, TrainPlan
+from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
 
 CONFIG = tiny_gpt2_config(vocab_size=300, n_positions=64)
 
@@ -49,11 +50,12 @@ def trained_step(model, plan, adapters=None):
     return loss, {n: p.grad for n, p in trainable.items()}, {n: p.detach().clone() for n, p in trainable.items()}, model
 
 
-@pytest.mark.parametrize("checkpointed", [0, ALL_BLOCKS])
+@pytest.mark.parametrize("checkpointed", [0, "all"])
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_a_bf16_base_computed_in_fp32_trains_as_the_fp32_base_of_the_same_weights(checkpointed, chunk):
     base = rounded_model()
-    fp32 = TrainPlan(lora=LoraSettings(dropout=0.0), checkpointed_blocks=checkpointed, loss_chunk_tokens=chunk)
+    fp32 = TrainPlan(adapter=AdapterSettings.lora(dropout=0.0), n_layer=CONFIG.n_layer,
+                     checkpointed_blocks=CONFIG.n_layer if checkpointed == "all" else checkpointed, loss_chunk_tokens=chunk)
     loss, grads, adapters, _ = trained_step(base, fp32)
     loss16, grads16, _, model16 = trained_step(base, dataclasses.replace(fp32, upcast_bf16_weights=True), adapters)
     frozen = {p.dtype for p in model16.parameters() if not p.requires_grad}
@@ -64,7 +66,7 @@ def test_a_bf16_base_computed_in_fp32_trains_as_the_fp32_base_of_the_same_weight
 
 def test_no_fp32_copy_of_a_weight_is_kept_for_backward():
     """Autograd would keep each layer's upcast weight until backward: the fp32 base again."""
-    plan = TrainPlan(lora=LoraSettings(dropout=0.0), upcast_bf16_weights=True, loss_chunk_tokens=16)
+    plan = TrainPlan(adapter=AdapterSettings.lora(dropout=0.0), upcast_bf16_weights=True, loss_chunk_tokens=16)
     model, _ = apply_memory_plan(rounded_model(), plan)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
@@ -112,13 +114,13 @@ def test_only_models_whose_layers_it_computes_for_are_offered_it():
     llama = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=4)
     assert storage16_supported(CONFIG) and not storage16_supported(llama)
-    lora = dataclasses.replace(memory_plan("32-true", True, LoraSettings(), 1, "adamw", True), n_layer=1)
+    lora = memory_plan("32-true", True, AdapterSettings.lora(), 1, "adamw", True, n_layer=1)
     assert any(p.upcast_bf16_weights for p in budget.open_choices(lora, CONFIG))
     assert not any(p.upcast_bf16_weights for p in budget.open_choices(lora, llama))
     assert not any(p.upcast_bf16_weights for p in budget.open_choices(lora))  # no model to check
     fixed = dataclasses.replace(lora, fixed=frozenset({"precision"}))  # fp32 asked for: weights not rounded
     assert not any(p.upcast_bf16_weights for p in budget.open_choices(fixed, CONFIG))
-    full = dataclasses.replace(lora, lora=None)
+    full = dataclasses.replace(lora, adapter=None)
     assert not any(p.upcast_bf16_weights for p in budget.open_choices(full, CONFIG))
 
 
@@ -126,8 +128,8 @@ WIDE = tiny_gpt2_config(n_positions=64, n_layer=4, n_embd=256)  # the tokenizer 
 
 
 def lora_plan(**fields):
-    plan = memory_plan("32-true", True, LoraSettings(), 1, "adamw", True)
-    return dataclasses.replace(plan, n_layer=4, **fields)
+    plan = memory_plan("32-true", True, AdapterSettings.lora(), 1, "adamw", True, n_layer=4)
+    return dataclasses.replace(plan, **fields)
 
 
 def needs(plan):
@@ -157,12 +159,10 @@ def test_the_planner_stores_the_base_in_bf16_only_where_an_fp32_base_does_not_fi
 def test_fp16_true_where_16_bit_math_is_emulated_may_still_store_the_base_in_bf16(bf16_emulated, fp16, stored):
     """fp16=True asks for 16 bits: on this CPU it computes in fp32 (plan.precision_note) and the planner may
     still hold LoRA's base in bf16 to fit; fp16=False asks for fp32 weights, which are kept."""
-    from lowmem_aitextgen.arguments import Arguments
-
     fp32, upcast = needs(lora_plan()), needs(lora_plan(upcast_bf16_weights=True))
-    asked = lora_plan(fixed=frozenset({"fp16"}), args=Arguments({"fp16": fp16}, {}))
+    asked = lora_plan(fixed=frozenset({"fp16"}))
     try:
-        chosen, _ = fit_plan(WIDE, asked, 64, (fp32 + upcast) // 2)
+        chosen, _ = fit_plan(WIDE, asked, 64, (fp32 + upcast) // 2, PlannerInputs(fp32_asked=not fp16))
     except MemoryError:  # fp32 weights asked for, and no other choice fits
         chosen = None
     assert (chosen is not None and chosen.upcasts_bf16_weights) == stored
@@ -187,7 +187,7 @@ def test_train_with_max_memory_stores_the_base_in_bf16_and_saves_a_loadable_mode
     assert all(torch.equal(saved[k].bfloat16(), held[k]) for k in held)  # the exact merge, rounded once
 
 
-@pytest.mark.parametrize("checkpointed, chunk", [(0, None), (ALL_BLOCKS, 16)])
+@pytest.mark.parametrize("checkpointed, chunk", [(0, None), ("all", 16)])
 def test_every_weight_in_bf16_computed_in_fp32_gets_the_fp32_gradient_rounded(checkpointed, chunk):
     """A full fine-tune held in bf16 (storage16 for 8-bit AdamW): the fp32 model's loss of the same weights,
     and each gradient that fp32 model's, rounded to bf16 once; the tied embedding sums two rounded gradients."""
@@ -195,7 +195,8 @@ def test_every_weight_in_bf16_computed_in_fp32_gets_the_fp32_gradient_rounded(ch
     ids = torch.randint(CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     results = []
     for upcast in (False, True):
-        plan = TrainPlan(checkpointed_blocks=checkpointed, loss_chunk_tokens=chunk, optimizer="adamw8bit",
+        plan = TrainPlan(n_layer=CONFIG.n_layer, checkpointed_blocks=CONFIG.n_layer if checkpointed == "all" else 0,
+                         loss_chunk_tokens=chunk, optimizer="adamw8bit",
                          upcast_bf16_weights=upcast)
         model, _ = apply_memory_plan(copy.deepcopy(base), plan)
         loss = causal_lm_loss(model, ids, chunk)
@@ -210,8 +211,8 @@ def test_every_weight_in_bf16_computed_in_fp32_gets_the_fp32_gradient_rounded(ch
 
 
 def full_plan(**fields):
-    plan = memory_plan("32-true", True, None, 1, "adamw", True)
-    return dataclasses.replace(plan, n_layer=4, **fields)
+    plan = memory_plan("32-true", True, None, 1, "adamw", True, n_layer=4)
+    return dataclasses.replace(plan, **fields)
 
 
 def test_a_full_fine_tune_is_held_in_bf16_only_where_8_bit_adamw_in_fp32_does_not_fit(bf16_emulated):
