@@ -98,16 +98,22 @@ def check_text_file(file_path: Any, argument: str = "file_path", text: bool = Tr
     if not text:
         return
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, lines, has_text = 0, 0, False
+    offset, lines, has_text, chunk = 0, 0, False, b""
     with open(file_path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        # the last read is the empty one: final=True there finds a character cut off at the end of the file,
+        # also where the file ends on a chunk boundary
+        for chunk in iter(lambda: f.read(1 << 20), None):
             if b"\x00" in chunk:
                 raise ValueError(f"{argument}={str(file_path)!r} looks binary (it has NUL bytes); "
                                  "pass a UTF-8 text file.")
+            pending = decoder.getstate()[0]  # the start of a character the previous chunk cut
             try:
-                has_text = bool(decoder.decode(chunk, final=len(chunk) < 1 << 20).strip()) or has_text
-            except UnicodeDecodeError as error:
-                raise _not_utf8(argument, file_path, chunk, error, offset, lines) from error
+                has_text = bool(decoder.decode(chunk, final=not chunk).strip()) or has_text
+            except UnicodeDecodeError as error:  # its positions count from the pending bytes
+                raise _not_utf8(argument, file_path, pending + chunk, error, offset - len(pending),
+                                lines - pending.count(b"\n")) from error
+            if not chunk:
+                break
             offset += len(chunk)
             lines += chunk.count(b"\n")
     if not has_text:
@@ -116,8 +122,9 @@ def check_text_file(file_path: Any, argument: str = "file_path", text: bool = Tr
 
 def _not_utf8(argument: str, file_path: Any, chunk: bytes, error: UnicodeDecodeError, offset: int,
               lines: int) -> ValueError:
-    """Where the text stops being UTF-8 (byte offset, line, the bytes), and the two fixes."""
-    start = max(error.start, 0)  # the decoder's start may point into the previous chunk
+    """Where the text stops being UTF-8 (byte offset, line, the bytes), and the two fixes; `chunk` starts at
+    byte `offset`, after `lines` lines."""
+    start = error.start
     line = lines + chunk[:start].count(b"\n") + 1
     path = os.fspath(file_path)
     return ValueError(

@@ -4,7 +4,9 @@ aitextgen's CLI handed every flag to every call, whose **kwargs dropped what the
 fire turns values into Python literals: `--num_stepz=3` started a default 5,000-step run over
 trained_model/, and `--output_dir=2024` became the number 2024.  Here each verb knows the names its
 callees take: an unknown flag is an error before any work, naming the closest flags, and a flag whose
-parameter is text is handed to fire quoted, so it arrives as typed.
+parameter is text is handed to fire quoted, so it arrives as typed.  A user's mistake (a value our checks
+refuse) is one line on stderr and exit status 2; --debug (or LOWMEM_AITEXTGEN_DEBUG=1) shows its traceback,
+and a crash of ours always does.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import difflib
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import fire
 
+from . import arguments
 from .aitextgen import aitextgen
 from .estimate import estimate_memory
-from .TokenDataset import TokenDataset
+from .TokenDataset import TokenDataset, check_text_file
 from .tokenizers import train_tokenizer
 
 
@@ -37,12 +41,15 @@ def encode_cli(file_path: str, **kwargs: Any) -> None:
 
 def train_cli(file_path: str, **kwargs: Any) -> None:
     """Train on a text file or an encoded .tar.gz cache."""
-    ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
     from_cache = file_path.endswith(".tar.gz")
+    train_kwargs = _accepted(aitextgen.train, kwargs)
+    # the file and train()'s values checked before the model is loaded and the file encoded
+    check_text_file(file_path, "file_path", text=not from_cache)
+    arguments.check_train(aitextgen.train, arguments.of_call(aitextgen.train, train_data=file_path, **train_kwargs))
+    ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
     dataset_kwargs = _accepted(TokenDataset.__init__, kwargs)
     dataset_kwargs.setdefault("block_size", ai.model.config.n_positions)
     dataset = TokenDataset(file_path, from_cache=from_cache, tokenizer=ai.tokenizer, **dataset_kwargs)
-    train_kwargs = _accepted(ai.train, kwargs)
     val_data = train_kwargs.get("val_data")
     if isinstance(val_data, str):  # a file, encoded as the training file is
         train_kwargs["val_data"] = TokenDataset(val_data, from_cache=val_data.endswith(".tar.gz"),
@@ -147,12 +154,63 @@ def checked_argv(verb: str, argv: list[str]) -> list[str]:
     return out
 
 
+def verb_help(verb: str) -> str:
+    """`lowmem_aitextgen VERB --help`: what the verb does and every flag it takes, with its default."""
+    function, callables, others = COMMANDS[verb]
+    defaults: dict[str, Any] = dict.fromkeys(others(), "transformers' generation default")
+    for callee in callables:
+        for name, parameter in inspect.signature(callee).parameters.items():
+            if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name != "self":
+                defaults.setdefault(name, "required" if parameter.default is parameter.empty else parameter.default)
+    first, parameter = next(iter(inspect.signature(function).parameters.items()))
+    positional = "" if parameter.annotation == "bool" else \
+        first.upper() + " " if parameter.default is parameter.empty else f"[{first.upper()}] "
+    lines = [f"usage: lowmem_aitextgen {verb} {positional}[--FLAG=VALUE ...]",
+             "", (function.__doc__ or "").strip(), "", "flags (default):"]
+    lines += [f"  --{name}" + ("" if default == "required" else f" ({default!r})")
+              for name, default in sorted(defaults.items()) if name != first or default != "required"]
+    lines += ["  --debug (a traceback for every error)"]
+    return "\n".join(lines)
+
+
+# What a user's mistake raises from our own checks (each message names the argument, its value and the fix);
+# anything else, or any of these raised inside another library, is a crash that keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, MemoryError)
+DEBUG_VARIABLE = "LOWMEM_AITEXTGEN_DEBUG"  # set (to anything but "" or "0"): tracebacks, as --debug
+PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def raised_by_our_checks(error: BaseException) -> bool:
+    """Whether `error` is one of USER_ERRORS raised by this package's own code (not inside a library)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, USER_ERRORS) and bool(frames) and os.path.abspath(frames[-1].filename).startswith(PACKAGE)
+
+
+def one_line(error: BaseException, verb: str) -> str:
+    """The message on one line, an argument it starts with written as the verb's flag (--name=value)."""
+    message = " ".join(str(error).split())
+    name = message.split("=", 1)[0]
+    return f"--{message}" if name.isidentifier() and name in flag_types(verb) else message
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in COMMANDS:
-        argv = [argv[0], *checked_argv(argv[0], argv[1:])]
-    fire.Fire({verb: function for verb, (function, _, _) in COMMANDS.items()}, command=argv,
-              name="lowmem_aitextgen")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    argv = [arg for arg in argv if arg != "--debug"]
+    verb = argv[0] if argv and argv[0] in COMMANDS else None
+    if verb is not None and {"--help", "-h"} & set(argv[1:]):
+        print(verb_help(verb))
+        return
+    if verb is not None:
+        argv = [verb, *checked_argv(verb, argv[1:])]
+    try:
+        fire.Fire({name: function for name, (function, _, _) in COMMANDS.items()}, command=argv,
+                  name="lowmem_aitextgen")
+    except USER_ERRORS as error:
+        if debug or verb is None or not raised_by_our_checks(error):
+            raise
+        print(f"lowmem_aitextgen {verb}: {one_line(error, verb)} (--debug shows where)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def aitextgen_cli(**kwargs: Any) -> None:

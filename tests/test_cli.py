@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import tiny_gpt2_config
+from lowmem_aitextgen import cli as cli_module
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -53,3 +56,56 @@ def test_text_flags_keep_what_was_typed(corpus_file, tokenizer_file, tmp_path):
         "--destination_path=007.txt")
     texts = open("007.txt", encoding="utf-8").read().split("=" * 20 + "\n")
     assert len(texts) == 3 and all(t.startswith("42") for t in texts[:2])
+
+
+def files_under(folder) -> dict[str, bytes]:
+    return {os.path.join(root, name): open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(folder) for name in names}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["estimate", "356M"], "--model='356M' is not a GPT-2 size; use one of"),
+    (["estimate", "355M", "--offload"], "--offload=True keeps the weights in host memory while a GPU computes"),
+    (["train", "DATA", "--num_steps=0"], "--num_steps=0 must be a positive integer"),
+    (["train", "DATA", "--lora=maybe"], "--lora='maybe' must be one of True, False, 'auto'"),
+    (["generate", "--model_folder=missing"], "--model_folder='missing' does not exist"),
+    (["encode", "missing.txt"], "--file_path='missing.txt' does not exist"),
+    (["train_tokenizer", "missing.txt"], "--files='missing.txt' does not exist"),
+])
+def test_a_mistake_in_any_verb_is_one_line_on_stderr_and_status_2(argv, says, corpus_file, tmp_path, capsys):
+    """No traceback, the flag and its value named with the fix, nothing written or changed."""
+    argv = [corpus_file if arg == "DATA" else arg for arg in argv]
+    before = files_under(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli_module.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.count("\n") == 1 and err.startswith(f"lowmem_aitextgen {argv[0]}: ") and says in err, err
+    assert "Traceback" not in err and files_under(tmp_path) == before
+
+
+def test_debug_shows_the_traceback_and_a_crash_of_ours_keeps_it(monkeypatch):
+    with pytest.raises(ValueError, match="is not a GPT-2 size"):
+        cli_module.main(["estimate", "356M", "--debug"])
+    monkeypatch.setenv(cli_module.DEBUG_VARIABLE, "1")
+    with pytest.raises(ValueError, match="is not a GPT-2 size"):
+        cli_module.main(["estimate", "356M"])
+    monkeypatch.delenv(cli_module.DEBUG_VARIABLE)
+
+    def broken(*args, **kwargs):
+        return {}["a key our code lost"]
+
+    monkeypatch.setattr(cli_module, "estimate_memory", broken)
+    with pytest.raises(KeyError):  # not a user's mistake: the traceback stays
+        cli_module.main(["estimate", "355M"])
+
+
+@pytest.mark.parametrize("verb", sorted(cli_module.COMMANDS))
+def test_help_for_each_verb_lists_its_flags_with_their_defaults(verb, capsys):
+    cli_module.main([verb, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: lowmem_aitextgen {verb}")
+    listed = {line.split()[0][2:] for line in out.splitlines() if line.startswith("  --")}
+    assert set(cli_module.flag_types(verb)) - listed <= {"file_path", "files"}  # the positional argument
+    if verb == "train":
+        assert "  --num_steps (5000)" in out and "  --learning_rate (0.001)" in out

@@ -71,6 +71,10 @@ def test_merge_datasets(tokenizer_file):
     (b"", ValueError, "empty"),
     (b"\x00\x01\x02binary", ValueError, "binary"),
     (b"caf\xe9 latin-1 text", ValueError, "not UTF-8"),
+    # a 1 MiB file (the check's chunk) whose last byte starts a two-byte character: cut at the end of the file
+    (b"a" * (2**20 - 1) + "\u00e9".encode()[:1], ValueError, r"data.txt' is not UTF-8 text: byte 1,048,575 \(line 1\)"),
+    # a character the chunk boundary cuts, then a bad byte: found at its own offset
+    (b"a\n" * (2**19 - 1) + b"a" + "\u00e9".encode() + b"\n\xff", ValueError, r"byte 1,048,578 \(line 524,289\) is b'\\xff'"),
 ])
 def test_bad_files_get_clear_errors(tmp_path, tokenizer_file, content, error, match):
     path = tmp_path / "data.txt"
