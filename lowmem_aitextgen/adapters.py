@@ -149,17 +149,24 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list[W
     return weights
 
 
-def merge_in_place(model: nn.Module) -> nn.Module:
-    """The plain transformers model with the adapter folded into its own weights, in the dtype the base is
-    held in, each weight as the save writes it (_merged_layer_weight), one weight at a time.  (peft's
-    merge_and_unload adds a LoRA delta already rounded to bf16 to the bf16 weight: rounded twice, it
-    differs from the saved model in the last bit of some weights.)"""
+def merge_in_place(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """The plain transformers model with the adapter folded into its own weights, each weight as the save
+    writes it (_merged_layer_weight) in `dtype` (default: the dtype the base is held in), one weight at a
+    time; the model's other weights cast to `dtype` too.  (peft's merge_and_unload adds a LoRA delta already
+    rounded to bf16 to the bf16 weight: rounded twice, it differs from the saved model in the last bit of some
+    weights.)"""
     with torch.no_grad():
         for module in _tuner_layers(model.get_base_model()).values():
-            weight = module.get_base_layer().weight
-            weight.copy_(_merged_layer_weight(module, weight.dtype))
+            layer = module.get_base_layer()
+            merged = _merged_layer_weight(module, dtype or layer.weight.dtype)
+            if merged.dtype == layer.weight.dtype:
+                layer.weight.copy_(merged)
+            else:
+                layer.weight = nn.Parameter(merged, requires_grad=layer.weight.requires_grad)
+            del merged
             release_freed_heap()  # the merged copy's memory back at once, as the streamed save does
-        return model.unload()
+        plain = model.unload()
+    return plain.to(dtype) if dtype is not None else plain
 
 
 def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -128,6 +128,15 @@ class DeferredModel:
         self.skeleton.tie_weights()  # transformers 5.0 leaves a meta-device model untied
         check_config_matches(folder, self.skeleton, path, what)
 
+    @property
+    def saved_dtype(self) -> Any:
+        """The dtype config.json records the weights were saved in (fp32 where it records none)."""
+        import torch
+
+        recorded = getattr(self.skeleton.config, "dtype", None) or getattr(self.skeleton.config, "torch_dtype", None)
+        dtype = getattr(torch, str(recorded).removeprefix("torch."), None) if recorded else None
+        return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
     @staticmethod
     def possible(folder: str) -> bool:
         return saving.find_weights(folder) == "model.safetensors"
@@ -276,15 +285,16 @@ def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
 def load_base_and_adapter(model_folder: str) -> nn.Module:
     """A folder that holds a base model and, beside it, the adapter trained on it (a prompt-learning
     adapter's output_dir, adapters.py): both, the adapter trainable.  The base is read by DeferredModel,
-    not by transformers, which would take the adapter's base_model_name_or_path for where the base is."""
-    import torch
+    not by transformers, which would take the adapter's base_model_name_or_path for where the base is.  The
+    base in the dtype it was saved in, as transformers reads a plain folder: the model training left."""
     from peft import PeftModel
 
     what = f"model_folder={model_folder!r}"
     if not DeferredModel.possible(model_folder):
         raise FileNotFoundError(f"{what} holds an adapter beside a model whose weights are not in model.safetensors; "
                                 "save the base model with save_pretrained() into the folder again.")
-    base = DeferredModel(model_folder, what).load(torch.float32)
+    deferred = DeferredModel(model_folder, what)
+    base = deferred.load(deferred.saved_dtype)
     try:
         # peft loads a prompt-learning adapter for inference only (is_trainable=True is refused for it); its
         # virtual tokens' encoder is made trainable again, as get_peft_model leaves it

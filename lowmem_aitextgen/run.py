@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.utilities import rank_zero_only
@@ -23,7 +24,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from . import _compat, memory
-from .adapters import base_fingerprint, is_mergeable, merge_in_place
+from .adapters import base_fingerprint, is_adapter_model, is_mergeable, merge_in_place
 from .callbacks import NonFiniteGuard, SaveAndSample
 from .compiling import Compiled
 from .cpu import cpu_callbacks
@@ -126,7 +127,7 @@ class TrainingRun:
                 self._save_final(model, outcome)  # from the trained model, before it is merged in place
         finally:
             memory.set_requires_grad(frozen, True)
-            outcome.model = self.trained_model = model if is_sharded(model) else finished_model(model)
+            outcome.model = self.trained_model = model if is_sharded(model) else finished_model(model, self.dtype)
             if seed is not None:
                 reset_seed()
         if (self.history is not None and not self.guard.reason and outcome.diverged is None
@@ -264,15 +265,18 @@ class _CarryingLauncher(_MultiProcessingLauncher):
         trainer.lightning_module.skipped_steps = carried.get("skipped_steps", 0)
 
 
-def finished_model(model: nn.Module) -> nn.Module:
-    """The trained model ready to generate: an adapter that merges (LoRA, IA3, ...) merged into the base in
-    place, in the dtype training held the base in (no second copy; each weight as model.safetensors holds
-    it, rounded to the dtype the model was loaded in), giving a plain transformers model; a prompt-learning
-    adapter (prefix tuning) stays on its base, as peft generates with it."""
+def finished_model(model: nn.Module, saved_dtype: torch.dtype) -> nn.Module:
+    """The trained model ready to generate, and the model output_dir holds: an adapter that merges (LoRA, IA3,
+    ...) merged into the base in place, each weight as model.safetensors holds it (in `saved_dtype`, the dtype
+    the model was loaded in), giving a plain transformers model; a prompt-learning adapter (prefix tuning)
+    stays on its base, the base back in `saved_dtype`.  A base training held in 16 bits is upcast exactly,
+    so that this object and aitextgen(model_folder=output_dir) compute alike (they generate the same text)."""
     memory.disable_gradient_checkpointing(model)
     if is_mergeable(model):
         with freed_memory_returned():
-            model = merge_in_place(model)
+            model = merge_in_place(model, saved_dtype)
+    elif is_adapter_model(model):
+        model.get_base_model().to(saved_dtype)
     return model.eval()
 
 

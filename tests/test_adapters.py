@@ -254,3 +254,25 @@ def test_a_peft_config_naming_layers_gpt2_lacks_is_refused_before_any_work(text,
     with pytest.raises(ValueError, match=r"^lora_target_modules: .*\['wq'\] are not in this model"):
         ai.train(text, output_dir=str(out), num_steps=1, lora="auto", lora_target_modules=["wq"])
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cpu", ["native bf16", "no native bf16"])
+@pytest.mark.parametrize("kind", [{}, {"lora": True}, {"adapter": "prefix"}, {"peft_config": IA3Config()}],
+                         ids=["full", "lora", "prefix", "ia3"])
+def test_the_model_in_memory_after_train_is_the_model_on_disk(kind, cpu, text, base64, tokenizer_file, tmp_path):
+    """The same text for a seed and the same logits from the object train() leaves as from output_dir
+    reloaded, for every kind of run, where the CPU computes bf16 (the frozen base held in bf16 while
+    training) and where it does not."""
+    from lowmem_aitextgen import hardware
+
+    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    with hardware.presenting(hardware.Hardware(hardware.CPUS[cpu])):
+        ai.train(text, output_dir=str(tmp_path / "out"), num_steps=2, save_every=0, generate_every=0,
+                 learning_rate=1e-2, block_size=32, seed=1, **kind)
+    reloaded = aitextgen(model_folder=str(tmp_path / "out"), tokenizer_file=tokenizer_file)
+    ids = torch.randint(1000, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ai.model(input_ids=ids).logits, reloaded.model(input_ids=ids).logits)
+    for seed in (3, 4):
+        kwargs = dict(n=1, max_length=20, seed=seed, return_as_list=True)
+        assert ai.generate(**kwargs) == reloaded.generate(**kwargs)
