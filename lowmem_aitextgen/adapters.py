@@ -5,17 +5,19 @@ settings are adapter_settings.py's; LoRA's own choices (default targets, its rou
 |-------------------------------|-------------------------------------|-----------------------|-----------------------------------|
 | LoRA (lora=True, peft_config) | low-rank deltas of the projections  | yes                   | merged model, lora_adapter/       |
 | IA3, LoHa, LoKr, AdaLoRA, ... | scales or deltas of the projections | yes                   | merged model, adapter/            |
-| prefix tuning (adapter=       | keys and values every layer attends | no: they are inputs,  | the base model and, beside it,    |
-|   "prefix"), prompt tuning,   | to (prefix), or embeddings before   | not weights           | the adapter (adapter_config.json, |
-|   p-tuning                    | the text (prompt, p-tuning)         |                       | adapter_model.safetensors)        |
+| prefix tuning (adapter=       | keys and values every layer attends | no: they are inputs,  | the base model, adapter/ (which   |
+|   "prefix"), prompt tuning,   | to (prefix), or embeddings before   | not weights           | aitextgen(model_folder=...) puts  |
+|   p-tuning                    | the text (prompt, p-tuning)         |                       | on it)                            |
 
 Prefix tuning gives its keys and values to every block through the KV cache, which transformers does not
 hand to a block it checkpoints: a prefix-tuning plan recomputes no block (plan.decide_checkpointing).
 
 An adapter is only right on the weights it was trained on, and adapter_config.json names them by place (a
-folder, a hub id), not by content: a later run into that folder replaces them.  An adapter saved beside a
-merged model therefore also holds base_weights.json, a SHA-256 of the base's weights (each in the dtype
-training held it in), which loading.py checks before it puts the adapter on a base.
+folder, a hub id), not by content: a later run into that folder replaces them.  Every adapter folder a save
+writes therefore also holds base_weights.json, a SHA-256 of the base's weights (each in the dtype training
+held it in; for prompt learning, of the base saved beside it), which loading.py checks before it puts the
+adapter on a base.  peft's own loader checks nothing: put on output_dir's merged model, a LoRA adapter would
+count twice (the README's table of outputs says which base each loader takes).
 """
 
 from __future__ import annotations
@@ -180,22 +182,19 @@ def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def write_adapter_model(folder: str, model: nn.Module, tokenizer: Any | None, dtype: torch.dtype | None,
                         base_record: dict[str, Any]) -> None:
-    """An adapter model as a save stages it.  Mergeable: the merged model (in `dtype`) and, in
+    """An adapter model as a save stages it: the model every loader reads at the top (in `dtype`: the merged
+    model for a mergeable method, the base for prompt learning, which changes no weight) and, in
     lora_adapter/ (adapter/ for other methods), the adapter with the record of its base (base_fingerprint,
-    plus who wrote it).  Prompt learning: the base model (in `dtype`) with the adapter's files beside it,
-    so that the folder loads as both (aitextgen(model_folder=...), peft.PeftModel.from_pretrained)."""
+    plus who wrote it).  No adapter_config.json at the top: transformers would put it on the model itself."""
     save_model_files(folder, model.get_base_model(), merged_weights(model, dtype))
-    if not is_mergeable(model):
-        model.save_pretrained(folder)
-    else:
-        adapter_dir = os.path.join(folder, adapter_subfolder(model))
-        model.save_pretrained(adapter_dir)
-        with open(os.path.join(adapter_dir, BASE_RECORD), "w", encoding="utf-8") as f:
-            json.dump(base_record, f, indent=2)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(adapter_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+    if not is_mergeable(model):  # trained on the base as held (rounded to 16 bits, maybe): the one saved above
+        base_record = {**base_record, **base_fingerprint(model, dtype)}
+    adapter_dir = os.path.join(folder, adapter_subfolder(model))
+    model.save_pretrained(adapter_dir)
+    with open(os.path.join(adapter_dir, BASE_RECORD), "w", encoding="utf-8") as f:
+        json.dump(base_record, f, indent=2)
+    for destination in (adapter_dir, folder) if tokenizer is not None else ():
+        tokenizer.save_pretrained(destination)
 
 
 def read_adapter_into(model: nn.Module, folder: str) -> None:
@@ -204,6 +203,23 @@ def read_adapter_into(model: nn.Module, folder: str) -> None:
     from safetensors.torch import load_file
 
     set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+
+
+def prompt_learning_beside(folder: str) -> str | None:
+    """The subfolder of a model folder that holds a prompt-learning adapter for the model beside it (which
+    aitextgen(model_folder=folder) puts on it), or None."""
+    from .adapter_settings import ADAPTER_SUBFOLDER
+
+    path = os.path.join(folder, ADAPTER_SUBFOLDER, "adapter_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = AdapterSettings.of(json.load(f))
+        return None if settings.mergeable else os.path.join(folder, ADAPTER_SUBFOLDER)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} cannot be read as a peft adapter config ({error}); restore it from the run's "
+                         "output_dir, or delete the adapter folder to load the model alone.") from error
 
 
 def adapter_subfolder(model: nn.Module) -> str:

@@ -282,11 +282,22 @@ def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
         return PeftModel.from_pretrained(base, model_folder, is_trainable=True)
 
 
-def load_base_and_adapter(model_folder: str) -> nn.Module:
-    """A folder that holds a base model and, beside it, the adapter trained on it (a prompt-learning
-    adapter's output_dir, adapters.py): both, the adapter trainable.  The base is read by DeferredModel,
-    not by transformers, which would take the adapter's base_model_name_or_path for where the base is.  The
-    base in the dtype it was saved in, as transformers reads a plain folder: the model training left."""
+def _adapter_beside(model_folder: str) -> str | None:
+    """Where a model folder keeps a prompt-learning adapter for its model: adapter/ (adapters.py), or the
+    folder itself in folders written before that (adapter_config.json beside config.json); None: none."""
+    from .adapters import prompt_learning_beside
+
+    if os.path.isfile(os.path.join(model_folder, ADAPTER_CONFIG)) and os.path.isfile(
+            os.path.join(model_folder, "config.json")):
+        return model_folder
+    return prompt_learning_beside(model_folder)
+
+
+def load_base_and_adapter(model_folder: str, adapter_folder: str) -> nn.Module:
+    """A folder that holds a base model and the prompt-learning adapter trained on it (in adapter_folder, its
+    adapter/): both, the adapter trainable, refused where the base is not the one it was trained on.  The
+    base is read by DeferredModel, in the dtype it was saved in (as transformers reads a plain folder: the
+    model training left), not by transformers, which would take an adapter_config.json beside it for its own."""
     from peft import PeftModel
 
     what = f"model_folder={model_folder!r}"
@@ -295,11 +306,12 @@ def load_base_and_adapter(model_folder: str) -> nn.Module:
                                 "save the base model with save_pretrained() into the folder again.")
     deferred = DeferredModel(model_folder, what)
     base = deferred.load(deferred.saved_dtype)
+    check_adapter_base(adapter_folder, model_folder, base)
     try:
         # peft loads a prompt-learning adapter for inference only (is_trainable=True is refused for it); its
         # virtual tokens' encoder is made trainable again, as get_peft_model leaves it
         with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
-            model = PeftModel.from_pretrained(base, model_folder)
+            model = PeftModel.from_pretrained(base, adapter_folder)
         model.peft_config[model.active_adapter].inference_mode = False
         for parameter in model.prompt_encoder.parameters():
             parameter.requires_grad_(True)
@@ -325,7 +337,7 @@ def check_adapter_base(model_folder: str, base_name: str, base: nn.Module) -> No
     if now and now == record.get("run"):
         holds = "that run's own result (the adapter merged into it: the run was saved where its base was)"
     raise ValueError(
-        f"model_folder={model_folder!r}: this LoRA adapter was trained ({trained_by}) on the weights {base_name} "
+        f"model_folder={model_folder!r}: this adapter was trained ({trained_by}) on the weights {base_name} "
         f"held then, and {base_name} now holds {holds}; the adapter on them would be a model nobody trained. "
         "Load the model saved with the adapter (the folder above it, if that run's model is still there), or "
         f"set base_model_name_or_path in {os.path.join(model_folder, ADAPTER_CONFIG)} to the original base.")
@@ -375,10 +387,10 @@ def load_model(model: str | None, model_folder: str | None, config: Any, tf_gpt2
     if model_folder is not None:
         check_model_folder(model_folder)
         source = ModelSource("model_folder", os.path.abspath(model_folder))
-        if os.path.isfile(os.path.join(model_folder, ADAPTER_CONFIG)) and os.path.isfile(
-                os.path.join(model_folder, "config.json")):
-            logger.info(f"Loading model and its adapter (beside it) from {model_folder}.")
-            return load_base_and_adapter(model_folder), source
+        beside = _adapter_beside(model_folder)
+        if beside is not None:
+            logger.info(f"Loading model and its adapter ({os.path.relpath(beside, model_folder)}) from {model_folder}.")
+            return load_base_and_adapter(model_folder, beside), source
         if os.path.isfile(os.path.join(model_folder, "config.json")):
             logger.info(f"Loading model from {model_folder}.")
             return _saved_model(model_folder, f"model_folder={model_folder!r}"), source

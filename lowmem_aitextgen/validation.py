@@ -298,14 +298,14 @@ def keep_best_in_memory(model: torch.nn.Module, history: ValidationHistory, fina
     """After training, the object holds what output_dir holds: where training went on past the best
     evaluation, the best model's weights are read back from output_dir into the (merged) trained model,
     one tensor at a time."""
-    from .adapters import is_adapter_model, read_adapter_into
+    from .adapters import adapter_subfolder, is_adapter_model, read_adapter_into
     from .loading import read_safetensors_into
 
     path = os.path.join(output_dir, "model.safetensors")
     if history.best_step is None or history.best_step == final_step or not os.path.isfile(path):
         return
     if is_adapter_model(model):  # an adapter beside its base (prefix tuning): the base never changed
-        read_adapter_into(model, output_dir)
+        read_adapter_into(model, os.path.join(output_dir, adapter_subfolder(model)))
     else:
         read_safetensors_into(model, path)
     logger.info(f"The model of step {history.best_step:,} (validation loss {history.best_loss:.4f}), the best, is "

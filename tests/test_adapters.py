@@ -73,9 +73,9 @@ def test_prefix_tuning_trains_saves_and_reloads_in_a_new_process(text, base64, t
     # the prefix learned some of the text (a random base leaves it little to steer: 6.91 -> 6.81 here)
     assert mean_loss(ai.model, batch) < mean_loss(plain, batch) - 0.05
 
-    names = set(os.listdir(out))
-    assert {"adapter_config.json", "adapter_model.safetensors", "model.safetensors", "config.json"} <= names
-    # (read by hand: transformers would follow the adapter's base_model_name_or_path to load the base)
+    names = set(os.listdir(out))  # the base at the top, the adapter in adapter/ (none at the top: transformers
+    assert {"model.safetensors", "config.json"} <= names and "adapter_config.json" not in names  # would take it)
+    assert {"adapter_config.json", "adapter_model.safetensors", "base_weights.json"} <= set(os.listdir(f"{out}/adapter"))
     saved_base = load_file(os.path.join(out, "model.safetensors"))
     for key, value in saved_base.items():  # the base unchanged but for its rounding to the 16 bits it was held in
         assert torch.equal(value, base[key].to(torch.bfloat16).float()), key
@@ -84,7 +84,7 @@ def test_prefix_tuning_trains_saves_and_reloads_in_a_new_process(text, base64, t
     rounded = GPT2LMHeadModel(tiny_gpt2_config(n_positions=CONTEXT))
     rounded.load_state_dict(saved_base, strict=False)
     rounded.tie_weights()
-    with_adapter = PeftModel.from_pretrained(rounded, out).eval()
+    with_adapter = PeftModel.from_pretrained(rounded, os.path.join(out, "adapter")).eval()
     torch.testing.assert_close(mean_loss(with_adapter, batch), mean_loss(ai.model, batch), rtol=1e-2, atol=1e-2)
 
     code = ("import json, sys; from lowmem_aitextgen import aitextgen; "
@@ -212,7 +212,7 @@ def test_a_loaded_prefix_keeps_training_and_refuses_a_second_adapter(text, base6
                  learning_rate=1e-2)
     after = dict(loaded.model.named_parameters())
     assert before and all(not torch.equal(after[k], v) for k, v in before.items())
-    assert os.path.isfile("second/adapter_model.safetensors")
+    assert os.path.isfile("second/adapter/adapter_model.safetensors")
 
 
 def test_the_estimate_counts_only_the_adapter_as_trained_and_its_virtual_tokens():
@@ -276,3 +276,38 @@ def test_the_model_in_memory_after_train_is_the_model_on_disk(kind, cpu, text, b
     for seed in (3, 4):
         kwargs = dict(n=1, max_length=20, seed=seed, return_as_list=True)
         assert ai.generate(**kwargs) == reloaded.generate(**kwargs)
+
+
+LOADERS = """
+import json, os, sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, pipeline
+from lowmem_aitextgen import aitextgen, cli
+out, tokenizer_file = sys.argv[1], sys.argv[2]
+ids = torch.tensor([[5, 17, 230, 41, 9]])
+ours = aitextgen(model_folder=out, tokenizer_file=tokenizer_file).model.eval()
+plain = AutoModelForCausalLM.from_pretrained(out).eval()
+peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out), os.path.join(out, "adapter")).eval()
+texts = pipeline("text-generation", model=out, tokenizer=out)("The", max_new_tokens=5, do_sample=False)
+cli.main(["generate", f"--model_folder={out}", f"--tokenizer_file={tokenizer_file}", "--n=2", "--max_length=12",
+          "--destination_path=generated.txt"])
+with torch.no_grad():
+    print(json.dumps({"peft_is_ours": torch.equal(peft(input_ids=ids).logits, ours(input_ids=ids).logits),
+                      "plain_is_base": torch.equal(plain(input_ids=ids).logits,
+                                                   ours.get_base_model()(input_ids=ids).logits),
+                      "pipeline": isinstance(texts[0]["generated_text"], str),
+                      "cli": open("generated.txt", encoding="utf-8").read().count("=" * 20)}))
+"""
+
+
+def test_a_prefix_tuned_output_dir_loads_in_every_loader_in_a_new_process(text, base64, tokenizer_file, tmp_path):
+    """transformers' AutoModelForCausalLM and pipeline give the base (prefix tuning changes no weight; no
+    adapter_config.json at the top for transformers to trip on), peft's documented call puts the adapter
+    from adapter/ on it and gives exactly the model aitextgen(model_folder=...) loads, and the CLI generates."""
+    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
+    ai.train(text, adapter="prefix", output_dir="out", num_steps=2, save_every=0, generate_every=0, seed=1)
+    result = subprocess.run([sys.executable, "-c", LOADERS, "out", tokenizer_file], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {"peft_is_ours": True, "plain_is_base": True,
+                                                          "pipeline": True, "cli": 2}
