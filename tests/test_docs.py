@@ -1,6 +1,7 @@
 """The documentation names only what exists: every file, module and link in README.md, MIGRATING.md and docs/
 is in the tree, and every `lowmem_aitextgen ...` command shown names a verb and flags the command knows."""
 
+import inspect
 import pathlib
 import re
 import shlex
@@ -67,3 +68,19 @@ def test_every_command_shown_parses():
             cli.checked_argv(verb, argv)
         except SystemExit:
             pytest.fail(f"the documented command `lowmem_aitextgen {command}` does not parse")
+
+
+@pytest.mark.parametrize("function", ["aitextgen", "train", "generate", "estimate_memory"])
+def test_each_public_entry_point_documents_every_argument_in_its_args_section(function):
+    from lowmem_aitextgen import aitextgen, estimate_memory
+
+    target = {"aitextgen": aitextgen.__init__, "train": aitextgen.train, "generate": aitextgen.generate,
+              "estimate_memory": estimate_memory}[function]
+    doc = inspect.getdoc(aitextgen if function == "aitextgen" else target)
+    args = doc.split("Args:", 1)[1]
+    named = {name for line in args.splitlines() if re.match(r"\s{4}\S", line)
+             for name in re.findall(r"\*{0,2}(\w+)", line.split(":", 1)[0])}
+    parameters = {("**" if p.kind is p.VAR_KEYWORD else "") + name
+                  for name, p in inspect.signature(target).parameters.items() if name != "self"}
+    missing = {p.lstrip("*") for p in parameters} - named - ({"kwargs"} if function == "aitextgen" else set())
+    assert not missing, missing
