@@ -1,7 +1,10 @@
 """The training plan: every decision of one train() call, each made by one function, once.
 
 The plan is built from the call's validated arguments (arguments.py) and the model; budget.py and
-oom.py only replace fields of it.  The Lightning module, the callbacks and the memory techniques read
+oom.py only replace fields of it.  Beside it, two values read from the same arguments once: what the call
+asks of the planner (PlannerInputs: the budget, a pinned micro-batch, lora="auto") and the run's own
+settings (RunSettings: steps, schedule, seed, optimizer hyper-parameters, clipping, samples); after
+planning nothing reads the arguments.  The Lightning module, the callbacks and the memory techniques read
 the plan and decide nothing themselves.  No file is read or written here, and no torch work happens
 beyond asking what the hardware supports.
 """
