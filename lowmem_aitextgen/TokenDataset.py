@@ -98,11 +98,12 @@ def check_text_file(file_path: Any, argument: str = "file_path", text: bool = Tr
     if not text:
         return
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, lines, has_text, chunk = 0, 0, False, b""
+    offset, lines, has_text = 0, 0, False
     with open(file_path, "rb") as f:
-        # the last read is the empty one: final=True there finds a character cut off at the end of the file,
-        # also where the file ends on a chunk boundary
-        for chunk in iter(lambda: f.read(1 << 20), None):
+        # up to and including the empty read at the end: final=True there finds a character cut off at the end
+        # of the file, also where the file ends on a chunk boundary
+        while True:
+            chunk = f.read(1 << 20)
             if b"\x00" in chunk:
                 raise ValueError(f"{argument}={str(file_path)!r} looks binary (it has NUL bytes); "
                                  "pass a UTF-8 text file.")

@@ -7,7 +7,7 @@ nowhere else:
 | question                      | LoRA                          | other mergeable methods | prompt learning (prefix, prompt, p-tuning) |
 |-------------------------------|-------------------------------|-------------------------|--------------------------------------------|
 | merged after training         | yes, each weight rounded once | yes, by peft's merge    | no: the adapter is inputs, not weights     |
-| saved beside the merged model | lora_adapter/                 | adapter/                | the adapter's files beside the base        |
+| output_dir's subfolder        | lora_adapter/                 | adapter/                | adapter/                                   |
 | checkpointable blocks         | yes                           | yes                     | not prefix tuning (its KV cache)           |
 
 peft is imported only when a config is made, so the planner can hold settings without loading peft.
@@ -22,7 +22,7 @@ from typing import Any
 # lora=True's defaults (the LoRA paper's common setup); its target modules are the model type's (lora.py)
 LORA_R, LORA_ALPHA, LORA_DROPOUT = 8, 16, 0.05
 LORA_SUBFOLDER = "lora_adapter"  # beside the merged model
-ADAPTER_SUBFOLDER = "adapter"  # a mergeable adapter other than LoRA, beside the merged model
+ADAPTER_SUBFOLDER = "adapter"  # any other adapter: beside the merged model, or beside the base (prompt learning)
 
 # train(adapter=...)'s short forms: peft's config for the method, with these settings
 SHORT_FORMS: dict[str, dict[str, Any]] = {
@@ -93,7 +93,7 @@ class AdapterSettings:
 
     @property
     def subfolder(self) -> str:
-        """Where beside the merged model a mergeable adapter is saved."""
+        """The subfolder of output_dir the adapter is saved in (beside the merged model, or the base)."""
         return LORA_SUBFOLDER if self.is_lora else ADAPTER_SUBFOLDER
 
     @property

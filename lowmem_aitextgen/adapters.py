@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import _compat, lora
-from .adapter_settings import AdapterSettings
+from .adapter_settings import ADAPTER_SUBFOLDER, AdapterSettings
 from .heap import release_freed_heap
 from .saving import WeightSource, model_weights, save_model_files
 
@@ -208,8 +208,6 @@ def read_adapter_into(model: nn.Module, folder: str) -> None:
 def prompt_learning_beside(folder: str) -> str | None:
     """The subfolder of a model folder that holds a prompt-learning adapter for the model beside it (which
     aitextgen(model_folder=folder) puts on it), or None."""
-    from .adapter_settings import ADAPTER_SUBFOLDER
-
     path = os.path.join(folder, ADAPTER_SUBFOLDER, "adapter_config.json")
     if not os.path.isfile(path):
         return None

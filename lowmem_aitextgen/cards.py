@@ -37,7 +37,12 @@ def train_call(**given: object) -> Arguments:
 def plan_of_call(model: torch.nn.Module, **given: object) -> TrainPlan:
     """The plan build_plan makes for `ai.train("data.txt", **given)` on a freshly constructed model, before any
     budget."""
-    return build_plan(model, train_call(**given), constructor_checkpointing=None, freeze_by_default=False,
+    return plan_of(model, train_call(**given))
+
+
+def plan_of(model: torch.nn.Module, args: Arguments) -> TrainPlan:
+    """The plan build_plan makes for a train() call's arguments on a freshly constructed model."""
+    return build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
                       loaded_adapter=None, resume_from=None, resumed=None)
 
 
@@ -56,9 +61,9 @@ def planned(size: str, card: str | None, lora: bool | str, cpu: str = "native bf
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     with hardware.presenting(hardware_named(card, cpu)):
-        given = {**TABLE_CALL, "lora": lora, **call}
+        args = train_call(**{**TABLE_CALL, "lora": lora, **call})
         try:
-            fitted = fit_to_budget(plan_of_call(model, **given), planner_inputs(train_call(**given)), config, block)
+            fitted = fit_to_budget(plan_of(model, args), planner_inputs(args), config, block)
         except MemoryError as error:
             return error
     return fitted, estimate_plan(config, fitted, block)

@@ -16,7 +16,7 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fire
@@ -106,16 +106,22 @@ COMMANDS: dict[str, tuple[Callable, list[Callable], Callable[[], list[str]]]] = 
 }
 
 
-def flag_types(verb: str) -> dict[str, str]:
-    """Every flag the verb takes, with its parameter's annotation as text ("" where none)."""
-    _, callables, others = COMMANDS[verb]
-    flags = dict.fromkeys(others(), "")
-    for function in callables:
+def flag_parameters(verb: str) -> Iterator[tuple[str, inspect.Parameter]]:
+    """Each named parameter of the callables whose parameters are the verb's flags, the first callable's first
+    where two share a name."""
+    for function in COMMANDS[verb][1]:
         for name, parameter in inspect.signature(function).parameters.items():
             if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name != "self":
-                annotation = parameter.annotation
-                flags.setdefault(name, annotation if isinstance(annotation, str) else getattr(
-                    annotation, "__name__", str(annotation)))
+                yield name, parameter
+
+
+def flag_types(verb: str) -> dict[str, str]:
+    """Every flag the verb takes, with its parameter's annotation as text ("" where none)."""
+    flags = dict.fromkeys(COMMANDS[verb][2](), "")
+    for name, parameter in flag_parameters(verb):
+        annotation = parameter.annotation
+        flags.setdefault(name, annotation if isinstance(annotation, str) else getattr(
+            annotation, "__name__", str(annotation)))
     return flags
 
 
@@ -156,12 +162,10 @@ def checked_argv(verb: str, argv: list[str]) -> list[str]:
 
 def verb_help(verb: str) -> str:
     """`lowmem_aitextgen VERB --help`: what the verb does and every flag it takes, with its default."""
-    function, callables, others = COMMANDS[verb]
+    function, _, others = COMMANDS[verb]
     defaults: dict[str, Any] = dict.fromkeys(others(), "transformers' generation default")
-    for callee in callables:
-        for name, parameter in inspect.signature(callee).parameters.items():
-            if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name != "self":
-                defaults.setdefault(name, "required" if parameter.default is parameter.empty else parameter.default)
+    for name, parameter in flag_parameters(verb):
+        defaults.setdefault(name, "required" if parameter.default is parameter.empty else parameter.default)
     first, parameter = next(iter(inspect.signature(function).parameters.items()))
     positional = "" if parameter.annotation == "bool" else \
         first.upper() + " " if parameter.default is parameter.empty else f"[{first.upper()}] "

@@ -446,11 +446,15 @@ def decide_adapter(args: Arguments, loaded: AdapterSettings | None, resumed: dic
     return asked
 
 
+def lora_of_call(args: Arguments) -> AdapterSettings:
+    """The LoRA train()'s lora_r, lora_alpha, lora_dropout and lora_target_modules describe."""
+    return AdapterSettings.lora(args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+
+
 def asked_adapter(args: Arguments, model_type: str | None) -> tuple[AdapterSettings | None, str]:
     """The adapter train()'s arguments choose (arguments.check_adapter_choice allows one way), and which."""
     if args.lora is True:
-        return AdapterSettings.lora(args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules), \
-            "lora=True"
+        return lora_of_call(args), "lora=True"
     if args.get("peft_config") is not None:
         return AdapterSettings.of(args.peft_config, model_type), "peft_config"
     if args.get("adapter") is not None:
@@ -583,8 +587,7 @@ def run_settings(args: Arguments) -> RunSettings:
 def planner_inputs(args: Arguments) -> PlannerInputs:
     """What train()'s arguments ask of the planner beyond the plan (PlannerInputs)."""
     max_memory = args.get("max_memory")
-    lora_if_needed = AdapterSettings.lora(args.lora_r, args.lora_alpha, args.lora_dropout,
-                                          args.lora_target_modules) if args.get("lora") == "auto" else None
+    lora_if_needed = lora_of_call(args) if args.get("lora") == "auto" else None
     return PlannerInputs(max_memory=parse_bytes(max_memory) if max_memory is not None else None,
                          pin_micro_batch=bool(args.get("pin_micro_batch", False)), lora_if_needed=lora_if_needed,
                          fp32_asked=args.get("fp16") is False)
