@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from . import _compat, saving
+from .adapter_settings import AdapterSettings
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -258,7 +259,6 @@ def read_safetensors_into(model: nn.Module, path: str) -> None:
 def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
     """Base model + peft adapter, from an adapter folder (lora_adapter/, adapter/) whose base is elsewhere;
     the adapter stays trainable."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_name = read_json(os.path.join(model_folder, ADAPTER_CONFIG), "model_folder").get("base_model_name_or_path")
@@ -278,8 +278,7 @@ def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
     else:
         base = from_hub(AutoModelForCausalLM, base_name, cache_dir)
     check_adapter_base(model_folder, base_name, base)
-    with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
-        return PeftModel.from_pretrained(base, model_folder, is_trainable=True)
+    return adapter_onto(base, model_folder, f"model_folder={model_folder!r}")
 
 
 def _adapter_beside(model_folder: str) -> str | None:
@@ -298,7 +297,6 @@ def load_base_and_adapter(model_folder: str, adapter_folder: str) -> nn.Module:
     adapter/): both, the adapter trainable, refused where the base is not the one it was trained on.  The
     base is read by DeferredModel, in the dtype it was saved in (as transformers reads a plain folder: the
     model training left), not by transformers, which would take an adapter_config.json beside it for its own."""
-    from peft import PeftModel
 
     what = f"model_folder={model_folder!r}"
     if not DeferredModel.possible(model_folder):
@@ -307,19 +305,29 @@ def load_base_and_adapter(model_folder: str, adapter_folder: str) -> nn.Module:
     deferred = DeferredModel(model_folder, what)
     base = deferred.load(deferred.saved_dtype)
     check_adapter_base(adapter_folder, model_folder, base)
+    return adapter_onto(base, adapter_folder, what)
+
+
+def adapter_onto(base: nn.Module, adapter_folder: str, what: str) -> nn.Module:
+    """The peft adapter saved in adapter_folder on `base`, trainable (it keeps training, as aitextgen's
+    models do).  peft loads a prompt-learning adapter for inference only (is_trainable=True is refused for
+    it): its virtual tokens' encoder is made trainable again, as get_peft_model leaves it."""
+    from peft import PeftModel
+
     try:
-        # peft loads a prompt-learning adapter for inference only (is_trainable=True is refused for it); its
-        # virtual tokens' encoder is made trainable again, as get_peft_model leaves it
+        with open(os.path.join(adapter_folder, ADAPTER_CONFIG), encoding="utf-8") as f:
+            mergeable = AdapterSettings.of(json.load(f)).mergeable
         with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
-            model = PeftModel.from_pretrained(base, adapter_folder)
-        model.peft_config[model.active_adapter].inference_mode = False
-        for parameter in model.prompt_encoder.parameters():
-            parameter.requires_grad_(True)
+            model = PeftModel.from_pretrained(base, adapter_folder, is_trainable=mergeable)
+        if not mergeable:
+            model.peft_config[model.active_adapter].inference_mode = False
+            for parameter in model.prompt_encoder.parameters():
+                parameter.requires_grad_(True)
         return model
     except Exception as error:  # peft raises ValueError, KeyError or safetensors' own
-        raise ValueError(f"{what}: the adapter beside the model cannot be loaded ({type(error).__name__}: {error}); "
-                         "restore adapter_config.json and adapter_model.safetensors from the run's output_dir, "
-                         "or train again.") from error
+        raise ValueError(f"{what}: the adapter in {adapter_folder} cannot be loaded ({type(error).__name__}: "
+                         f"{error}); restore adapter_config.json and adapter_model.safetensors from the run's "
+                         "output_dir, or train again.") from error
 
 
 def check_adapter_base(model_folder: str, base_name: str, base: nn.Module) -> None:

@@ -280,34 +280,80 @@ def test_the_model_in_memory_after_train_is_the_model_on_disk(kind, cpu, text, b
 
 LOADERS = """
 import json, os, sys, torch
-from peft import PeftModel
+from peft import AutoPeftModelForCausalLM, PeftModel
 from transformers import AutoModelForCausalLM, pipeline
 from lowmem_aitextgen import aitextgen, cli
-out, tokenizer_file = sys.argv[1], sys.argv[2]
+tokenizer_file, original, results = sys.argv[1], sys.argv[2], {}
 ids = torch.tensor([[5, 17, 230, 41, 9]])
-ours = aitextgen(model_folder=out, tokenizer_file=tokenizer_file).model.eval()
-plain = AutoModelForCausalLM.from_pretrained(out).eval()
-peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out), os.path.join(out, "adapter")).eval()
-texts = pipeline("text-generation", model=out, tokenizer=out)("The", max_new_tokens=5, do_sample=False)
-cli.main(["generate", f"--model_folder={out}", f"--tokenizer_file={tokenizer_file}", "--n=2", "--max_length=12",
-          "--destination_path=generated.txt"])
-with torch.no_grad():
-    print(json.dumps({"peft_is_ours": torch.equal(peft(input_ids=ids).logits, ours(input_ids=ids).logits),
-                      "plain_is_base": torch.equal(plain(input_ids=ids).logits,
-                                                   ours.get_base_model()(input_ids=ids).logits),
-                      "pipeline": isinstance(texts[0]["generated_text"], str),
-                      "cli": open("generated.txt", encoding="utf-8").read().count("=" * 20)}))
+
+def logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits.float()
+
+def same(a, b):
+    return "equal" if torch.equal(a, b) else "close" if torch.allclose(a, b, atol=1e-4) else "other"
+
+untrained = logits(AutoModelForCausalLM.from_pretrained(original))
+for out in sys.argv[3:]:
+    ours = aitextgen(model_folder=out, tokenizer_file=tokenizer_file).model
+    adapter = next((os.path.join(out, d) for d in ("adapter", "lora_adapter")
+                    if os.path.isdir(os.path.join(out, d))), None)
+    base = None
+    if adapter is not None:
+        named = json.load(open(os.path.join(adapter, "adapter_config.json")))["base_model_name_or_path"]
+        prompt_learning = hasattr(ours, "prompt_encoder")
+        base = AutoModelForCausalLM.from_pretrained(out if prompt_learning else named)
+        peft = PeftModel.from_pretrained(base, adapter)
+        from_adapter_folder = aitextgen(model_folder=adapter, tokenizer_file=tokenizer_file).model
+    texts = pipeline("text-generation", model=out, tokenizer=out)("The", max_new_tokens=5, do_sample=False)
+    cli.main(["generate", f"--model_folder={out}", f"--tokenizer_file={tokenizer_file}", "--n=2",
+              "--max_length=12", "--destination_path=generated.txt"])
+    plain = logits(AutoModelForCausalLM.from_pretrained(out))
+    results[out] = {
+        "auto": same(plain, logits(ours)) if adapter is None or not prompt_learning
+        else "base" if torch.equal(plain, logits(ours.get_base_model())) else "other",
+        "peft": None if adapter is None else same(logits(peft), logits(ours)),
+        "aitextgen(adapter folder)": None if adapter is None else same(logits(from_adapter_folder), logits(ours)),
+        "AutoPeftModel": None if adapter is None or prompt_learning
+        else same(logits(AutoPeftModelForCausalLM.from_pretrained(adapter)), logits(ours)),
+        "trained": same(logits(ours), untrained) == "other",
+        "pipeline": isinstance(texts[0]["generated_text"], str),
+        "cli": open("generated.txt", encoding="utf-8").read().count("=" * 20)}
+print(json.dumps(results))
 """
 
+# What each loader gives, by kind of run (the README's table of outputs): "equal" the model aitextgen loads,
+# "close" the same model unmerged (the adapter on the base it names: float rounding apart), "base" the base.
+EXPECTED = {
+    "full": {"auto": "equal", "peft": None, "aitextgen(adapter folder)": None, "AutoPeftModel": None},
+    "fsdp": {"auto": "equal", "peft": None, "aitextgen(adapter folder)": None, "AutoPeftModel": None},
+    "lora": {"auto": "equal", "peft": "close", "aitextgen(adapter folder)": "close",
+                     "AutoPeftModel": "close"},
+    "ia3": {"auto": "equal", "peft": "close", "aitextgen(adapter folder)": "close",
+                     "AutoPeftModel": "close"},
+    "resumed lora": {"auto": "equal", "peft": "close", "aitextgen(adapter folder)": "close",
+                     "AutoPeftModel": "close"},
+    "prefix": {"auto": "base", "peft": "equal", "aitextgen(adapter folder)": "equal", "AutoPeftModel": None},
+}
 
-def test_a_prefix_tuned_output_dir_loads_in_every_loader_in_a_new_process(text, base64, tokenizer_file, tmp_path):
-    """transformers' AutoModelForCausalLM and pipeline give the base (prefix tuning changes no weight; no
-    adapter_config.json at the top for transformers to trip on), peft's documented call puts the adapter
-    from adapter/ on it and gives exactly the model aitextgen(model_folder=...) loads, and the CLI generates."""
-    ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
-    ai.train(text, adapter="prefix", output_dir="out", num_steps=2, save_every=0, generate_every=0, seed=1)
-    result = subprocess.run([sys.executable, "-c", LOADERS, "out", tokenizer_file], capture_output=True, text=True,
-                            timeout=600)
+
+def test_every_kind_of_output_dir_loads_in_every_loader_in_a_new_process(text, base64, tokenizer_file):
+    """For a full, sharded, LoRA, IA3, resumed LoRA and prefix-tuned run: AutoModelForCausalLM and pipeline
+    read output_dir (the trained model; for prefix tuning, which changes no weight, the base: no
+    adapter_config.json at the top for transformers to trip on), peft's documented call puts the adapter on
+    the base it was trained on and gives the model aitextgen(model_folder=out) loads (unmerged, for
+    methods saved merged), so does aitextgen(model_folder=<the adapter folder>), and the CLI generates."""
+    kinds = {"full": {}, "fsdp": {"strategy": "fsdp", "n_gpu": 0}, "lora": {"lora": True},
+             "ia3": {"peft_config": IA3Config()}, "prefix": {"adapter": "prefix"}}
+    for name, kwargs in kinds.items():
+        aitextgen(model_folder=base64, tokenizer_file=tokenizer_file).train(
+            text, output_dir=name, num_steps=2, save_every=0, generate_every=0, learning_rate=1e-2, seed=1, **kwargs)
+    for callbacks, resume in (([CtrlC(at_step=1)], False), ([], True)):
+        aitextgen(model_folder=base64, tokenizer_file=tokenizer_file).train(
+            text, output_dir="resumed lora", num_steps=3, save_every=0, generate_every=0, learning_rate=1e-2,
+            seed=1, lora=True, callbacks=callbacks, resume=resume)
+    result = subprocess.run([sys.executable, "-c", LOADERS, tokenizer_file, base64, *EXPECTED], capture_output=True,
+                            text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.splitlines()[-1]) == {"peft_is_ours": True, "plain_is_base": True,
-                                                          "pipeline": True, "cli": 2}
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        name: {**expected, "trained": True, "pipeline": True, "cli": 2} for name, expected in EXPECTED.items()}
