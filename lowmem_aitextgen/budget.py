@@ -52,6 +52,7 @@ from .hardware import eight_bit_available, format_bytes
 from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
 from .plan import (
     GATHERED_FOR,
+    IN_BACKWARD,
     Budget,
     PlannerInputs,
     TrainPlan,
@@ -166,6 +167,8 @@ def open_choices(plan: TrainPlan, config: object | None = None,
                                                                        gathered):
         if (base and precision != "32-true") or (kept == "step" and m == effective):  # one micro-batch: no step
             continue
+        if plan.step_in_backward and (m != effective or precision == "16-mixed"):  # in_backward.py's limits
+            continue
         yield dataclasses.replace(plan, checkpointed_blocks=k, micro_batch_size=m, accumulation=effective // m,
                                   precision=precision, loss_chunk_tokens=chunk, hold_freed_heap=heap,
                                   upcast_bf16_weights=base, gathered_for=kept)
@@ -188,27 +191,53 @@ def tiers(plan: TrainPlan, config: object | None = None,
           asked: PlannerInputs = PlannerInputs()) -> Iterator[tuple[str, Iterable[TrainPlan]]]:
     """The plans to weigh, in groups; a later group only when nothing in an earlier one fits."""
     first = plan
+    if plan.step_in_backward:  # resumed from that tier: its weights were in bf16, and stay so
+        yield f"16-bit weights with 8-bit AdamW {IN_BACKWARD}", sixteen_bit_weights(plan, config, asked)
+        return
     yield "", open_choices(plan, config, asked)
     if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
         plan = dataclasses.replace(plan, optimizer="adamw8bit")
         yield "8-bit AdamW", open_choices(plan, asked=asked)
     # also where 8-bit AdamW was given or resumed: a run resumed from this tier must find it again
     if plan.optimizer == "adamw8bit" and not plan.fixed & {"fp16", "precision"}:
-        choices = []
-        if hardware.bf16_native(plan.accelerator):  # bf16 math: where emulated, storage16's fp32 math is faster
-            choices.append(open_choices(dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"}),
-                                        asked=asked))
-        if config is not None and storage16_supported(config):  # the same bf16 weights, fp32 math
-            upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
-                                         upcast_bf16_weights=True)
-            choices.append(open_choices(upcast, asked=asked))
-        yield "16-bit weights with 8-bit AdamW", itertools.chain(*choices)
+        yield "16-bit weights with 8-bit AdamW", sixteen_bit_weights(plan, config, asked)
+        if in_backward_possible(plan, asked):
+            yield f"16-bit weights with 8-bit AdamW {IN_BACKWARD}", sixteen_bit_weights(
+                stepping_in_backward(plan), config, asked)
     if offload_possible(first):
         # not with fp16's loss scaling (nothing shows it right on offloaded gradients): fp32 where bf16 is not native
         yield "offloading to host memory", (p for p in open_choices(offloading(first), config, asked)
                                             if not p.precision.startswith("16"))
     if asked.lora_if_needed is not None and plan.adapter is None:
         yield "LoRA", open_choices(dataclasses.replace(plan, adapter=asked.lora_if_needed), config, asked)
+
+
+def sixteen_bit_weights(plan: TrainPlan, config: object | None, asked: PlannerInputs) -> Iterator[TrainPlan]:
+    """`plan`'s choices with every weight held in bf16, no fp32 copy (8-bit AdamW rounds each update
+    stochastically): computed in bf16 where the device has it natively, and in fp32 by storage16.py where
+    it computes for the model's layers (faster where bf16 is emulated)."""
+    choices = []
+    if hardware.bf16_native(plan.accelerator):
+        choices.append(open_choices(dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"}),
+                                    asked=asked))
+    if config is not None and storage16_supported(config):
+        upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
+                                     upcast_bf16_weights=True)
+        choices.append(open_choices(upcast, asked=asked))
+    return itertools.chain(*choices)
+
+
+def stepping_in_backward(plan: TrainPlan) -> TrainPlan:
+    """`plan` updating inside backward: the effective batch one micro-batch, and no fp16 loss scaling (the
+    16-bit tier then picks bf16 or fp32 math)."""
+    return dataclasses.replace(plan, step_in_backward=True, micro_batch_size=plan.effective_batch_size, accumulation=1,
+                               precision="32-true" if plan.precision == "16-mixed" else plan.precision)
+
+
+def in_backward_possible(plan: TrainPlan, asked: PlannerInputs) -> bool:
+    """Updates inside backward (in_backward.py) for a full fine-tune in one unsharded process, where the user
+    pinned neither the optimizer nor an accumulation (it accumulates nothing, and clips each tensor alone)."""
+    return not (plan.trains_adapter or plan.sharded or "optimizer" in plan.fixed or asked.accumulation_pinned)
 
 
 def offload_possible(plan: TrainPlan) -> bool:
@@ -245,11 +274,7 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int | Bud
         ranked, too_big = [], []
         for candidate in candidates:
             estimate = estimate_plan(config, candidate, block_size, jsons)
-            # bytes a trained weight's gradient takes: 16 bits where the trained weights are held in 16 bits
-            sixteen = (candidate.precision.endswith("-true") and candidate.half_dtype) or (
-                not candidate.trains_adapter and candidate.upcasts_bf16_weights)
-            gradient_bytes = 2 if sixteen else 4
-            seconds = step_seconds(candidate, config, block_size, estimate.gradients // gradient_bytes, native,
+            seconds = step_seconds(candidate, config, block_size, estimate.trained_parameters, native,
                                    estimate.activations, estimate.block_activations,
                                    (estimate.weights * candidate.shards, estimate.gradients * candidate.shards))
             needs = budgeted_bytes(candidate, estimate)
@@ -267,7 +292,27 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int | Bud
                           offload_seconds(chosen, chosen.n_layer, estimate.host // 16) if chosen.offload else 0.0)
             logger.info(f"{why}.\n{estimate}")
             return dataclasses.replace(chosen, budget=budget, chosen_because=why), estimate
-    raise MemoryError(nothing_fits(plan, budget, *smallest, host_short, lora_offered=asked.lora_if_needed is not None))
+    message = nothing_fits(plan, budget, *smallest, host_short, lora_offered=asked.lora_if_needed is not None)
+    raise MemoryError("\n".join(filter(None, (message, in_backward_if_unpinned(plan, config, block_size, budget,
+                                                                              asked)))))
+
+
+def in_backward_if_unpinned(plan: TrainPlan, config: object, block_size: int, budget: Budget,
+                            asked: PlannerInputs) -> str | None:
+    """Where nothing fits because the user pinned what updates inside backward change (the optimizer, an
+    accumulation), and that tier would fit without the pins: what to leave out.  Never chosen silently."""
+    pinned = [name for name, given in (("optimizer=", "optimizer" in plan.fixed),
+                                       ("gradient_accumulation_steps=", asked.accumulation_pinned)) if given]
+    if not pinned or plan.trains_adapter or plan.sharded or plan.step_in_backward or not eight_bit_available():
+        return None
+    unpinned = dataclasses.replace(plan, optimizer="adamw8bit", fixed=plan.fixed - {"optimizer"})
+    free = dataclasses.replace(asked, accumulation_pinned=False, pin_micro_batch=False)
+    jsons = config_jsons(config, plan.accelerator)
+    for candidate in sixteen_bit_weights(stepping_in_backward(unpinned), config, free):
+        if budgeted_bytes(candidate, estimate_plan(config, candidate, block_size, jsons)) <= budget.bytes:
+            return (f"Without {' and '.join(pinned)} the planner could fit this run by holding the weights in bf16 "
+                    f"and updating them with 8-bit AdamW {IN_BACKWARD}: leave {' and '.join(pinned)} out to let it.")
+    return None
 
 
 def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEstimate,
@@ -348,9 +393,10 @@ def smaller_micro_batch(plan: TrainPlan) -> TrainPlan | None:
     return dataclasses.replace(plan, micro_batch_size=smaller, accumulation=effective // smaller)
 
 
-def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]:
+def ladder(plan: TrainPlan, allow_lora: bool, in_backward: bool = False) -> Iterator[tuple[str, TrainPlan]]:
     """(what changed, plan) for each rung, cumulative, starting with the plan as given; the choices in
-    plan.fixed (the user's) are never changed."""
+    plan.fixed (the user's) are never changed; `in_backward`: the user left the optimizer open, so a full
+    fine-tune at one micro-batch a step may update inside backward (its optimizer state is the same)."""
     explicit = plan.fixed
     yield "the plan as given", plan
     if plan.gathered_for != "block":
@@ -372,6 +418,10 @@ def ladder(plan: TrainPlan, allow_lora: bool) -> Iterator[tuple[str, TrainPlan]]
     while (smaller := smaller_micro_batch(plan)) is not None:  # batch_size is part of the effective batch
         plan = smaller
         yield f"micro-batch {plan.micro_batch_size} x {plan.accumulation} accumulation", plan
+    if in_backward and plan.accumulation == 1 and not (plan.trains_adapter or plan.sharded or plan.step_in_backward
+                                                         or plan.precision == "16-mixed"):
+        plan = dataclasses.replace(plan, step_in_backward=True)
+        yield "updates inside backward (no gradient copy)", plan
     if allow_lora and not plan.trains_adapter:
         plan = dataclasses.replace(plan, adapter=AdapterSettings.lora())
         yield "LoRA", plan

@@ -84,6 +84,7 @@ class MemoryEstimate:
     plan: dict = field(default_factory=dict)
     block_activations: int = 0  # one block's activations at this micro-batch (in overhead; for the CPU heap)
     host: int = 0  # an offloading plan's weights, gradients and optimizer states in host memory (not in total)
+    trained_parameters: int = 0  # the parameters the optimizer updates (step_time.py's count)
 
     @property
     def total(self) -> int:
@@ -283,7 +284,8 @@ def state_plan(plan: TrainPlan) -> TrainPlan:
     """What the parameter state (weights, gradients, optimizer states) depends on, and nothing else."""
     return TrainPlan(precision=plan.precision, adapter=plan.adapter,
                      upcast_bf16_weights=plan.upcast_bf16_weights, freeze_layers=plan.freeze_layers,
-                     num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer)
+                     num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer,
+                     step_in_backward=plan.step_in_backward)
 
 
 @torch.random.fork_rng(devices=[])  # LoRA's initialisation and the probes' inputs draw from the CPU generator
@@ -354,10 +356,10 @@ def estimate_memory(
 
 
 @functools.lru_cache(maxsize=256)
-def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int]:
-    """Weights, gradients and optimizer states, exactly, and the largest block's weights, from a model on
-    the meta device (nothing is allocated).  Cached: a planner weighs many plans with the same parameter
-    state."""
+def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int, int]:
+    """Weights, gradients and optimizer states, exactly, the largest block's weights and the parameters that
+    train, from a model on the meta device (nothing is allocated).  Cached: a planner weighs many plans with
+    the same parameter state."""
     from transformers import AutoModelForCausalLM
 
     config = AutoConfig.for_model(**json.loads(config_json))
@@ -370,8 +372,11 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int]
     params = list({id(p): p for p in full.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
     block = max((unique_tensor_bytes(b.parameters()) for b in transformer_blocks(full)), default=0)
-    return (unique_tensor_bytes(params), unique_tensor_bytes(trainable),
-            optimizer_state_bytes(trainable, plan.optimizer), block)
+    gradients = unique_tensor_bytes(trainable)
+    if plan.step_in_backward:  # one tensor's gradient at a time, and its step's fp32 temporaries (two)
+        gradients = max((p.numel() * (p.element_size() + 8) for p in trainable), default=0)
+    return (unique_tensor_bytes(params), gradients, optimizer_state_bytes(trainable, plan.optimizer), block,
+            sum(p.numel() for p in trainable))
 
 
 def storage16_supported(config: object) -> bool:
@@ -412,7 +417,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
     config_jsons(config, plan.accelerator), where the caller weighs many plans of one config (making
     them was most of a planner's time)."""
     full_json, config_json = jsons or config_jsons(config, plan.accelerator)
-    weights, gradients, optimizer_states, block_weights = _state_bytes(full_json, state_plan(plan))
+    weights, gradients, optimizer_states, block_weights, trained = _state_bytes(full_json, state_plan(plan))
     whole = host = 0  # a sharded plan's weights gathered whole while they compute (sharding.py)
     if plan.sharded:
         whole = _gathered_whole(plan, weights, gradients, block_weights, _n_layer(config))
@@ -443,9 +448,11 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
         overhead=int(batch_size * (recompute + block(tokens)) + logits_transient) + whole,
         block_activations=max(0, int(batch_size * block(tokens))),
         host=host,
+        trained_parameters=trained,
         plan={"block_size": block_size, "batch_size": batch_size, "precision": plan.precision,
               "gradient_checkpointing": kept if 0 < kept < n_layer else bool(kept),
               "lora": plan.trains_lora, "optimizer": plan.optimizer,
+              **({"step_in_backward": True} if plan.step_in_backward else {}),
               **({"adapter": plan.adapter.settings} if plan.adapter is not None else {}),
               **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device,

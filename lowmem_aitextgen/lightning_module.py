@@ -6,6 +6,7 @@ printing and safety checks are callbacks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytorch_lightning as pl
@@ -15,7 +16,14 @@ from transformers import get_linear_schedule_with_warmup
 
 from . import sharding
 from .chunked_loss import causal_lm_loss
-from .optimizers import build_optimizer, portable_optimizer_states, restore_optimizer_states
+from .in_backward import StepInBackward
+from .optimizers import (
+    build_optimizer,
+    optimizer_over,
+    parameter_groups,
+    portable_optimizer_states,
+    restore_optimizer_states,
+)
 from .plan import RunSettings, TrainPlan
 from .resume import RUN_KEY, align_to_step, base_parameters, random_states, run_description, set_random_states
 
@@ -31,6 +39,7 @@ class CausalLMModule(pl.LightningModule):
         self.base = base_parameters(model)  # what a checkpoint records of the model, for resume's checks
         self.skipped_steps = 0
         self.gradient_norm: torch.Tensor | None = None  # this step's, for clipping (on_before_optimizer_step)
+        self.in_backward: StepInBackward | None = None  # the plan steps inside backward (in_backward.py)
         # checkpoints hold only what trains (see on_save_checkpoint); on_load_checkpoint checks the keys
         self.strict_loading = False
 
@@ -45,6 +54,10 @@ class CausalLMModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return causal_lm_loss(self.model, batch, self.plan.loss_chunk_tokens)
+
+    def on_train_end(self) -> None:
+        if self.in_backward is not None:  # a backward after training (the user's) must not step the model
+            self.in_backward.remove_hooks()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop a step whose gradients are NaN/inf, so they never reach the weights.
@@ -119,8 +132,14 @@ class CausalLMModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict:
         settings = self.settings
-        optimizer = build_optimizer(self.model, settings.weight_decay, settings.learning_rate, settings.adam_epsilon,
-                                    self.plan.optimizer)
+        if self.plan.step_in_backward:
+            make = functools.partial(optimizer_over, learning_rate=settings.learning_rate,
+                                     adam_epsilon=settings.adam_epsilon, optimizer=self.plan.optimizer)
+            optimizer = self.in_backward = StepInBackward(parameter_groups(self.model, settings.weight_decay), make,
+                                                          settings.learning_rate, settings.max_grad_norm)
+        else:
+            optimizer = build_optimizer(self.model, settings.weight_decay, settings.learning_rate,
+                                        settings.adam_epsilon, self.plan.optimizer)
         scheduler = get_linear_schedule_with_warmup(
             optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=settings.num_steps
         )

@@ -10,7 +10,9 @@ as resume=True would:
      twice the accumulation: the same effective batch, the same data;
   2. at micro-batch 1, the next memory technique of the max_memory ladder that
      keeps the checkpoint loadable (checkpointing, mixed precision without LoRA,
-     chunked loss; not LoRA or another optimizer, whose state would not match);
+     chunked loss, updates inside backward where the optimizer was left open and
+     a step is one micro-batch; not LoRA or another optimizer, whose state would
+     not match);
   3. when nothing is left, a MemoryError, with the last good weights saved.
 
 One process only: under several processes a rank's failure is not every rank's,
@@ -47,7 +49,7 @@ def cheaper_plan(plan: TrainPlan) -> tuple[str, TrainPlan] | None:
     # micro-batch 1 now: the next rung whose checkpoint still loads (the same optimizer state and,
     # with LoRA, the same dtype of the frozen base), as if the user had fixed the others
     fixed = plan.fixed | {"optimizer"} | ({"precision"} if plan.trains_adapter else set())
-    rungs = ladder(dataclasses.replace(plan, fixed=fixed), allow_lora=False)
+    rungs = ladder(dataclasses.replace(plan, fixed=fixed), allow_lora=False, in_backward="optimizer" not in plan.fixed)
     next(rungs)  # the plan as given
     rung = next(rungs, None)
     return None if rung is None else (rung[0], dataclasses.replace(rung[1], fixed=plan.fixed))

@@ -69,8 +69,13 @@ def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float,
     temporaries. The 8-bit AdamW is torchao's: unlike bitsandbytes' it runs on CPU
     as well as CUDA (its update is torch.compile'd, so the first step is slow).
     """
+    return optimizer_over(parameter_groups(model, weight_decay), learning_rate, adam_epsilon, optimizer)
+
+
+def optimizer_over(groups: list[dict], learning_rate: float, adam_epsilon: float,
+                   optimizer: str) -> torch.optim.Optimizer:
+    """The named optimizer over these parameter groups (build_optimizer's, or one tensor's: in_backward.py)."""
     check_optimizer(optimizer)
-    groups = parameter_groups(model, weight_decay)
     if optimizer == "adafactor":
         from transformers.optimization import Adafactor
 

@@ -41,6 +41,8 @@ CHECKPOINTING_MIN_PARAMS = 300_000_000
 # The memory choices max_memory and out-of-memory recovery may make, and the argument that fixes each.
 FITTED_CHOICES = ("gradient_checkpointing", "fp16", "precision", "chunked_loss", "optimizer")
 EVALUATIONS_BY_DEFAULT = 10  # with val_data and save_every=0: eval_every = num_steps // 10
+# what the plan line and the planner say of a plan that steps inside backward (in_backward.py)
+IN_BACKWARD = "stepped inside backward (no accumulation, no gradient copy, each tensor's gradient clipped alone)"
 # What 16-bit storage (storage16.py) holds weights in: bf16, not fp16, for fp32's exponent range, so no
 # weight overflows.
 STORAGE_DTYPE = torch.bfloat16
@@ -126,6 +128,7 @@ class PlannerInputs:
     pin_micro_batch: bool = False
     lora_if_needed: AdapterSettings | None = None  # lora="auto": this LoRA, only where the budget needs it
     fp32_asked: bool = False  # fp16=False given: weights held in fp32 (so is any precision= given)
+    accumulation_pinned: bool = False  # gradient_accumulation_steps > 1 given: no updates inside backward
 
 
 def new_run_id() -> str:
@@ -179,6 +182,7 @@ class TrainPlan:
     accumulation: int = 1
     loss_chunk_tokens: int | None = None  # None: the model's own (unchunked) loss
     optimizer: str = "adamw"
+    step_in_backward: bool = False  # each tensor stepped as its gradient completes, no gradient copy (in_backward.py)
     cpu_speedups: bool = False  # cpu.py's swaps while training
     torch_compile: str | None = None  # compiling.py: "blocks" or "model" compiled while training; None: eager
     hold_freed_heap: bool = False  # cpu.py's glibc heap policy while training (False: glibc left alone)
@@ -197,6 +201,10 @@ class TrainPlan:
         if not 0 <= self.checkpointed_blocks <= self.n_layer:
             raise ValueError(f"checkpointed_blocks={self.checkpointed_blocks} must be between 0 and the model's "
                              f"n_layer={self.n_layer}.")
+        if self.step_in_backward and (self.accumulation != 1 or self.sharded or self.precision == "16-mixed"):
+            raise ValueError("Updates inside backward need one micro-batch per step, one unsharded model and no "
+                             f"fp16 loss scaling; this plan has batch {self.micro_batch_size}x{self.accumulation}, "
+                             f"shards={self.shards}, offload={self.offload}, precision={self.precision}.")
 
     @property
     def sharded(self) -> bool:
@@ -257,7 +265,8 @@ class TrainPlan:
         the rest (checkpointing, the heap) may differ."""
         adapter = self.adapter.settings_json if self.adapter is not None else None
         return (f"precision={self.precision}, batch={self.micro_batch_size}x{self.accumulation}, optimizer="
-                f"{self.optimizer}, adapter={adapter}, bf16 weights={self.upcasts_bf16_weights}, "
+                f"{self.optimizer}, in backward={self.step_in_backward}, adapter={adapter}, bf16 weights="
+                f"{self.upcasts_bf16_weights}, "
                 f"offload={self.offload}, gathered for={self.gathered_for if self.sharded else None}")
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
@@ -272,7 +281,8 @@ class TrainPlan:
         return (
             f"Training plan: device={self.accelerator}, precision={precision}, "
             f"checkpointing={describe_checkpointing(self.checkpointed_blocks, self.n_layer)}, LoRA={lora}, {adapter}"
-            f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, optimizer={self.optimizer}, "
+            f"chunked loss={'on' if self.loss_chunk_tokens else 'off'}, optimizer={self.optimizer}"
+            + (f" {IN_BACKWARD}" if self.step_in_backward else "") + ", "
             + (f"strategy={self.strategy}, nodes={self.num_nodes}, devices={self.devices}, " if scale_out else "")
             + ("offload=fp32 weights, gradients and AdamW states in host memory, " if self.offload else "")
             + (f"gathered whole for a {self.gathered_for}, " if self.shards > 1 else "")
@@ -556,6 +566,8 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         accumulation=args.gradient_accumulation_steps,
         loss_chunk_tokens=default_chunk_tokens(accelerator) if args.chunked_loss else None,
         optimizer=decide_optimizer(args, resumed),
+        # a resumed run that stepped inside backward goes on so (resume.check_resumable refuses accumulation)
+        step_in_backward=bool((resumed or {}).get("step_in_backward")) and args.gradient_accumulation_steps == 1,
         cpu_speedups=on_cpu,
         torch_compile=decide_compile(args, accelerator, strategy),
         hold_freed_heap=False,  # budget.py holds the heap where the memory needs it
@@ -590,4 +602,6 @@ def planner_inputs(args: Arguments) -> PlannerInputs:
     lora_if_needed = lora_of_call(args) if args.get("lora") == "auto" else None
     return PlannerInputs(max_memory=parse_bytes(max_memory) if max_memory is not None else None,
                          pin_micro_batch=bool(args.get("pin_micro_batch", False)), lora_if_needed=lora_if_needed,
-                         fp32_asked=args.get("fp16") is False)
+                         fp32_asked=args.get("fp16") is False,
+                         accumulation_pinned="gradient_accumulation_steps" in args.given()
+                         and args.gradient_accumulation_steps > 1)

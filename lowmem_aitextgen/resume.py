@@ -102,7 +102,8 @@ def run_description(plan: TrainPlan, settings: RunSettings, base: dict[str, list
     """What a resumed run must share with the one that wrote the checkpoint."""
     return {"run_id": plan.run_id, "base_parameters": base,
             "adapter": plan.adapter.settings if plan.adapter is not None else None,
-            "optimizer": plan.optimizer, "effective_batch_size": plan.effective_batch_size,
+            "optimizer": plan.optimizer, "step_in_backward": plan.step_in_backward,
+            "effective_batch_size": plan.effective_batch_size,
             "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and not plan.trains_adapter else None,
             "validation": held_out(settings)}
 
@@ -118,7 +119,8 @@ def upgraded(saved: dict[str, Any], model_type: str) -> dict[str, Any]:
     its own ("lora" beside "adapter") in the one "adapter" entry."""
     adapter = from_description(saved, model_type)
     described = {key: value for key, value in saved.items() if key != "lora"}
-    return {**described, "adapter": adapter.settings if adapter is not None else None}
+    return {"step_in_backward": False, **described,  # written before updates inside backward existed
+            "adapter": adapter.settings if adapter is not None else None}
 
 
 # --- which checkpoint, and whether it fits ---------------------------------------------
@@ -174,13 +176,16 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, settings:
     saved = upgraded(saved, getattr(model.config, "model_type", ""))
     ours = run_description(plan, settings, base_parameters(model))
     mismatch = next((key for key in ("base_parameters", "adapter", "frozen_layers", "optimizer",
-                                     "effective_batch_size", "validation") if saved.get(key) != ours[key]), None)
+                                     "step_in_backward", "effective_batch_size", "validation") if saved.get(key) != ours[key]), None)
     fixes = {
         "base_parameters": "construct aitextgen with the same model as the interrupted run",
         "lora": "call train() with the same lora, lora_r, lora_alpha, lora_dropout and lora_target_modules",
         "adapter": "call train() with the same peft_config or adapter",
         "frozen_layers": "call train() with the same freeze_layers and num_layers_freeze",
         "optimizer": f"pass optimizer={saved.get('optimizer')!r}",
+        "step_in_backward": ("call train() without gradient_accumulation_steps= (the interrupted run updated each "
+                             "weight inside backward, which accumulates nothing)" if saved.get("step_in_backward")
+                             else "call train() with the interrupted run's max_memory="),
         "effective_batch_size": (f"pass batch_size and gradient_accumulation_steps whose product is "
                                  f"{saved.get('effective_batch_size')}"),
         "validation": ("call train() with the same val_data (a held-out fraction of train_data must be the same, "

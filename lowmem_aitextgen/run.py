@@ -83,7 +83,7 @@ class TrainingRun:
         self.loggers = loggers
         self.extra_callbacks = callbacks
         self.dtype = next(model.parameters()).dtype
-        self.recorder = RunRecorder(plan, settings.avg_loss_smoothing)
+        self.recorder = RunRecorder(plan, settings.avg_loss_smoothing, settings.max_grad_norm)
         self.history = ValidationHistory() if self.val_dataset is not None else None
         # the adapter's base recorded as loaded, before the plan casts it (lora.base_fingerprint)
         base_record = base_fingerprint(model) if plan.trains_adapter else None

@@ -1,0 +1,107 @@
+"""The optimizer step inside backward: each weight updated the moment its gradient is complete, and that
+gradient freed at once, so a full fine-tune never holds a whole copy of the gradients (torchtune's
+"optimizer in backward"; LOMO, arXiv 2306.09782).
+
+| what changes from an ordinary step    | why                                 | what it costs                      |
+|---------------------------------------|-------------------------------------|------------------------------------|
+| no gradient copy of the model: one    | each tensor is stepped from its     | nothing a step computes; the       |
+| tensor's gradient at a time           | post-accumulate-grad hook, then its | memory of every gradient but one   |
+|                                       | gradient is dropped                 | (1558M in bf16: 3.1 GB less)       |
+| no accumulation: the whole batch is   | a tensor is stepped at the end of   | activations of the whole batch     |
+| one micro-batch                       | every backward                      | (the planner checkpoints for them) |
+| clipping per tensor: each gradient    | the global norm needs every         | a tensor whose gradient is large   |
+| scaled to at most max_grad_norm       | gradient before any step            | is damped on its own, not all      |
+| alone (torch's clip_grads_with_norm_  |                                     | together (RESULTS.md: quality)     |
+| rule, with that tensor's norm)        |                                     |                                    |
+| a gradient that is not finite skips   | no step-wide skip is possible once  | the other tensors of that step are |
+| its own tensor (counted)              | some tensors have stepped           | updated                            |
+
+Mixed precision with fp16's loss scaling cannot run here (the hooks would step with scaled gradients, and
+GradScaler skips whole steps): plan.TrainPlan refuses the pair.  The state is one optimizer per tensor,
+kept and restored as one ordinary state dict (resume is bit-equal).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+# torch.nn.utils.clip_grads_with_norm_'s guard against dividing by a zero norm
+CLIP_EPSILON = 1e-6
+
+
+class StepInBackward(torch.optim.Optimizer):
+    """One optimizer per trained tensor, stepped from that tensor's gradient hook.  Its own param_groups
+    hold the learning rate a scheduler sets; step() only runs Lightning's closure (forward and backward, in
+    which every tensor steps)."""
+
+    def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                 learning_rate: float, max_grad_norm: float = 0.0) -> None:
+        super().__init__(groups, {"lr": learning_rate})
+        self.max_grad_norm = max_grad_norm
+        self.skipped_tensors = 0  # gradients that were not finite, each left its tensor as it was
+        self.inner: list[torch.optim.Optimizer] = []
+        self._hooks = []
+        for index, group in enumerate(self.param_groups):
+            # the learning rate is the inner optimizer's own default (a tensor for torchao), set at each step
+            options = {key: value for key, value in group.items() if key not in ("params", "lr", "initial_lr")}
+            for param in group["params"]:
+                optimizer = make([{**options, "params": [param]}])
+                self.inner.append(optimizer)
+                # the group by its index: load_state_dict replaces the group dicts a scheduler then sets
+                self._hooks.append(param.register_post_accumulate_grad_hook(
+                    functools.partial(self._step_tensor, index, optimizer)))
+
+    @torch.no_grad()
+    def _step_tensor(self, group: int, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+        grad = param.grad
+        if not torch.isfinite(grad).all():
+            self.skipped_tensors += 1
+            if self.skipped_tensors == 1:
+                logger.warning("A gradient was not finite; its tensor was not updated this step (updates inside "
+                               "backward skip a tensor, not the whole step).")
+        else:
+            if self.max_grad_norm:
+                norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+                grad.mul_(torch.clamp(self.max_grad_norm / (norm + CLIP_EPSILON), max=1.0).to(grad.dtype))
+            inner = optimizer.param_groups[0]
+            lr = self.param_groups[group]["lr"]
+            if isinstance(inner["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps lr as a tensor
+                inner["lr"].fill_(lr)
+            else:
+                inner["lr"] = lr
+            optimizer.step()
+        param.grad = None
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Runs the closure: its backward steps every tensor."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def state_dict(self) -> dict[str, Any]:
+        """An ordinary optimizer's state dict: the groups, and each tensor's state under its index."""
+        state = super().state_dict()
+        inner = (optimizer.state_dict()["state"] for optimizer in self.inner)
+        state["state"] = {index: own[0] for index, own in enumerate(inner) if own}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict({**state_dict, "state": {}})
+        for index, optimizer in enumerate(self.inner):
+            own = optimizer.state_dict()
+            optimizer.load_state_dict({**own, "state": {0: state_dict["state"][index]}
+                                       if index in state_dict["state"] else {}})
+
+    def remove_hooks(self) -> None:
+        """The model without the hooks (after training: a later backward must not step it)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

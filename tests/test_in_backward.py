@@ -1,0 +1,155 @@
+"""Updates inside backward (in_backward.py): the same step as an ordinary optimizer's without clipping,
+clipping per tensor as documented, chosen by the planner exactly where the tiers above stop fitting, never
+for a user who pinned the optimizer or an accumulation, and resumed bit-equal."""
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from conftest import CtrlC, tiny_gpt2_config
+from lowmem_aitextgen import aitextgen, budget
+from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, stepping_in_backward
+from lowmem_aitextgen.estimate import estimate_plan
+from lowmem_aitextgen.in_backward import StepInBackward
+from lowmem_aitextgen.optimizers import parameter_groups
+from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
+
+# wide enough that the blocks' gradients, not the embedding's alone, are what updating inside backward saves
+CONFIG = tiny_gpt2_config(n_layer=4, n_positions=64, n_embd=256)
+BLOCK = 64
+DELTA = 1
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(1000, (2, 32), generator=generator) for _ in range(n)]
+
+
+def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]) -> None:
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.step(closure=loss.backward) if isinstance(optimizer, StepInBackward) else loss.backward()
+        if not isinstance(optimizer, StepInBackward):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def test_without_clipping_three_steps_inside_backward_equal_the_ordinary_adamw_steps():
+    torch.manual_seed(0)
+    ordinary = GPT2LMHeadModel(CONFIG)
+    inside = copy.deepcopy(ordinary)
+    adamw = torch.optim.AdamW(parameter_groups(ordinary, 0.01), lr=1e-3, fused=True)
+    make = functools.partial(torch.optim.AdamW, lr=1e-3, fused=True)
+    stepper = StepInBackward(parameter_groups(inside, 0.01), make, learning_rate=1e-3)
+    train_steps(ordinary, adamw, batches(3))
+    train_steps(inside, stepper, batches(3))
+    for (name, a), b in zip(ordinary.named_parameters(), inside.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+        assert b.grad is None, name  # freed as soon as it was used
+    assert not torch.equal(ordinary.transformer.h[0].mlp.c_fc.weight, GPT2LMHeadModel(CONFIG).transformer.h[0].mlp.c_fc.weight)
+
+
+def test_each_tensor_is_clipped_alone_to_max_grad_norm():
+    """With SGD the update is the clipped gradient: each tensor's is scaled to at most max_grad_norm by its
+    own norm (torch's clip_grads_with_norm_ rule), not by the norm of all of them."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    reference = copy.deepcopy(model)
+    ids = batches(1)[0]
+    reference(input_ids=ids, labels=ids).loss.backward()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    stepper = StepInBackward([{"params": list(model.parameters())}], functools.partial(torch.optim.SGD, lr=1.0),
+                             learning_rate=1.0, max_grad_norm=0.05)
+    stepper.step(closure=model(input_ids=ids, labels=ids).loss.backward)
+    clipped = 0
+    for (name, p), g in zip(model.named_parameters(), (q.grad for q in reference.parameters())):
+        expected = g * min(1.0, 0.05 / (g.norm().item() + 1e-6))
+        torch.testing.assert_close(before[name] - p.detach(), expected, rtol=1e-4, atol=1e-7, msg=name)
+        clipped += g.norm().item() > 0.05
+    assert 0 < clipped < len(before)  # some tensors were clipped, others kept their gradient
+
+
+def test_the_state_dict_is_an_ordinary_optimizers_and_round_trips():
+    """Per tensor inside, one ordinary state dict outside: an AdamW checkpoint loads into it (out-of-memory
+    recovery steps into this tier with the state it has) and back."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(CONFIG)
+    adamw = torch.optim.AdamW(parameter_groups(model, 0.01), lr=1e-3)
+    train_steps(model, adamw, batches(1))
+    stepper = StepInBackward(parameter_groups(model, 0.01), functools.partial(torch.optim.AdamW, lr=1e-3), 1e-3)
+    stepper.load_state_dict(adamw.state_dict())
+    for a, b in zip(adamw.state_dict()["state"].values(), stepper.state_dict()["state"].values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    adamw.load_state_dict(stepper.state_dict())
+
+
+def in_backward_user_plan(**fields) -> TrainPlan:
+    return TrainPlan(n_layer=CONFIG.n_layer, micro_batch_size=1, accumulation=2, loss_chunk_tokens=None, **fields)
+
+
+def fastest_needs(plans) -> int:
+    return min(budgeted_bytes(p, estimate_plan(CONFIG, p, BLOCK)) for p in plans)
+
+
+def test_the_planner_steps_inside_backward_exactly_where_the_16_bit_tier_stops_fitting():
+    plan = in_backward_user_plan()
+    sixteen = dataclasses.replace(plan, optimizer="adamw8bit")
+    above = fastest_needs(budget.sixteen_bit_weights(sixteen, CONFIG, PlannerInputs()))
+    inside = fastest_needs(budget.sixteen_bit_weights(stepping_in_backward(sixteen), CONFIG, PlannerInputs()))
+    assert inside < above
+    chosen, estimate = fit_plan(CONFIG, plan, BLOCK, above)
+    assert not chosen.step_in_backward and chosen.optimizer == "adamw8bit"
+    chosen, estimate = fit_plan(CONFIG, plan, BLOCK, above - 1)
+    assert chosen.step_in_backward and (chosen.micro_batch_size, chosen.accumulation) == (2, 1)
+    assert "inside backward" in chosen.chosen_because and "no accumulation" in chosen.describe(1, 1, 0)
+    assert estimate.gradients < estimate.weights / 2  # one tensor's gradient at a time, not all of them
+    with pytest.raises(MemoryError):
+        fit_plan(CONFIG, plan, BLOCK, inside - 1)
+
+
+@pytest.mark.parametrize("pinned, fix", [
+    ({"fixed": frozenset({"optimizer"})}, "optimizer="),
+    ({}, "gradient_accumulation_steps="),
+])
+def test_a_pinned_optimizer_or_accumulation_is_never_stepped_inside_backward_and_the_error_names_it(pinned, fix):
+    plan = in_backward_user_plan(**pinned)
+    asked = PlannerInputs(accumulation_pinned=not pinned)
+    inside = fastest_needs(budget.sixteen_bit_weights(stepping_in_backward(
+        dataclasses.replace(plan, optimizer="adamw8bit", fixed=frozenset())), CONFIG, PlannerInputs()))
+    with pytest.raises(MemoryError, match=f"Without {fix}.*leave {fix} out"):
+        fit_plan(CONFIG, plan, BLOCK, inside, asked)
+
+
+def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(small_data, tokenizer_file, tmp_path):
+    """train() with a max_memory only updates inside backward fit: the loss falls, the summary and the plan
+    line say what changed from the call, and Ctrl-C then resume=True ends with the uninterrupted weights."""
+    base_folder = str(tmp_path / "wide")
+    GPT2LMHeadModel(CONFIG).save_pretrained(base_folder)
+    args = dict(num_steps=6, batch_size=2, learning_rate=1e-2, warmup_steps=1, save_every=0, generate_every=0,
+                seed=1, block_size=32)
+    config = CONFIG
+    plan = TrainPlan(n_layer=config.n_layer, micro_batch_size=2, loss_chunk_tokens=128, optimizer="adamw8bit")
+    above = min(budgeted_bytes(p, estimate_plan(config, p, 32))
+                for p in budget.sixteen_bit_weights(plan, config, PlannerInputs()))
+
+    def run(output_dir, **kwargs):
+        ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+        ai.train(small_data, output_dir=output_dir, max_memory=above - DELTA, **args, **kwargs)
+        return ai
+
+    uninterrupted = run("uninterrupted").model.state_dict()
+    with open("uninterrupted/training_summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["plan"]["step_in_backward"] and summary["plan"]["gradient_accumulation_steps"] == 1
+    assert summary["final_loss"] < math.log(CONFIG.vocab_size) - 0.5  # below an untrained model's loss
+    assert summary["plan"]["clipping"] == "per tensor"
+    run("interrupted", callbacks=[CtrlC(at_step=2)])
+    resumed = run("interrupted", resume=True).model.state_dict()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
