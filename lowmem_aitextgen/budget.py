@@ -206,6 +206,8 @@ def tiers(plan: TrainPlan, config: object | None = None,
         if in_backward_possible(plan, asked):
             yield f"16-bit weights with 8-bit AdamW {IN_BACKWARD}", sixteen_bit_weights(
                 stepping_in_backward(plan), config, asked)
+            adafactor = dataclasses.replace(stepping_in_backward(plan), optimizer="adafactor")
+            yield f"16-bit weights with Adafactor {IN_BACKWARD}", sixteen_bit_weights(adafactor, config, asked)
     if offload_possible(first):
         # not with fp16's loss scaling (nothing shows it right on offloaded gradients): fp32 where bf16 is not native
         yield "offloading to host memory", (p for p in open_choices(offloading(first), config, asked)
@@ -307,13 +309,15 @@ def in_backward_if_unpinned(plan: TrainPlan, config: object, block_size: int, bu
                                        ("gradient_accumulation_steps=", asked.accumulation_pinned)) if given]
     if not pinned or plan.trains_adapter or plan.sharded or plan.step_in_backward or not eight_bit_available():
         return None
-    unpinned = dataclasses.replace(plan, optimizer="adamw8bit", fixed=plan.fixed - {"optimizer"})
     free = dataclasses.replace(asked, accumulation_pinned=False, pin_micro_batch=False)
     jsons = config_jsons(config, plan.accelerator)
-    for candidate in sixteen_bit_weights(stepping_in_backward(unpinned), config, free):
-        if budgeted_bytes(candidate, estimate_plan(config, candidate, block_size, jsons)) <= budget.bytes:
-            return (f"Without {' and '.join(pinned)} the planner could fit this run by holding the weights in bf16 "
-                    f"and updating them with 8-bit AdamW {IN_BACKWARD}: leave {' and '.join(pinned)} out to let it.")
+    for optimizer, name in (("adamw8bit", "8-bit AdamW"), ("adafactor", "Adafactor")):
+        unpinned = dataclasses.replace(plan, optimizer=optimizer, fixed=plan.fixed - {"optimizer"})
+        for candidate in sixteen_bit_weights(stepping_in_backward(unpinned), config, free):
+            if budgeted_bytes(candidate, estimate_plan(config, candidate, block_size, jsons)) <= budget.bytes:
+                return (f"Without {' and '.join(pinned)} the planner could fit this run by holding the weights in "
+                        f"bf16 and updating them with {name} {IN_BACKWARD}: leave {' and '.join(pinned)} out to let "
+                        "it.")
     return None
 
 

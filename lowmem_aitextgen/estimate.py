@@ -71,6 +71,12 @@ def probe_lengths(config: object, reserved: int = 0) -> tuple[int, int, int]:
     return context // 4, context // 2, context
 
 
+# Bytes per value of the largest tensor that its step inside backward makes beside its gradient (measured on
+# a 50257 x 1600 bf16 tensor, benchmarks/RESULTS.md): an fp32 copy as backward makes the gradient, and for
+# Adafactor, stepped through fp32 (in_backward.py), the fp32 weight and gradient and its own temporaries.
+IN_BACKWARD_STEP_BYTES = {"adamw": 4, "adamw8bit": 4, "adafactor": 14}
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one training step needs at its peak, by what holds them."""
@@ -373,8 +379,9 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int,
     trainable = [p for p in params if p.requires_grad]
     block = max((unique_tensor_bytes(b.parameters()) for b in transformer_blocks(full)), default=0)
     gradients = unique_tensor_bytes(trainable)
-    if plan.step_in_backward:  # one tensor's gradient at a time, and its step's fp32 temporaries (two)
-        gradients = max((p.numel() * (p.element_size() + 8) for p in trainable), default=0)
+    if plan.step_in_backward:  # one tensor's gradient at a time, and what its step makes beside it
+        gradients = max((p.numel() * (p.element_size() + IN_BACKWARD_STEP_BYTES[plan.optimizer]) for p in trainable),
+                        default=0)
     return (unique_tensor_bytes(params), gradients, optimizer_state_bytes(trainable, plan.optimizer), block,
             sum(p.numel() for p in trainable))
 

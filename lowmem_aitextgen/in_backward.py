@@ -29,11 +29,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 logger = logging.getLogger("lowmem_aitextgen")
 
 # torch.nn.utils.clip_grads_with_norm_'s guard against dividing by a zero norm
 CLIP_EPSILON = 1e-6
+
+
+def round_stochastically(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 to bf16, rounded up with the probability of the remainder (unbiased: an update smaller than half
+    a bf16 step moves the weight on average, where rounding to nearest would drop it); other dtypes to
+    nearest.  Random bits below bf16's 16 are added to the fp32 pattern, then cut off (torchao does the same
+    for 8-bit AdamW)."""
+    if dtype is not torch.bfloat16:
+        return value.to(dtype)
+    bits = value.view(torch.int32)
+    noisy = bits + torch.randint_like(bits, 0, 1 << 16)
+    return noisy.bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)
 
 
 class StepInBackward(torch.optim.Optimizer):
@@ -42,9 +55,13 @@ class StepInBackward(torch.optim.Optimizer):
     which every tensor steps)."""
 
     def __init__(self, groups: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
-                 learning_rate: float, max_grad_norm: float = 0.0) -> None:
+                 learning_rate: float, max_grad_norm: float = 0.0, through_fp32: bool = False) -> None:
+        """through_fp32: 16-bit weights are stepped as an fp32 copy of the one tensor (the optimizer computes
+        and keeps its state in fp32) and rounded back stochastically, for an optimizer that rounds to
+        nearest (Adafactor, AdamW); 8-bit AdamW rounds stochastically itself."""
         super().__init__(groups, {"lr": learning_rate})
         self.max_grad_norm = max_grad_norm
+        self.through_fp32 = through_fp32
         self.skipped_tensors = 0  # gradients that were not finite, each left its tensor as it was
         self.inner: list[torch.optim.Optimizer] = []
         self._hooks = []
@@ -52,7 +69,10 @@ class StepInBackward(torch.optim.Optimizer):
             # the learning rate is the inner optimizer's own default (a tensor for torchao), set at each step
             options = {key: value for key, value in group.items() if key not in ("params", "lr", "initial_lr")}
             for param in group["params"]:
-                optimizer = make([{**options, "params": [param]}])
+                stepped = param
+                if through_fp32 and param.dtype != torch.float32:  # its storage is set only while it steps
+                    stepped = nn.Parameter(torch.empty(0, dtype=torch.float32, device=param.device))
+                optimizer = make([{**options, "params": [stepped]}])
                 self.inner.append(optimizer)
                 # the group by its index: load_state_dict replaces the group dicts a scheduler then sets
                 self._hooks.append(param.register_post_accumulate_grad_hook(
@@ -76,8 +96,21 @@ class StepInBackward(torch.optim.Optimizer):
                 inner["lr"].fill_(lr)
             else:
                 inner["lr"] = lr
-            optimizer.step()
+            stepped = inner["params"][0]
+            if stepped is param:
+                optimizer.step()
+            else:
+                stepped.data, stepped.grad = param.detach().float(), grad.float()
+                param.grad = grad = None  # the 16-bit gradient's memory back before the step's temporaries
+                optimizer.step()
+                param.copy_(round_stochastically(stepped.data, param.dtype))
+                stepped.data, stepped.grad = torch.empty(0, device=param.device), None
         param.grad = None
+
+    @property
+    def stepping(self) -> str:
+        """The class of the optimizer each tensor is stepped with."""
+        return type(self.inner[0]).__name__ if self.inner else ""
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Runs the closure: its backward steps every tensor."""

@@ -135,8 +135,10 @@ class CausalLMModule(pl.LightningModule):
         if self.plan.step_in_backward:
             make = functools.partial(optimizer_over, learning_rate=settings.learning_rate,
                                      adam_epsilon=settings.adam_epsilon, optimizer=self.plan.optimizer)
+            # 8-bit AdamW rounds 16-bit weights' updates stochastically itself; any other is stepped through fp32
             optimizer = self.in_backward = StepInBackward(parameter_groups(self.model, settings.weight_decay), make,
-                                                          settings.learning_rate, settings.max_grad_norm)
+                                                          settings.learning_rate, settings.max_grad_norm,
+                                                          through_fp32=self.plan.optimizer != "adamw8bit")
         else:
             optimizer = build_optimizer(self.model, settings.weight_decay, settings.learning_rate,
                                         settings.adam_epsilon, self.plan.optimizer)

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .callbacks import OptimizerStepCallback
 from .hardware import format_bytes
+from .in_backward import StepInBackward
 from .memory import peak_memory_bytes, trainable_parameters, unique_tensor_bytes
 from .plan import TrainPlan, describe_checkpointing
 from .saving import atomic_write_bytes
@@ -99,7 +100,7 @@ class RunRecorder(OptimizerStepCallback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         self.learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        self.optimizer_name = type(optimizer).__name__
+        self.optimizer_name = optimizer.stepping if isinstance(optimizer, StepInBackward) else type(optimizer).__name__
         self._optimizer = optimizer
 
     def on_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: float) -> None:

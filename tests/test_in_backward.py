@@ -16,14 +16,13 @@ from conftest import CtrlC, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, budget
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, stepping_in_backward
 from lowmem_aitextgen.estimate import estimate_plan
-from lowmem_aitextgen.in_backward import StepInBackward
-from lowmem_aitextgen.optimizers import parameter_groups
+from lowmem_aitextgen.in_backward import StepInBackward, round_stochastically
+from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
 from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
 
 # wide enough that the blocks' gradients, not the embedding's alone, are what updating inside backward saves
 CONFIG = tiny_gpt2_config(n_layer=4, n_positions=64, n_embd=256)
 BLOCK = 64
-DELTA = 1
 
 
 def batches(n: int) -> list[torch.Tensor]:
@@ -93,8 +92,8 @@ def in_backward_user_plan(**fields) -> TrainPlan:
     return TrainPlan(n_layer=CONFIG.n_layer, micro_batch_size=1, accumulation=2, loss_chunk_tokens=None, **fields)
 
 
-def fastest_needs(plans) -> int:
-    return min(budgeted_bytes(p, estimate_plan(CONFIG, p, BLOCK)) for p in plans)
+def fastest_needs(plans, block: int = BLOCK) -> int:
+    return min(budgeted_bytes(p, estimate_plan(CONFIG, p, block)) for p in plans)
 
 
 def test_the_planner_steps_inside_backward_exactly_where_the_16_bit_tier_stops_fitting():
@@ -109,8 +108,53 @@ def test_the_planner_steps_inside_backward_exactly_where_the_16_bit_tier_stops_f
     assert chosen.step_in_backward and (chosen.micro_batch_size, chosen.accumulation) == (2, 1)
     assert "inside backward" in chosen.chosen_because and "no accumulation" in chosen.describe(1, 1, 0)
     assert estimate.gradients < estimate.weights / 2  # one tensor's gradient at a time, not all of them
+    adafactor = fastest_needs(budget.sixteen_bit_weights(
+        dataclasses.replace(stepping_in_backward(sixteen), optimizer="adafactor"), CONFIG, PlannerInputs()))
+    assert adafactor < inside
+    chosen, _ = fit_plan(CONFIG, plan, BLOCK, inside)
+    assert chosen.step_in_backward and chosen.optimizer == "adamw8bit"
+    chosen, _ = fit_plan(CONFIG, plan, BLOCK, inside - 1)
+    assert chosen.step_in_backward and chosen.optimizer == "adafactor" and "Adafactor" in chosen.chosen_because
     with pytest.raises(MemoryError):
-        fit_plan(CONFIG, plan, BLOCK, inside - 1)
+        fit_plan(CONFIG, plan, BLOCK, adafactor - 1)
+
+
+def test_rounding_to_bf16_is_stochastic_and_unbiased():
+    """Between two neighbouring bf16 values, each fp32 value rounds to one of them, on average to itself:
+    an update below half a bf16 step moves a bf16 weight (to nearest it would be lost)."""
+    low = torch.tensor(1.0, dtype=torch.bfloat16)
+    high = torch.nextafter(low, torch.tensor(2.0, dtype=torch.bfloat16))
+    value = low.float() + 0.1 * (high.float() - low.float())
+    torch.manual_seed(0)
+    rounded = round_stochastically(value.expand(100_000).clone(), torch.bfloat16)
+    assert set(rounded.unique().tolist()) == {low.item(), high.item()}
+    assert abs(rounded.float().mean().item() - value.item()) < 0.01 * (high - low).item()
+    assert value.to(torch.bfloat16) == low  # to nearest: the update is gone
+    negative = round_stochastically(-value.expand(100_000).clone(), torch.bfloat16)
+    assert abs(negative.float().mean().item() + value.item()) < 0.01 * (high - low).item()
+
+
+def test_a_16_bit_weight_stepped_through_fp32_takes_the_fp32_step_rounded():
+    """Adafactor inside backward on bf16 weights: the step is the fp32 one on the same values (its state in
+    fp32), and the weight lands on a bf16 neighbour of the fp32 result (where the gradient, made in bf16,
+    lets it)."""
+    torch.manual_seed(0)
+    value = torch.randn(64, 32)
+    fp32 = torch.nn.Parameter(value.bfloat16().float())
+    half = torch.nn.Parameter(value.bfloat16())
+    make = functools.partial(optimizer_over, learning_rate=1e-2, adam_epsilon=1e-8, optimizer="adafactor")
+    fp32_stepper = StepInBackward([{"params": [fp32]}], make, 1e-2)
+    half_stepper = StepInBackward([{"params": [half]}], make, 1e-2, through_fp32=True)
+    x = torch.randn(8, 64)
+    fp32_stepper.step(lambda: (x @ fp32).square().sum().backward())
+    half_stepper.step(lambda: (x @ half.float()).square().sum().backward())
+    step = (fp32.detach() - value.bfloat16().float()).abs()
+    assert step.max() > 0
+    ulp = torch.nextafter(half.detach(), torch.full_like(half, float("inf"))).float() - half.detach().float()
+    # a bf16 neighbour of the fp32 result, give or take the bf16 gradient's own rounding (0.4% of the step)
+    assert ((half.detach().float() - fp32.detach()).abs() <= 2 * ulp + 0.01 * step).all()
+    state = half_stepper.state_dict()["state"][0]
+    assert all(v.dtype == torch.float32 for k, v in state.items() if k != "step" and torch.is_tensor(v))
 
 
 @pytest.mark.parametrize("pinned, fix", [
@@ -126,27 +170,31 @@ def test_a_pinned_optimizer_or_accumulation_is_never_stepped_inside_backward_and
         fit_plan(CONFIG, plan, BLOCK, inside, asked)
 
 
-def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(small_data, tokenizer_file, tmp_path):
-    """train() with a max_memory only updates inside backward fit: the loss falls, the summary and the plan
-    line say what changed from the call, and Ctrl-C then resume=True ends with the uninterrupted weights."""
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adafactor"])
+def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(optimizer, small_data, tokenizer_file,
+                                                                        tmp_path):
+    """train() with a max_memory only that tier fits (the one above it needs a byte more): the loss falls,
+    the summary says what changed from the call, and Ctrl-C then resume=True ends with the uninterrupted
+    weights."""
     base_folder = str(tmp_path / "wide")
     GPT2LMHeadModel(CONFIG).save_pretrained(base_folder)
     args = dict(num_steps=6, batch_size=2, learning_rate=1e-2, warmup_steps=1, save_every=0, generate_every=0,
                 seed=1, block_size=32)
-    config = CONFIG
-    plan = TrainPlan(n_layer=config.n_layer, micro_batch_size=2, loss_chunk_tokens=128, optimizer="adamw8bit")
-    above = min(budgeted_bytes(p, estimate_plan(config, p, 32))
-                for p in budget.sixteen_bit_weights(plan, config, PlannerInputs()))
+    plan = TrainPlan(n_layer=CONFIG.n_layer, micro_batch_size=2, loss_chunk_tokens=128, optimizer="adamw8bit")
+    if optimizer == "adafactor":  # the tier above it: 8-bit AdamW inside backward
+        plan = stepping_in_backward(plan)
+    above = fastest_needs(budget.sixteen_bit_weights(plan, CONFIG, PlannerInputs()), block=32)
 
     def run(output_dir, **kwargs):
         ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
-        ai.train(small_data, output_dir=output_dir, max_memory=above - DELTA, **args, **kwargs)
+        ai.train(small_data, output_dir=output_dir, max_memory=above - 1, **args, **kwargs)
         return ai
 
     uninterrupted = run("uninterrupted").model.state_dict()
     with open("uninterrupted/training_summary.json", encoding="utf-8") as f:
         summary = json.load(f)
     assert summary["plan"]["step_in_backward"] and summary["plan"]["gradient_accumulation_steps"] == 1
+    assert summary["plan"]["optimizer"].lower().startswith(optimizer[:5])  # the class each tensor steps with
     assert summary["final_loss"] < math.log(CONFIG.vocab_size) - 0.5  # below an untrained model's loss
     assert summary["plan"]["clipping"] == "per tensor"
     run("interrupted", callbacks=[CtrlC(at_step=2)])
