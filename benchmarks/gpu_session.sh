@@ -14,6 +14,7 @@
 #   run(command="bash benchmarks/gpu_session.sh cards", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh offload", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh offload2", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh frontier", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh compile124", carry=[".whl"], timeout_s=600)  (and compile124m,
 #   compile355, compile355m)
 # Results come back as $OUT/gpu_<group>.jsonl and $OUT/gpu_<group>.log.
@@ -45,13 +46,16 @@ case "$group" in
   # issue 30's: 774M full fine-tune with 6 GiB free (on-card tiers first), and strategy="fsdp_cpu_offload" on
   # the whole card, 355M
   offload2) only=() ;;
+  # issue 38's: 1558M full fine-tune with 6 and 8 GiB free and no accumulation (16-bit weights updated inside
+  # backward, no offloading), and 1558M LoRA with 4 GiB free: peak, estimate, tokens/s
+  frontier) only=() ;;
   # issue 36's: eager against each block compiled against the model's body compiled (torch_compile=), for 124M
   # and 355M, at batch 1 and at the planner's micro-batch (gradient_accumulation_steps=8); step_seconds[0] in the
   # results is the first step, compile included
   compile124|compile355) only=(ours_full ours_compile_blocks ours_compile_model) ;;
   compile124m|compile355m) only=(ours_accum8 ours_accum8_compile_blocks ours_accum8_compile_model) ;;
   *) echo "usage: bash benchmarks/gpu_session.sh targets|targets8bit|techniques|plan|xl|cards|offload|offload2|" \
-          "compile124|compile124m|compile355|compile355m" >&2
+          "frontier|compile124|compile124m|compile355|compile355m" >&2
      exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -96,4 +100,11 @@ case "$group" in
       --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "774M row stopped" | tee -a "$log"
     timeout "$(limit 260)" python3 benchmarks/gpu_cards.py --free 0 --rows "355M fsdp_cpu_offload" --row-timeout 250 \
       --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "fsdp offload row stopped" | tee -a "$log" ;;
+  frontier)
+    for free in 6 8; do
+      timeout "$(limit 180)" python3 benchmarks/gpu_cards.py --free "$free" --rows "1558M full 1x1" --row-timeout 170 \
+        --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M full row stopped" | tee -a "$log"
+    done
+    timeout "$(limit 170)" python3 benchmarks/gpu_cards.py --free 4 --rows "1558M LoRA" --row-timeout 160 \
+      --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M LoRA row stopped" | tee -a "$log" ;;
 esac

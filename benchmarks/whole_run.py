@@ -55,6 +55,14 @@ AutoModelForCausalLM.from_config(GPT2Config(**GPT2_SIZES[sys.argv[1]])).save_pre
 """
 
 
+GENERATE = """
+import sys
+from lowmem_aitextgen import aitextgen
+text = aitextgen(model_folder=sys.argv[1]).generate(n=1, max_length=20, return_as_list=True)[0]
+print("GENERATED", repr(text))
+"""
+
+
 def saved_model(size: str) -> str:
     """A folder with random weights of `size`, written once by another process (its memory is not ours)."""
     folder = os.path.join(os.path.dirname(__file__), "out", "models", size)
@@ -91,8 +99,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         ai.train(data, output_dir=out, num_steps=args.steps, save_every=0, generate_every=0, n_gpu=0,
                  learning_rate=1e-4, callbacks=[AtTrainingEnd(marks)], progress_bar_refresh_rate=1000, **kwargs)
-    marks["save"] = vm_hwm_bytes()
-    train_seconds = time.perf_counter() - started  # the whole train() call: plan, training, merge, save
+        marks["save"] = vm_hwm_bytes()
+        train_seconds = time.perf_counter() - started  # the whole train() call: plan, training, merge, save
+        del ai
+        # the saved model, read by another process as a user would, writes text
+        generated = subprocess.run([sys.executable, "-c", GENERATE, out], capture_output=True, text=True)
     plan = marks.pop("plan")
     estimate = estimate_plan(GPT2Config(**GPT2_SIZES[args.size]), plan, args.block)
     result = {"size": args.size, "block": args.block, "steps": args.steps, "lora": args.lora,
@@ -102,7 +113,9 @@ def main() -> None:
                        "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}",
                        "upcast_bf16_weights": plan.upcasts_bf16_weights},
               "estimate_bytes": estimate.total, **{f"{k}_peak_bytes": v for k, v in marks.items()},
-              "whole_run_peak_bytes": max(marks.values())}
+              "whole_run_peak_bytes": max(marks.values()),
+              "step_in_backward": plan.step_in_backward,
+              "saved_model_generates": generated.returncode == 0 and "GENERATED" in generated.stdout}
     print(" | ".join(f"{k} {v / GIB:.2f} GiB" for k, v in result.items() if k.endswith("_bytes"))
           + f" | train() {train_seconds:.1f} s")
     print("RESULT " + json.dumps(result), flush=True)

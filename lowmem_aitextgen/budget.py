@@ -161,6 +161,10 @@ def open_choices(plan: TrainPlan, config: object | None = None,
     if "chunked_loss" not in fixed and not plan.loss_chunk_tokens:
         chunks.append(default_chunk_tokens(plan.accelerator))
     heaps = [False, True] if plan.accelerator == "cpu" and glibc_heap_available() else [False]
+    if plan.step_in_backward and heaps == [False, True]:
+        # each tensor's step frees its temporaries among the activations still alive: left alone, glibc keeps
+        # them as slack the estimate does not count (1558M: 8.5 GiB resident, estimated 6.5; RESULTS.md)
+        heaps = [True]
     effective = plan.effective_batch_size
     upcast = _upcast_choices(plan, config, asked)
     # what a process sharded across others holds whole (sharding.py); an offloaded one gathers per block
@@ -311,8 +315,11 @@ def in_backward_if_unpinned(plan: TrainPlan, config: object, block_size: int, bu
         return None
     free = dataclasses.replace(asked, accumulation_pinned=False, pin_micro_batch=False)
     jsons = config_jsons(config, plan.accelerator)
+    # the call without them: its own optimizer choice, and batch_size alone as the effective batch
+    accumulation = 1 if asked.accumulation_pinned else plan.accumulation
     for optimizer, name in (("adamw8bit", "8-bit AdamW"), ("adafactor", "Adafactor")):
-        unpinned = dataclasses.replace(plan, optimizer=optimizer, fixed=plan.fixed - {"optimizer"})
+        unpinned = dataclasses.replace(plan, optimizer=optimizer, fixed=plan.fixed - {"optimizer"},
+                                       accumulation=accumulation)
         for candidate in sixteen_bit_weights(stepping_in_backward(unpinned), config, free):
             if budgeted_bytes(candidate, estimate_plan(config, candidate, block_size, jsons)) <= budget.bytes:
                 return (f"Without {' and '.join(pinned)} the planner could fit this run by holding the weights in "

@@ -47,7 +47,10 @@ def plan_of(model: torch.nn.Module, args: Arguments) -> TrainPlan:
 
 
 def hardware_named(card: str | None, cpu: str = "native bf16") -> hardware.Hardware:
-    """hardware.CARDS[card] (or SHARED_CARDS[card]) beside hardware.CPUS[cpu]; card None: the CPU alone."""
+    """hardware.CARDS[card] (or SHARED_CARDS[card]) beside hardware.CPUS[cpu]; card None: the CPU alone; a
+    name of hardware.MACHINES: that machine, without a GPU."""
+    if card in hardware.MACHINES:
+        return hardware.Hardware(cpu=hardware.MACHINES[card])
     gpu = None if card is None else {**hardware.CARDS, **hardware.SHARED_CARDS}[card]
     return hardware.Hardware(cpu=hardware.CPUS[cpu], gpu=gpu)
 
@@ -76,7 +79,9 @@ def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
     if plan.upcasts_bf16_weights:
         words = ["bf16 base, fp32 math" if plan.trains_adapter else "bf16 weights, fp32 math"]
     if plan.optimizer != "adamw":
-        words.append("8-bit AdamW" if plan.optimizer == "adamw8bit" else plan.optimizer)
+        words.append("8-bit AdamW" if plan.optimizer == "adamw8bit" else plan.optimizer.capitalize())
+    if plan.step_in_backward:
+        words.append("inside backward")
     if plan.offload:
         words.append(f"offloaded ({format_bytes(estimate.host)} of host memory)")
     blocks = plan.checkpointed_blocks
@@ -85,18 +90,34 @@ def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
     return f"{', '.join(words)}: {format_bytes(estimate.total)}"
 
 
-def fits_table(models: tuple[str, ...] = tuple(GPT2_SIZES), cards: tuple[str, ...] = tuple(hardware.CARDS)) -> str:
-    """A markdown table: for each GPT-2 size, full fine-tune and LoRA, the plan train() makes on each card
-    (block 1024, batch_size=1 x 8 accumulation) and its estimated GPU memory, or that none fits."""
-    header = "| model | training | " + " | ".join(
-        f"{hardware.CARDS[c].name.replace('GeForce ', '')}, {hardware.CARDS[c].total / hardware.GIB:.0f} GiB"
-        for c in cards) + " |"
-    rows = [header, "|---|---|" + "---|" * len(cards)]
+def fits_table(models: tuple[str, ...] = tuple(GPT2_SIZES),
+               columns: tuple[str, ...] = (*hardware.CARDS, *hardware.MACHINES)) -> str:
+    """A markdown table: for each GPT-2 size, full fine-tune and LoRA, the plan train() makes on each card and
+    CPU machine (block 1024, batch_size=1 x 8 accumulation) and its estimate, or that none fits."""
+    header = "| model | training | " + " | ".join(column_name(c) for c in columns) + " |"
+    rows = [header, "|---|---|" + "---|" * len(columns)]
     for model in models:
         for label, lora in TRAININGS.items():
-            cells = []
-            for card in cards:
-                result = planned(model, card, lora)
-                cells.append("does not fit" if isinstance(result, MemoryError) else describe(*result))
-            rows.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
+            rows.append(f"| {model} | {label} | " + " | ".join(cell(model, c, lora) for c in columns) + " |")
     return "\n".join(rows)
+
+
+def column_name(column: str) -> str:
+    if column in hardware.MACHINES:
+        return f"CPU, {column}"
+    card = hardware.CARDS[column]
+    return f"{card.name.replace('GeForce ', '')}, {card.total / hardware.GIB:.0f} GiB"
+
+
+def cell(model: str, column: str, lora: bool) -> str:
+    """The plan of TABLE_CALL; where only its accumulation keeps the planner from updating inside backward
+    (a user's pinned gradient_accumulation_steps= is never overridden), also the plan without it."""
+    result = planned(model, column, lora)
+    if not isinstance(result, MemoryError):
+        return describe(*result)
+    if "Without gradient_accumulation_steps=" not in str(result):
+        return "does not fit"
+    alone = planned(model, column, lora, gradient_accumulation_steps=1)
+    if isinstance(alone, MemoryError):
+        return "does not fit"
+    return f"1×8 does not fit; without accumulation, {describe(*alone)}"

@@ -69,7 +69,8 @@ def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
 
 def estimate_cli(model: str = "355M", table: bool = False, **kwargs: Any) -> None:
     """Print the memory one training step needs: a GPT-2 size name, a config.json or a model folder;
-    --table: for a GPT-2 size, the plan train() makes on each common GPU (full fine-tune and LoRA)."""
+    --table: for a GPT-2 size, the plan train() makes on each common GPU and CPU machine (full fine-tune and
+    LoRA)."""
     if table:
         from .cards import fits_table
 

@@ -270,3 +270,9 @@ CPUS = {
     "native bf16": CPU(name="CPU with AVX512-BF16", bf16_native=True, available=20 * GIB, resident=GIB // 2),
     "no native bf16": CPU(name="CPU with AVX2 only", bf16_native=False, available=20 * GIB, resident=GIB // 2),
 }
+# Machines without a GPU that users train on: a desktop's RAM less what its system and desktop hold (1.5 GiB).
+MACHINES = {
+    f"{ram} GB RAM": CPU(name=f"CPU with AVX2 only, {ram} GB RAM", bf16_native=False,
+                         available=ram * 10**9 - 3 * GIB // 2, resident=GIB // 2)
+    for ram in (8, 16)
+}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lowmem_aitextgen import budget, hardware
+from lowmem_aitextgen import budget, cards, hardware
 from lowmem_aitextgen.cards import TABLE_BLOCK, fits_table, hardware_named, planned
 from lowmem_aitextgen.estimate import GPT2_SIZES, model_config
 
@@ -81,6 +81,17 @@ def test_only_the_xl_on_4_gib_finds_no_plan_and_its_error_names_the_numbers_and_
     assert "4.00 GiB, less a margin of" in message and "the smallest one needs" in message
     assert "Other processes hold 76.00 GiB of this card" in message
     assert "free memory on the device, give max_memory=" in message and "a smaller block_size" in message
+
+
+def test_1558m_full_plans_on_8_gib_without_offloading_where_the_call_leaves_the_accumulation_out():
+    """The table's call gives gradient_accumulation_steps=8, so the planner never updates inside backward for
+    it, and its error says what to leave out; without it, 1558M full fine-tuning plans on the card within
+    its budget, and the table's cell shows both."""
+    refused = planned("1558M", "8 GiB", False)
+    assert isinstance(refused, MemoryError) and "Without gradient_accumulation_steps= the planner" in str(refused)
+    plan, estimate = planned("1558M", "8 GiB", False, gradient_accumulation_steps=1)
+    assert plan.step_in_backward and not plan.offload and estimate.total <= plan.budget.bytes
+    assert cards.cell("1558M", "8 GiB", False).startswith("1×8 does not fit; without accumulation, bf16 weights")
 
 
 @pytest.mark.parametrize("card", ["T4", "V100"])
@@ -158,6 +169,16 @@ def test_the_documented_table_is_what_its_script_writes():
             if ": " in cell:
                 assert _gib(cell) == pytest.approx(_gib(theirs), rel=0.01), (our_row, theirs_row)
     assert f"block {TABLE_BLOCK}" in document[:start][-1500:]
+
+
+def test_every_cell_where_nothing_fits_is_explained_in_one_sentence():
+    document = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "memory.md"), encoding="utf-8").read()
+    table = fits_table().splitlines()
+    columns = _cells(table[0])[2:]
+    failing = [f"**{cells[0]} {cells[1]} on {column}**" for cells in map(_cells, table[2:])
+               for column, text in zip(columns, cells[2:], strict=True) if text == "does not fit"]
+    assert failing and all(name in document for name in failing), failing
+    assert document.count("does not fit**") == 0 and document.count("- **1558M") == len(failing)
 
 
 def _cells(row: str) -> list[str]:
