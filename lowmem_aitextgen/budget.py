@@ -32,8 +32,10 @@ Only when no such plan fits, in turn: 8-bit AdamW (torchao installed; a quarter 
 slower steps), then weights and gradients in bf16 with no fp32 copy (precision="bf16-true", or computed in fp32 by
 storage16.py where that is faster, as on a CPU without native bf16; 8-bit AdamW rounds each update
 stochastically), then the same updated inside backward (in_backward.py: no gradient copy; no accumulation
-and clipping per tensor, so never where optimizer= or gradient_accumulation_steps= was given), then
-offloading (a GPU), then LoRA with lora="auto" (adapters instead of every weight).
+and clipping per tensor, so never where optimizer= or gradient_accumulation_steps= was given), then with
+Adafactor inside backward (a few MB of state, each tensor stepped through fp32), then offloading (a GPU),
+then LoRA with lora="auto" (adapters instead of every weight).  The 16-bit tiers need torchao (the 8bit
+extra), whose 8-bit AdamW comes first.
 pin_micro_batch=True keeps the micro-batch and accumulation exactly as given.
 
 `ladder` is the older, fixed order of cheaper plans; out-of-memory recovery (oom.py) steps down it.

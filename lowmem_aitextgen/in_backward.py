@@ -15,6 +15,10 @@ gradient freed at once, so a full fine-tune never holds a whole copy of the grad
 | rule, with that tensor's norm)        |                                     |                                    |
 | a gradient that is not finite skips   | no step-wide skip is possible once  | the other tensors of that step are |
 | its own tensor (counted)              | some tensors have stepped           | updated                            |
+| through_fp32 (Adafactor on 16-bit     | rounded to nearest, an update below | the tensor's fp32 copy and gradient|
+| weights): an fp32 copy of the one     | half a bf16 step would be lost      | while it steps (1558M's embedding  |
+| tensor steps, rounded back            |                                     | with Adafactor: 1.2 GiB)           |
+| stochastically                        |                                     |                                    |
 
 Mixed precision with fp16's loss scaling cannot run here (the hooks would step with scaled gradients, and
 GradScaler skips whole steps): plan.TrainPlan refuses the pair.  The state is one optimizer per tensor,
