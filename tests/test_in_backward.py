@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import functools
 import json
-import math
 
 import pytest
 import torch
@@ -178,7 +177,7 @@ def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(optimizer
     weights."""
     base_folder = str(tmp_path / "wide")
     GPT2LMHeadModel(CONFIG).save_pretrained(base_folder)
-    args = dict(num_steps=6, batch_size=2, learning_rate=1e-2, warmup_steps=1, save_every=0, generate_every=0,
+    args = dict(num_steps=6, batch_size=2, learning_rate=1e-3, warmup_steps=1, save_every=0, generate_every=0,
                 seed=1, block_size=32)
     plan = TrainPlan(n_layer=CONFIG.n_layer, micro_batch_size=2, loss_chunk_tokens=128, optimizer="adamw8bit")
     if optimizer == "adafactor":  # the tier above it: 8-bit AdamW inside backward
@@ -195,7 +194,7 @@ def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(optimizer
         summary = json.load(f)
     assert summary["plan"]["step_in_backward"] and summary["plan"]["gradient_accumulation_steps"] == 1
     assert summary["plan"]["optimizer"].lower().startswith(optimizer[:5])  # the class each tensor steps with
-    assert summary["final_loss"] < math.log(CONFIG.vocab_size) - 0.5  # below an untrained model's loss
+    assert summary["final_loss"] < summary["final_avg_loss"] - 0.3  # well below the running average: it falls
     assert summary["plan"]["clipping"] == "per tensor"
     run("interrupted", callbacks=[CtrlC(at_step=2)])
     resumed = run("interrupted", resume=True).model.state_dict()
