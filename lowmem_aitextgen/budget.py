@@ -54,12 +54,14 @@ from .adapter_settings import AdapterSettings
 from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
+from .optimizers import OPTIMIZER_NAMES
 from .plan import (
     GATHERED_FOR,
     IN_BACKWARD,
     Budget,
     PlannerInputs,
     TrainPlan,
+    can_step_in_backward,
     default_chunk_tokens,
     mixed_precision,
     processes_here,
@@ -67,6 +69,10 @@ from .plan import (
 from .step_time import offload_seconds, step_seconds
 
 logger = logging.getLogger("lowmem_aitextgen")
+
+# the optimizers of the tiers that update inside backward, in the planner's order: 8-bit AdamW, then
+# Adafactor's few MB of state
+IN_BACKWARD_OPTIMIZERS = ("adamw8bit", "adafactor")
 
 # Left free when no max_memory is given.  On a GPU: what the CUDA libraries load on first use (kernels, loaded
 # lazily, and cuBLAS's handles; the context itself is paid by the time mem_get_info answers) and the
@@ -175,7 +181,7 @@ def open_choices(plan: TrainPlan, config: object | None = None,
                                                                        gathered):
         if (base and precision != "32-true") or (kept == "step" and m == effective):  # one micro-batch: no step
             continue
-        if plan.step_in_backward and (m != effective or precision == "16-mixed"):  # in_backward.py's limits
+        if plan.step_in_backward and not can_step_in_backward(effective // m, plan.sharded, precision):
             continue
         yield dataclasses.replace(plan, checkpointed_blocks=k, micro_batch_size=m, accumulation=effective // m,
                                   precision=precision, loss_chunk_tokens=chunk, hold_freed_heap=heap,
@@ -200,7 +206,7 @@ def tiers(plan: TrainPlan, config: object | None = None,
     """The plans to weigh, in groups; a later group only when nothing in an earlier one fits."""
     first = plan
     if plan.step_in_backward:  # resumed from that tier: its weights were in bf16, and stay so
-        yield f"16-bit weights with 8-bit AdamW {IN_BACKWARD}", sixteen_bit_weights(plan, config, asked)
+        yield in_backward_tier(plan, config, asked)
         return
     yield "", open_choices(plan, config, asked)
     if "optimizer" not in plan.fixed and plan.optimizer == "adamw" and eight_bit_available():
@@ -210,10 +216,8 @@ def tiers(plan: TrainPlan, config: object | None = None,
     if plan.optimizer == "adamw8bit" and not plan.fixed & {"fp16", "precision"}:
         yield "16-bit weights with 8-bit AdamW", sixteen_bit_weights(plan, config, asked)
         if in_backward_possible(plan, asked):
-            yield f"16-bit weights with 8-bit AdamW {IN_BACKWARD}", sixteen_bit_weights(
-                stepping_in_backward(plan), config, asked)
-            adafactor = dataclasses.replace(stepping_in_backward(plan), optimizer="adafactor")
-            yield f"16-bit weights with Adafactor {IN_BACKWARD}", sixteen_bit_weights(adafactor, config, asked)
+            for optimizer in IN_BACKWARD_OPTIMIZERS:
+                yield in_backward_tier(stepping_in_backward(plan, optimizer), config, asked)
     if offload_possible(first):
         # not with fp16's loss scaling (nothing shows it right on offloaded gradients): fp32 where bf16 is not native
         yield "offloading to host memory", (p for p in open_choices(offloading(first), config, asked)
@@ -237,11 +241,19 @@ def sixteen_bit_weights(plan: TrainPlan, config: object | None, asked: PlannerIn
     return itertools.chain(*choices)
 
 
-def stepping_in_backward(plan: TrainPlan) -> TrainPlan:
-    """`plan` updating inside backward: the effective batch one micro-batch, and no fp16 loss scaling (the
-    16-bit tier then picks bf16 or fp32 math)."""
+def stepping_in_backward(plan: TrainPlan, optimizer: str) -> TrainPlan:
+    """`plan` updating inside backward with `optimizer`: the effective batch one micro-batch, and no fp16 loss
+    scaling (the 16-bit tier then picks bf16 or fp32 math)."""
     return dataclasses.replace(plan, step_in_backward=True, micro_batch_size=plan.effective_batch_size, accumulation=1,
-                               precision="32-true" if plan.precision == "16-mixed" else plan.precision)
+                               precision="32-true" if plan.precision == "16-mixed" else plan.precision,
+                               optimizer=optimizer)
+
+
+def in_backward_tier(plan: TrainPlan, config: object | None,
+                     asked: PlannerInputs) -> tuple[str, Iterator[TrainPlan]]:
+    """A tier of plans updating inside backward (`plan` does) with 16-bit weights, and its name."""
+    return (f"16-bit weights with {OPTIMIZER_NAMES[plan.optimizer]} {IN_BACKWARD}",
+            sixteen_bit_weights(plan, config, asked))
 
 
 def in_backward_possible(plan: TrainPlan, asked: PlannerInputs) -> bool:
@@ -318,15 +330,15 @@ def in_backward_if_unpinned(plan: TrainPlan, config: object, block_size: int, bu
     free = dataclasses.replace(asked, accumulation_pinned=False, pin_micro_batch=False)
     jsons = config_jsons(config, plan.accelerator)
     # the call without them: its own optimizer choice, and batch_size alone as the effective batch
-    accumulation = 1 if asked.accumulation_pinned else plan.accumulation
-    for optimizer, name in (("adamw8bit", "8-bit AdamW"), ("adafactor", "Adafactor")):
-        unpinned = dataclasses.replace(plan, optimizer=optimizer, fixed=plan.fixed - {"optimizer"},
-                                       accumulation=accumulation)
-        for candidate in sixteen_bit_weights(stepping_in_backward(unpinned), config, free):
+    unpinned = dataclasses.replace(plan, fixed=plan.fixed - {"optimizer"},
+                                   accumulation=1 if asked.accumulation_pinned else plan.accumulation)
+    for optimizer in IN_BACKWARD_OPTIMIZERS:
+        _, candidates = in_backward_tier(stepping_in_backward(unpinned, optimizer), config, free)
+        for candidate in candidates:
             if budgeted_bytes(candidate, estimate_plan(config, candidate, block_size, jsons)) <= budget.bytes:
                 return (f"Without {' and '.join(pinned)} the planner could fit this run by holding the weights in "
-                        f"bf16 and updating them with {name} {IN_BACKWARD}: leave {' and '.join(pinned)} out to let "
-                        "it.")
+                        f"bf16 and updating them with {OPTIMIZER_NAMES[optimizer]} {IN_BACKWARD}: leave "
+                        f"{' and '.join(pinned)} out to let it.")
     return None
 
 
@@ -433,8 +445,8 @@ def ladder(plan: TrainPlan, allow_lora: bool, in_backward: bool = False) -> Iter
     while (smaller := smaller_micro_batch(plan)) is not None:  # batch_size is part of the effective batch
         plan = smaller
         yield f"micro-batch {plan.micro_batch_size} x {plan.accumulation} accumulation", plan
-    if in_backward and plan.accumulation == 1 and not (plan.trains_adapter or plan.sharded or plan.step_in_backward
-                                                         or plan.precision == "16-mixed"):
+    if in_backward and not (plan.trains_adapter or plan.step_in_backward) and can_step_in_backward(
+            plan.accumulation, plan.sharded, plan.precision):
         plan = dataclasses.replace(plan, step_in_backward=True)
         yield "updates inside backward (no gradient copy)", plan
     if allow_lora and not plan.trains_adapter:

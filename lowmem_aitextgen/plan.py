@@ -201,7 +201,7 @@ class TrainPlan:
         if not 0 <= self.checkpointed_blocks <= self.n_layer:
             raise ValueError(f"checkpointed_blocks={self.checkpointed_blocks} must be between 0 and the model's "
                              f"n_layer={self.n_layer}.")
-        if self.step_in_backward and (self.accumulation != 1 or self.sharded or self.precision == "16-mixed"):
+        if self.step_in_backward and not can_step_in_backward(self.accumulation, self.sharded, self.precision):
             raise ValueError("Updates inside backward need one micro-batch per step, one unsharded model and no "
                              f"fp16 loss scaling; this plan has batch {self.micro_batch_size}x{self.accumulation}, "
                              f"shards={self.shards}, offload={self.offload}, precision={self.precision}.")
@@ -292,6 +292,12 @@ class TrainPlan:
             f"weights+gradients+AdamW={state_bytes / 2**30:.2f} GiB before activations"
             + (f"; {self.chosen_because}" if self.chosen_because else "")
         )
+
+
+def can_step_in_backward(accumulation: int, sharded: bool, precision: str) -> bool:
+    """What updates inside backward (in_backward.py) need of a plan: one micro-batch a step, one unsharded
+    model, and no fp16 loss scaling (its hooks would step with scaled gradients)."""
+    return accumulation == 1 and not sharded and precision != "16-mixed"
 
 
 def describe_checkpointing(blocks: int, n_layer: int) -> str:
@@ -603,5 +609,4 @@ def planner_inputs(args: Arguments) -> PlannerInputs:
     return PlannerInputs(max_memory=parse_bytes(max_memory) if max_memory is not None else None,
                          pin_micro_batch=bool(args.get("pin_micro_batch", False)), lora_if_needed=lora_if_needed,
                          fp32_asked=args.get("fp16") is False,
-                         accumulation_pinned="gradient_accumulation_steps" in args.given()
-                         and args.gradient_accumulation_steps > 1)
+                         accumulation_pinned=args.gradient_accumulation_steps > 1)

@@ -99,7 +99,7 @@ def test_the_planner_steps_inside_backward_exactly_where_the_16_bit_tier_stops_f
     plan = in_backward_user_plan()
     sixteen = dataclasses.replace(plan, optimizer="adamw8bit")
     above = fastest_needs(budget.sixteen_bit_weights(sixteen, CONFIG, PlannerInputs()))
-    inside = fastest_needs(budget.sixteen_bit_weights(stepping_in_backward(sixteen), CONFIG, PlannerInputs()))
+    inside = fastest_needs(budget.sixteen_bit_weights(stepping_in_backward(sixteen, "adamw8bit"), CONFIG, PlannerInputs()))
     assert inside < above
     chosen, estimate = fit_plan(CONFIG, plan, BLOCK, above)
     assert not chosen.step_in_backward and chosen.optimizer == "adamw8bit"
@@ -108,7 +108,7 @@ def test_the_planner_steps_inside_backward_exactly_where_the_16_bit_tier_stops_f
     assert "inside backward" in chosen.chosen_because and "no accumulation" in chosen.describe(1, 1, 0)
     assert estimate.gradients < estimate.weights / 2  # one tensor's gradient at a time, not all of them
     adafactor = fastest_needs(budget.sixteen_bit_weights(
-        dataclasses.replace(stepping_in_backward(sixteen), optimizer="adafactor"), CONFIG, PlannerInputs()))
+        stepping_in_backward(sixteen, "adafactor"), CONFIG, PlannerInputs()))
     assert adafactor < inside
     chosen, _ = fit_plan(CONFIG, plan, BLOCK, inside)
     assert chosen.step_in_backward and chosen.optimizer == "adamw8bit"
@@ -164,7 +164,7 @@ def test_a_pinned_optimizer_or_accumulation_is_never_stepped_inside_backward_and
     plan = in_backward_user_plan(**pinned)
     asked = PlannerInputs(accumulation_pinned=not pinned)
     inside = fastest_needs(budget.sixteen_bit_weights(stepping_in_backward(
-        dataclasses.replace(plan, optimizer="adamw8bit", fixed=frozenset())), CONFIG, PlannerInputs()))
+        dataclasses.replace(plan, fixed=frozenset()), "adamw8bit"), CONFIG, PlannerInputs()))
     with pytest.raises(MemoryError, match=f"Without {fix}.*leave {fix} out"):
         fit_plan(CONFIG, plan, BLOCK, inside, asked)
 
@@ -181,7 +181,7 @@ def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(optimizer
                 seed=1, block_size=32)
     plan = TrainPlan(n_layer=CONFIG.n_layer, micro_batch_size=2, loss_chunk_tokens=128, optimizer="adamw8bit")
     if optimizer == "adafactor":  # the tier above it: 8-bit AdamW inside backward
-        plan = stepping_in_backward(plan)
+        plan = stepping_in_backward(plan, "adamw8bit")
     above = fastest_needs(budget.sixteen_bit_weights(plan, CONFIG, PlannerInputs()), block=32)
 
     def run(output_dir, **kwargs):
