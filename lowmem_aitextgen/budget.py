@@ -54,10 +54,10 @@ from .adapter_settings import AdapterSettings
 from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
-from .optimizers import OPTIMIZER_NAMES
 from .plan import (
     GATHERED_FOR,
     IN_BACKWARD,
+    OPTIMIZER_NAMES,
     Budget,
     PlannerInputs,
     TrainPlan,

@@ -21,9 +21,7 @@ import torch
 from torch import nn
 
 from .hardware import eight_bit_available
-
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
-OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW", "adafactor": "Adafactor"}  # in plans and tables
+from .plan import OPTIMIZERS
 
 # torchao's AdamW8bit quantizes a state tensor in blocks of 256 values with one fp32 scale each and
 # a 256-entry fp32 code book, and only tensors of at least 4096 values whose size is a multiple of
