@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat, lora
+from . import _compat, four_bit, lora
 from .adapter_settings import ADAPTER_SUBFOLDER, AdapterSettings
 from .heap import release_freed_heap
 from .saving import WeightSource, model_weights, save_model_files
+from .storage16 import dense
 
 BASE_RECORD = "base_weights.json"  # in the adapter folder: which weights the adapter was trained on
 
@@ -119,7 +120,8 @@ def _merged_layer_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
     if isinstance(module, LoraLayer):
         return lora.merged_weight(module.get_base_layer().weight, module, dtype)
-    layer = copy.deepcopy(module)
+    with four_bit.dense_while(module, torch.promote_types(dtype, torch.float32)):  # peft merges into plain ones
+        layer = copy.deepcopy(module)
     layer.merge()
     return layer.get_base_layer().weight.detach().to(dtype)
 
@@ -144,7 +146,7 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list[W
         out = dtype or weight.dtype
         module = adapted.get(name)
         if module is None:
-            make = lambda weight=weight, out=out: weight.make().to(out)  # noqa: E731
+            make = lambda weight=weight, out=out: dense(weight.make(), out)  # noqa: E731
         else:
             make = lambda out=out, module=module: _merged_layer_weight(module, out)  # noqa: E731
         weights.append(WeightSource(name, out, weight.shape, make))
@@ -235,7 +237,7 @@ def base_fingerprint(model: nn.Module, dtype: torch.dtype | None = None) -> dict
     with torch.no_grad():
         for name in sorted(parameters):
             value = parameters[name].detach()
-            value = value.to(dtype) if value.is_floating_point() else value
+            value = dense(value, dtype) if value.is_floating_point() else value
             digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
             digest.update(value.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return {"dtype": str(dtype).removeprefix("torch."), "sha256": digest.hexdigest()}

@@ -275,6 +275,7 @@ class aitextgen(_aitextgen):
         lora_target_modules: Sequence[str] | None = None,
         peft_config: Any = None,
         adapter: str | None = None,
+        base_bits: int | None = None,
         chunked_loss: bool = True,
         torch_compile: bool | str = False,
         optimizer: str | None = None,
@@ -332,6 +333,9 @@ class aitextgen(_aitextgen):
                 projection of the block).
             peft_config: any peft config for causal LMs (peft.PrefixTuningConfig(...), IA3Config, LoraConfig, ...).
             adapter: "prefix": prefix tuning with 20 virtual tokens.
+            base_bits: 4 holds the frozen base the adapter trains on in 4 bits (QLoRA's NF4; torchao); None
+                (default): in 16 bits, or in 4 where the memory budget needs it.  A number of bits, not a value
+                of lora=, because it holds the base of every adapter alike (peft_config=, adapter=).
             chunked_loss: the loss a chunk of tokens at a time (default True; 256 tokens on a GPU, 128 on CPU).
             torch_compile: True or "blocks" compiles each transformer block while training, "model" the body;
                 off by default (for GPUs).

@@ -301,6 +301,10 @@ def check_adapter_choice(args: Arguments) -> None:
     if len(given) > 1:
         raise ValueError(f"{given[0]}={args.get(given[0])!r} and {given[1]}={args.get(given[1])!r} each choose the "
                          f"adapter that trains; pass only one of them.")
+    if args.get("base_bits") is not None and not given:
+        raise ValueError(f"base_bits={args.get('base_bits')!r} holds the frozen base of an adapter, but this call "
+                         "trains every weight; add lora=True (or peft_config=, adapter='prefix'), or leave base_bits "
+                         "out.")
 
 
 # --- train() -----------------------------------------------------------------------
@@ -341,6 +345,8 @@ TRAIN_RULES: dict[str, Rule] = {
     "peft_config": optional(peft_config),
     "adapter": optional(one_of("prefix", fix="adapter='prefix' is prefix tuning; pass peft_config= for any other "
                                "peft method")),
+    "base_bits": optional(one_of(4, fix="4 holds an adapter's frozen base in 4 bits (NF4); leave it out for 16 "
+                                 "bits, or 4 where the memory budget needs it")),
     "chunked_loss": flag(),
     "torch_compile": one_of(True, False, "blocks", "model", fix="True compiles each transformer block while "
                             "training (for GPUs; compiling.py)"),

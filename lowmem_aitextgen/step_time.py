@@ -16,6 +16,7 @@ the model's shape and a few device constants (measured: benchmarks/RESULTS.md):
 |                               | cast or gradient accumulated once more          | MICRO_BATCH_S_PER_PARAMETER  |
 | weights in bf16 under fp32    | each weight upcast in forward and backward     | UPCAST_S_PER_PARAMETER       |
 |   (storage16.py)              | and each recompute                             |                              |
+| a 4-bit base (four_bit.py)    | each block weight dequantized as often         | DEQUANTIZE_S_PER_PARAMETER   |
 | optimizer                     | the parameters it updates, and how (8-bit AdamW | OPTIMIZER_S_PER_PARAMETER    |
 |                               | quantizes every state: much slower on CPU)     |                              |
 | CPU: the held heap            | each block's activations, given back to the OS | REFAULT_S_PER_BYTE           |
@@ -51,6 +52,9 @@ MICRO_BATCH_OVERHEAD_S = {"gpu": 0.01, "cpu": 0.02}
 MICRO_BATCH_S_PER_PARAMETER = {"gpu": 0.002e-9, "cpu": 1.8e-9}
 # A bf16 weight upcast to fp32 (storage16.py): memory-bound, measured 1.2-1.5 ns a weight on the 2-core CPU.
 UPCAST_S_PER_PARAMETER = {"gpu": 0.002e-9, "cpu": 1.3e-9}
+# A 4-bit NF4 weight made dense (four_bit.py): measured 9.5 ns a weight on the 2-core CPU (to fp32 or bf16
+# alike: the lookup dominates); the GPU's is a guess until gpu_session.sh measures it.
+DEQUANTIZE_S_PER_PARAMETER = {"gpu": 0.02e-9, "cpu": 9.5e-9}
 # Seconds per updated parameter for one optimizer step.
 OPTIMIZER_S_PER_PARAMETER = {("gpu", "adamw"): 0.4e-9, ("gpu", "adamw8bit"): 0.8e-9, ("gpu", "adafactor"): 0.6e-9,
                              ("cpu", "adamw"): 1.2e-9, ("cpu", "adamw8bit"): 15e-9, ("cpu", "adafactor"): 3e-9}
@@ -131,13 +135,13 @@ def offload_seconds(plan: TrainPlan, n_layer: int, parameters: int) -> float:
 
 
 def upcast_seconds(plan: TrainPlan, n_layer: int, width: int, vocab: int) -> float:
-    """A micro-batch's upcasts of a bf16 base computed in fp32: every weight in forward and backward,
-    a checkpointed block's once more."""
-    if not plan.upcasts_bf16_weights:
-        return 0.0
-    block = 12 * width * width
-    upcasts = (2 * n_layer + plan.checkpointed_blocks) * block + 2 * vocab * width
-    return upcasts * UPCAST_S_PER_PARAMETER[plan.accelerator]
+    """A micro-batch's upcasts of a bf16 base computed in fp32, or dequantizations of a 4-bit one: every block
+    weight in forward and backward, a checkpointed block's once more (and the bf16 LM head's upcasts)."""
+    uses = (2 * n_layer + plan.checkpointed_blocks) * 12 * width * width
+    head = 2 * vocab * width * UPCAST_S_PER_PARAMETER[plan.accelerator] if plan.upcasts_bf16_weights else 0.0
+    if plan.four_bit_base:
+        return uses * DEQUANTIZE_S_PER_PARAMETER[plan.accelerator] + head
+    return uses * UPCAST_S_PER_PARAMETER[plan.accelerator] + head if plan.upcasts_bf16_weights else 0.0
 
 
 def throughput(plan: TrainPlan, width: int, bf16_native: bool) -> float:

@@ -49,7 +49,7 @@ class _UpcastMatmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
         ctx.transposed = transposed
         ctx.save_for_backward(weight, x if ctx.needs_input_grad[1] else None)
-        upcast = weight.to(x.dtype)
+        upcast = dense(weight, x.dtype)
         return x @ (upcast.T if transposed else upcast)
 
     @staticmethod
@@ -57,7 +57,7 @@ class _UpcastMatmul(torch.autograd.Function):
         weight, x = ctx.saved_tensors
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            upcast = weight.to(grad.dtype)
+            upcast = dense(weight, grad.dtype)
             grad_x = grad @ (upcast if ctx.transposed else upcast.T)
         if ctx.needs_input_grad[1]:
             flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
@@ -65,26 +65,51 @@ class _UpcastMatmul(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
+def is_quantized(weight: torch.Tensor) -> bool:
+    """A weight held in fewer than 16 bits (four_bit.py's NF4), which has no matmul of its own."""
+    return hasattr(weight, "get_original_weight")
+
+
+def dense(weight: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+    """`weight` as a plain tensor of `dtype` (a 4-bit one dequantized, always a new tensor)."""
+    if is_quantized(weight):
+        with torch.autocast(weight.device.type, enabled=False):  # fp16 autocast breaks torchao's bf16 arithmetic
+            return weight.get_original_weight().to(dtype)
+    return weight.to(dtype, copy=copy)
+
+
 def _upcasting(module: nn.Module, x: torch.Tensor) -> bool:
     return module.weight.dtype != x.dtype and x.is_floating_point() and not torch.is_autocast_enabled(x.device.type)
+
+
+def _matmul_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a layer's stored weight is made dense in for its matmul, or None for the layer's own forward:
+    a 4-bit weight always (in the dtype autocast computes in, if it runs), a 16-bit one where it differs
+    from x's and no autocast runs."""
+    if not is_quantized(module.weight):
+        return x.dtype if _upcasting(module, x) else None
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 def _bias(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return None if module.bias is None else module.bias.to(x.dtype)
 
 
-def _conv1d_forward(self: Conv1D, x: torch.Tensor) -> torch.Tensor:
-    if not _upcasting(self, x):
+def _matmul_forward(self: nn.Module, x: torch.Tensor, transposed: bool) -> torch.Tensor:
+    dtype = _matmul_dtype(self, x)
+    if dtype is None:
         return type(self).forward(self, x)
-    out = _UpcastMatmul.apply(x, self.weight, False)
+    x = x.to(dtype)
+    out = _UpcastMatmul.apply(x, self.weight, transposed)
     return out + _bias(self, x) if self.bias is not None else out
+
+
+def _conv1d_forward(self: Conv1D, x: torch.Tensor) -> torch.Tensor:
+    return _matmul_forward(self, x, transposed=False)
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not _upcasting(self, x):
-        return type(self).forward(self, x)
-    out = _UpcastMatmul.apply(x, self.weight, True)
-    return out + _bias(self, x) if self.bias is not None else out
+    return _matmul_forward(self, x, transposed=True)
 
 
 def _layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:

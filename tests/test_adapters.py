@@ -257,8 +257,9 @@ def test_a_peft_config_naming_layers_gpt2_lacks_is_refused_before_any_work(text,
 
 
 @pytest.mark.parametrize("cpu", ["native bf16", "no native bf16"])
-@pytest.mark.parametrize("kind", [{}, {"lora": True}, {"adapter": "prefix"}, {"peft_config": IA3Config()}],
-                         ids=["full", "lora", "prefix", "ia3"])
+@pytest.mark.parametrize("kind", [{}, {"lora": True}, {"adapter": "prefix"}, {"peft_config": IA3Config()},
+                                  {"lora": True, "base_bits": 4}, {"adapter": "prefix", "base_bits": 4}],
+                         ids=["full", "lora", "prefix", "ia3", "lora on 4-bit base", "prefix on 4-bit base"])
 def test_the_model_in_memory_after_train_is_the_model_on_disk(kind, cpu, text, base64, tokenizer_file, tmp_path):
     """The same text for a seed and the same logits from the object train() leaves as from output_dir
     reloaded, for every kind of run, where the CPU computes bf16 (the frozen base held in bf16 while
