@@ -229,10 +229,10 @@ def tiers(plan: TrainPlan, config: object | None = None,
         # not with fp16's loss scaling (nothing shows it right on offloaded gradients): fp32 where bf16 is not native
         yield "offloading to host memory", (p for p in open_choices(offloading(first), config, asked)
                                             if not p.precision.startswith("16"))
-    if four_bit_possible(plan, config):
-        yield FOUR_BIT_TIER, open_choices(plan.on_four_bit_base(), config, asked)
+    if four_bit_possible(first, config):  # with the user's optimizer: an adapter's states are small anyway
+        yield FOUR_BIT_TIER, open_choices(first.on_four_bit_base(), config, asked)
     if asked.lora_if_needed is not None and plan.adapter is None:
-        lora = dataclasses.replace(plan, adapter=asked.lora_if_needed)
+        lora = dataclasses.replace(plan, adapter=asked.lora_if_needed)  # with 8-bit AdamW, as it was before
         yield "LoRA", open_choices(lora, config, asked)
         if four_bit_possible(lora, config):
             yield f"LoRA on {FOUR_BIT_TIER}", open_choices(lora.on_four_bit_base(), config, asked)

@@ -78,6 +78,8 @@ def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
     words = [precision.get(plan.precision, plan.precision)]
     if plan.upcasts_bf16_weights:
         words = ["bf16 base, fp32 math" if plan.trains_adapter else "bf16 weights, fp32 math"]
+    if plan.four_bit_base:
+        words[0] = "4-bit base, " + words[0].removeprefix("bf16 base, ")
     if plan.optimizer != "adamw":
         words.append(OPTIMIZER_NAMES[plan.optimizer])
     if plan.step_in_backward:

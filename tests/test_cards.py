@@ -37,7 +37,7 @@ def test_each_plan_fits_its_budget_keeps_the_batch_and_computes_in_what_the_devi
     for lora in (False, True, "auto"):
         result = plan_on(size, where, lora)
         if isinstance(result, MemoryError):
-            continue  # which cells may fail: test_only_the_xl_on_4_gib_finds_no_plan
+            continue  # which cells may fail: test_every_size_plans_everywhere_with_lora_auto
         plan, estimate = result
         assert plan.effective_batch_size == 8
         assert budget.budgeted_bytes(plan, estimate) <= plan.budget.bytes
@@ -67,16 +67,24 @@ def test_lora_auto_and_8_bit_adamw_only_where_what_is_faster_does_not_fit(size, 
     for lora in (False, True):
         result = plan_on(size, where, lora)
         if not isinstance(result, MemoryError) and result[0].optimizer == "adamw8bit":
-            # with AdamW asked for, nothing fits on the card: offloading is the only way left (GPU, full)
+            # with AdamW asked for, nothing fits on the card: offloading (GPU, full) or a 4-bit base (LoRA) are
+            # the only ways left
             with_adamw = plan_on(size, where, lora, optimizer="adamw")
-            assert isinstance(with_adamw, MemoryError) or (with_adamw[0].offload and not lora)
+            assert isinstance(with_adamw, MemoryError) or (with_adamw[0].offload and not lora) or (
+                with_adamw[0].four_bit_base and lora)
 
 
-def test_only_the_xl_on_4_gib_finds_no_plan_and_its_error_names_the_numbers_and_the_fix():
+def test_every_size_plans_everywhere_with_lora_auto_the_xl_on_4_gib_on_a_4_bit_base():
     failing = {(size, where) for size in SIZES for where in GPUS + CPUS
                if isinstance(plan_on(size, where, "auto"), MemoryError)}
-    assert failing == {("1558M", "4 GiB"), ("1558M", "80 GiB, 4 GiB free")}  # its bf16 base alone is 2.9 GiB
-    message = str(plan_on("1558M", "80 GiB, 4 GiB free", "auto"))
+    assert failing == set()
+    for where in ("4 GiB", "80 GiB, 4 GiB free"):  # its bf16 base alone is 2.9 GiB
+        plan = plan_on("1558M", where, "auto")[0]
+        assert plan.trains_lora and plan.four_bit_base and "needing LoRA on a 4-bit base" in plan.chosen_because
+
+
+def test_a_run_that_fits_nothing_is_refused_naming_the_numbers_and_the_fix():
+    message = str(plan_on("1558M", "80 GiB, 4 GiB free", False))
     assert "No plan fits the memory budget of 3.43 GiB (free GPU memory on H100 (80.0 GiB" in message
     assert "4.00 GiB, less a margin of" in message and "the smallest one needs" in message
     assert "Other processes hold 76.00 GiB of this card" in message
