@@ -52,9 +52,9 @@ MICRO_BATCH_OVERHEAD_S = {"gpu": 0.01, "cpu": 0.02}
 MICRO_BATCH_S_PER_PARAMETER = {"gpu": 0.002e-9, "cpu": 1.8e-9}
 # A bf16 weight upcast to fp32 (storage16.py): memory-bound, measured 1.2-1.5 ns a weight on the 2-core CPU.
 UPCAST_S_PER_PARAMETER = {"gpu": 0.002e-9, "cpu": 1.3e-9}
-# A 4-bit NF4 weight made dense (four_bit.py): measured 9.5 ns a weight on the 2-core CPU (to fp32 or bf16
-# alike: the lookup dominates); the GPU's is a guess until gpu_session.sh measures it.
-DEQUANTIZE_S_PER_PARAMETER = {"gpu": 0.02e-9, "cpu": 9.5e-9}
+# A 4-bit NF4 weight made dense (four_bit.py): 4-9.5 ns a weight on the 2-core CPU by shape, 8.5 over a block,
+# to fp32 or bf16 alike (benchmarks/dequantize.py); the GPU's is a guess until gpu_session.sh measures it.
+DEQUANTIZE_S_PER_PARAMETER = {"gpu": 0.02e-9, "cpu": 8.5e-9}
 # Seconds per updated parameter for one optimizer step.
 OPTIMIZER_S_PER_PARAMETER = {("gpu", "adamw"): 0.4e-9, ("gpu", "adamw8bit"): 0.8e-9, ("gpu", "adafactor"): 0.6e-9,
                              ("cpu", "adamw"): 1.2e-9, ("cpu", "adamw8bit"): 15e-9, ("cpu", "adafactor"): 3e-9}

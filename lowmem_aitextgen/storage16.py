@@ -26,7 +26,9 @@ against this one's upcasts (budget.py).
 layer's copy until backward: the fp32 base again), and upcasts it once more there.  A layer whose weight
 trains gets its gradient in the weight's dtype.  Only where a layer's weight and its input differ in
 dtype and no autocast runs does the upcast path run; anything else is the layer's own forward, so a
-model left with these forwards computes as before once its weights are fp32 again.
+model left with these forwards computes as before once its weights are fp32 again.  A 4-bit weight
+(four_bit.py) has no matmul of its own: for it these forwards always run, making it dense (`dense`) in the
+dtype the layer computes in, autocast's where it runs (bf16, or fp16 on GPUs without bf16).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .plan import STORAGE_DTYPE, TrainPlan
 
 
 class _UpcastMatmul(torch.autograd.Function):
-    """``x @ weight`` (``x @ weight.T`` when `transposed`) in x's dtype, `weight` held in 16 bits."""
+    """``x @ weight`` (``x @ weight.T`` when `transposed`) in x's dtype, `weight` held in 16 bits (or 4)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
