@@ -296,8 +296,9 @@ class aitextgen(_aitextgen):
         into output_dir (atomically; with val_data, the model with the lowest validation loss).  Every argument
         is checked before any work.  aitextgen 0.6.0's arguments mean what they meant (MIGRATING.md); the
         others are new.  After train() returns, the object holds the model output_dir holds (an adapter that
-        merges, merged), in the dtype it is saved in, which is the dtype the object held before train(): ai.generate()
-        and aitextgen(model_folder=output_dir).generate() write the same text for a seed.  A base that training
+        merges, merged; after a 4-bit base, read from output_dir on first use), in the dtype it is saved in,
+        which is the dtype the object held before train(): ai.generate() and
+        aitextgen(model_folder=output_dir).generate() write the same text for a seed.  A base that training
         held in 16 bits is upcast exactly where it was loaded in fp32; one read straight into 16 bits (a
         model_folder, read on first use) stays in 16 bits and is saved so, so a model that fits a card in bf16
         still fits after train().

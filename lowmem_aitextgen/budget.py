@@ -233,6 +233,7 @@ def tiers(plan: TrainPlan, config: object | None = None,
         yield FOUR_BIT_TIER, open_choices(first.on_four_bit_base(), config, asked)
     if asked.lora_if_needed is not None and plan.adapter is None:
         lora = dataclasses.replace(plan, adapter=asked.lora_if_needed)  # with 8-bit AdamW, as it was before
+        lora = lora.on_four_bit_base() if asked.four_bit_asked else lora
         yield "LoRA", open_choices(lora, config, asked)
         if four_bit_possible(lora, config):
             yield f"LoRA on {FOUR_BIT_TIER}", open_choices(lora.on_four_bit_base(), config, asked)

@@ -132,6 +132,7 @@ class PlannerInputs:
     lora_if_needed: AdapterSettings | None = None  # lora="auto": this LoRA, only where the budget needs it
     fp32_asked: bool = False  # fp16=False given: weights held in fp32 (so is any precision= given)
     accumulation_pinned: bool = False  # gradient_accumulation_steps > 1 given: no updates inside backward
+    four_bit_asked: bool = False  # base_bits=4 given: the LoRA lora="auto" may choose is on a 4-bit base too
 
 
 def new_run_id() -> str:
@@ -570,8 +571,9 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     if note:
         logger.warning(note)
     precision = resolve_precision(args.fp16, args.precision, accelerator)
-    # base_bits=4 asks for it; a resumed run's adapter goes on training on the base it was trained on
-    four_bit_base = args.get("base_bits") == 4 or bool((resumed or {}).get("four_bit_base"))
+    # base_bits=4 asks for it (with lora="auto", for the LoRA the planner may choose: budget.tiers); a resumed
+    # run's adapter goes on training on the base it was trained on
+    four_bit_base = adapter is not None and (args.get("base_bits") == 4 or bool((resumed or {}).get("four_bit_base")))
     return TrainPlan(
         output_dir=os.fspath(args.output_dir),
         accelerator=accelerator,
@@ -629,4 +631,5 @@ def planner_inputs(args: Arguments) -> PlannerInputs:
     return PlannerInputs(max_memory=parse_bytes(max_memory) if max_memory is not None else None,
                          pin_micro_batch=bool(args.get("pin_micro_batch", False)), lora_if_needed=lora_if_needed,
                          fp32_asked=args.get("fp16") is False,
-                         accumulation_pinned=args.gradient_accumulation_steps > 1)
+                         accumulation_pinned=args.gradient_accumulation_steps > 1,
+                         four_bit_asked=args.get("base_bits") == 4)

@@ -207,3 +207,12 @@ def test_a_saved_base_read_straight_into_4_bits_is_the_base_read_then_quantized(
     assert sum(four_bit.is_four_bit(a) for (_, a), _ in pairs) == 4 * CONFIG.n_layer
     for (name, a), (_, b) in pairs:
         assert torch.equal(storage16.dense(a, torch.float32), storage16.dense(b, torch.float32)), name
+
+
+def test_base_bits_with_lora_auto_holds_the_lora_the_planner_may_choose_on_a_4_bit_base():
+    from lowmem_aitextgen.cards import planned
+
+    full, _ = planned("124M", None, "auto", cpu="no native bf16", base_bits=4, max_memory="2.5GB")
+    assert not full.trains_adapter and not full.four_bit_base  # no LoRA chosen: nothing to hold in 4 bits
+    lora, _ = planned("124M", None, "auto", cpu="no native bf16", base_bits=4, max_memory="1.6GB")
+    assert lora.trains_lora and lora.four_bit_base
