@@ -232,7 +232,7 @@ def tiers(plan: TrainPlan, config: object | None = None,
     if four_bit_possible(first, config):  # with the user's optimizer: an adapter's states are small anyway
         yield FOUR_BIT_TIER, open_choices(first.on_four_bit_base(), config, asked)
     if asked.lora_if_needed is not None and plan.adapter is None:
-        lora = dataclasses.replace(plan, adapter=asked.lora_if_needed)  # with 8-bit AdamW, as it was before
+        lora = dataclasses.replace(plan, adapter=asked.lora_if_needed)  # with the optimizer of the tiers above
         lora = lora.on_four_bit_base() if asked.four_bit_asked else lora
         yield "LoRA", open_choices(lora, config, asked)
         if four_bit_possible(lora, config):
