@@ -189,8 +189,10 @@ def write_adapter_model(folder: str, model: nn.Module, tokenizer: Any | None, dt
     lora_adapter/ (adapter/ for other methods), the adapter with the record of its base (base_fingerprint,
     plus who wrote it).  No adapter_config.json at the top: transformers would put it on the model itself."""
     save_model_files(folder, model.get_base_model(), merged_weights(model, dtype))
-    if not is_mergeable(model):  # trained on the base as held (rounded to 16 bits, maybe): the one saved above
-        base_record = {**base_record, **base_fingerprint(model, dtype)}
+    if not is_mergeable(model):  # trained on the base as held (rounded to 16 or 4 bits, maybe): the one saved
+        # above; the base as loaded is kept too, which the adapter also applies to (a 4-bit base's original)
+        original = {key: base_record[key] for key in ("dtype", "sha256") if key in base_record}
+        base_record = {**base_record, **base_fingerprint(model, dtype), "original": original}
     adapter_dir = os.path.join(folder, adapter_subfolder(model))
     model.save_pretrained(adapter_dir)
     with open(os.path.join(adapter_dir, BASE_RECORD), "w", encoding="utf-8") as f:
@@ -275,8 +277,10 @@ def read_base_record(adapter_folder: str) -> dict[str, Any] | None:
 
 
 def base_matches(record: dict[str, Any], base: nn.Module) -> bool:
-    """Whether `base` holds the weights the adapter's record names."""
-    dtype = getattr(torch, str(record.get("dtype", "float32")), None)
-    if not isinstance(dtype, torch.dtype):
-        return False
-    return base_fingerprint(base, dtype)["sha256"] == record["sha256"]
+    """Whether `base` holds the weights the adapter's record names: those it was saved with, or (prompt learning)
+    the base as it was loaded, before training held it in 16 or 4 bits."""
+    for named in (record, record.get("original") or {}):
+        dtype = getattr(torch, str(named.get("dtype", "float32")), None)
+        if isinstance(dtype, torch.dtype) and "sha256" in named and base_fingerprint(base, dtype)["sha256"] == named["sha256"]:
+            return True
+    return False
