@@ -99,7 +99,7 @@ def check_tokens(dataset: Dataset, config: Any, argument: str = "train_data", re
     context = context_length(config)
     block_size = getattr(dataset, "block_size", None)
     if context is not None and block_size is not None and block_size > context - reserved:
-        taken = f", less the {reserved} its adapter's virtual tokens take," if reserved else ""
+        taken = f", less the {reserved} its adapter's virtual tokens take" if reserved else ""
         raise ValueError(f"{argument}'s block_size={block_size} is above the model's context of {context} tokens"
                          f"{taken}; use block_size<={context - reserved}.")
 
