@@ -36,6 +36,7 @@ from transformers.pytorch_utils import Conv1D
 
 from . import storage16
 from .hardware import eight_bit_available
+from .heap import release_freed_heap
 
 BLOCK = 64  # values sharing one scale
 SCALER_BLOCK = 256  # scales sharing one (double-quantized) scale, at most
@@ -119,6 +120,7 @@ def hold_base_in_four_bits(model: nn.Module, rounding: Rounding | None = None) -
         for module in quantizable_layers(model):
             if not is_four_bit(module.weight):
                 module.weight = quantize(module.weight, rounding)
+                release_freed_heap()  # the 16-bit copy back at once, not left as heap between 4-bit ones
     storage16.compute_in_fp32(model)
     return rounding
 
