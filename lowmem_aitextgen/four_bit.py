@@ -68,10 +68,6 @@ def quantizable_layers(model: nn.Module, trainable_too: bool = False) -> list[nn
             and (trainable_too or not module.weight.requires_grad) and scaler_block(module.weight.numel()) is not None]
 
 
-def is_four_bit(tensor: torch.Tensor) -> bool:
-    return storage16.is_quantized(tensor)
-
-
 @dataclass
 class Rounding:
     """How far NF4 moved the base: the root of the summed squared differences over the summed squared weights,
@@ -102,11 +98,19 @@ def quantize(weight: torch.Tensor, rounding: Rounding) -> torch.Tensor:
 
     original = weight.detach()
     nf4 = to_nf4(original.to(torch.bfloat16), BLOCK, scaler_block(original.numel()))
-    difference = nf4.get_original_weight().float() - original.float()
-    rounding.squared_error += float(difference.square().sum())
-    rounding.squared_norm += float(original.float().square().sum())
+    exact = original.float()
+    rounding.squared_error += float((nf4.get_original_weight().float() - exact).square().sum())
+    rounding.squared_norm += float(exact.square().sum())
     rounding.weights += original.numel()
     return nn.Parameter(nf4, requires_grad=False)
+
+
+def hold_in_four_bits(module: nn.Module, rounding: Rounding) -> None:
+    """`module`'s weight replaced by its NF4 copy, and the freed 16-bit one given back at once: left to glibc,
+    whose mmap threshold rises to the largest block freed, the freed copies stay as heap between the 4-bit
+    ones (774M read straight into 4 bits: 3.2 GiB resident for 0.46 GiB of weights)."""
+    module.weight = quantize(module.weight, rounding)
+    release_freed_heap()
 
 
 def hold_base_in_four_bits(model: nn.Module, rounding: Rounding | None = None) -> Rounding:
@@ -118,9 +122,8 @@ def hold_base_in_four_bits(model: nn.Module, rounding: Rounding | None = None) -
     rounding = rounding if rounding is not None else Rounding()
     with torch.no_grad():
         for module in quantizable_layers(model):
-            if not is_four_bit(module.weight):
-                module.weight = quantize(module.weight, rounding)
-                release_freed_heap()  # the 16-bit copy back at once, not left as heap between 4-bit ones
+            if not storage16.is_quantized(module.weight):
+                hold_in_four_bits(module, rounding)
     storage16.compute_in_fp32(model)
     return rounding
 
@@ -131,7 +134,7 @@ def dequantize(model: nn.Module, dtype: torch.dtype) -> None:
     with torch.no_grad():
         for module in model.modules():
             weight = module._parameters.get("weight")  # a module's own (peft's layers also answer .weight)
-            if weight is not None and is_four_bit(weight):
+            if weight is not None and storage16.is_quantized(weight):
                 module.weight = nn.Parameter(storage16.dense(weight, dtype), requires_grad=False)
 
 
@@ -140,7 +143,7 @@ def dense_while(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """`model`'s 4-bit weights plain ones of `dtype` inside the block, the 4-bit ones back after it (copying a
     4-bit tensor quantizes it again, with torchao's default groups)."""
     quantized = {module: module._parameters["weight"] for module in model.modules()
-                 if module._parameters.get("weight") is not None and is_four_bit(module._parameters["weight"])}
+                 if module._parameters.get("weight") is not None and storage16.is_quantized(module._parameters["weight"])}
     dequantize(model, dtype)
     try:
         yield

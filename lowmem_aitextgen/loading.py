@@ -160,23 +160,18 @@ class DeferredModel:
         Where the file cannot be read tensor by tensor: the model in `dtype` and None (quantized later)."""
         from . import four_bit
         from .adapters import Fingerprint
-        from .heap import release_freed_heap
 
         if not self._names_every_parameter():
             return self.load(dtype), None
         model = self._empty(dtype)
-        layers = {f"{name}.weight": module for name, module in model.named_modules()
-                  if module in set(four_bit.quantizable_layers(model, trainable_too=True))}
+        quantizable = set(four_bit.quantizable_layers(model, trainable_too=True))
+        layers = {f"{name}.weight": module for name, module in model.named_modules() if module in quantizable}
         quantized = four_bit.QuantizedBase(Fingerprint(dtype), four_bit.Rounding())
 
         def each(name: str, parameter: nn.Parameter) -> None:
             quantized.fingerprint.add(name, parameter)
             if name in layers:
-                layers[name].weight = four_bit.quantize(parameter, quantized.rounding)
-                # the 16-bit matrix and the temporaries back at once: left to glibc, whose mmap threshold
-                # rises to the largest block freed, they stay as heap between the 4-bit ones (774M: 3.2 GiB
-                # resident for 0.46 GiB of weights)
-                release_freed_heap()
+                four_bit.hold_in_four_bits(layers[name], quantized.rounding)
 
         self._read_into(model, each)
         return model.eval(), quantized

@@ -135,7 +135,7 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 
 def unique_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of distinct tensors (tied weights once; a 4-bit one as four_bit.py holds it)."""
-    return sum(four_bit.nf4_bytes(t.numel()) if four_bit.is_four_bit(t) else t.numel() * t.element_size()
+    return sum(four_bit.nf4_bytes(t.numel()) if storage16.is_quantized(t) else t.numel() * t.element_size()
                for t in {id(t): t for t in tensors}.values())
 
 

@@ -570,11 +570,10 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     note = precision_note(args.fp16, args.precision, accelerator)
     if note:
         logger.warning(note)
-    precision = resolve_precision(args.fp16, args.precision, accelerator)
     # base_bits=4 asks for it (with lora="auto", for the LoRA the planner may choose: budget.tiers); a resumed
     # run's adapter goes on training on the base it was trained on
     four_bit_base = adapter is not None and (args.get("base_bits") == 4 or bool((resumed or {}).get("four_bit_base")))
-    return TrainPlan(
+    plan = TrainPlan(
         output_dir=os.fspath(args.output_dir),
         accelerator=accelerator,
         devices=devices,
@@ -582,7 +581,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         strategy=strategy,
         shards=shards,
         offload=offload,
-        precision=precision,
+        precision=resolve_precision(args.fp16, args.precision, accelerator),
         checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model, adapter),
         n_layer=block_count(model.config),
         adapter=adapter,
@@ -594,8 +593,6 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         optimizer=decide_optimizer(args, resumed),
         # a resumed run that stepped inside backward goes on so (resume.check_resumable refuses accumulation)
         step_in_backward=bool((resumed or {}).get("step_in_backward")) and args.gradient_accumulation_steps == 1,
-        four_bit_base=four_bit_base,
-        upcast_bf16_weights=four_bit_base and precision == "32-true",  # the rest of the base in bf16
         cpu_speedups=on_cpu,
         torch_compile=decide_compile(args, accelerator, strategy),
         hold_freed_heap=False,  # budget.py holds the heap where the memory needs it
@@ -608,6 +605,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         fixed=fixed_choices(args, constructor_checkpointing, resumed, adapter),
         run_id=(resumed or {}).get("run_id") or new_run_id(),
     )
+    return plan.on_four_bit_base() if four_bit_base else plan
 
 
 def run_settings(args: Arguments) -> RunSettings:

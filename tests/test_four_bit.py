@@ -48,7 +48,7 @@ def quantized_and_dense(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.M
     dense = copy.deepcopy(model)  # copies the forwards installed too; the dense one's are inert under fp32 math
     for module, original in zip(dense.modules(), model.modules()):
         weight = original._parameters.get("weight")
-        if weight is not None and four_bit.is_four_bit(weight):
+        if weight is not None and storage16.is_quantized(weight):
             module.weight = torch.nn.Parameter(storage16.dense(weight, dtype), requires_grad=False)
     return model, dense
 
@@ -75,8 +75,8 @@ def test_a_4_bit_layer_computes_as_its_dequantized_weight_in_the_plans_dtype(com
     tolerance = 1e-5 if dtype is None else 2e-2
     torch.testing.assert_close(logits, dense_logits, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(grad, dense_grad, rtol=tolerance, atol=tolerance * grad.abs().max().item())
-    assert four_bit.is_four_bit(model.transformer.h[0].mlp.c_fc.weight)
-    assert not four_bit.is_four_bit(model.lm_head.weight) and not four_bit.is_four_bit(model.transformer.wte.weight)
+    assert storage16.is_quantized(model.transformer.h[0].mlp.c_fc.weight)
+    assert not storage16.is_quantized(model.lm_head.weight) and not storage16.is_quantized(model.transformer.wte.weight)
 
 
 def adapter_plan(**fields) -> TrainPlan:
@@ -204,7 +204,7 @@ def test_a_saved_base_read_straight_into_4_bits_is_the_base_read_then_quantized(
     assert quantized.fingerprint.record() == record
     assert (quantized.rounding.squared_error, quantized.rounding.weights) == (rounding.squared_error, rounding.weights)
     pairs = list(zip(streamed.state_dict().items(), read.state_dict().items(), strict=True))
-    assert sum(four_bit.is_four_bit(a) for (_, a), _ in pairs) == 4 * CONFIG.n_layer
+    assert sum(storage16.is_quantized(a) for (_, a), _ in pairs) == 4 * CONFIG.n_layer
     for (name, a), (_, b) in pairs:
         assert torch.equal(storage16.dense(a, torch.float32), storage16.dense(b, torch.float32)), name
 
