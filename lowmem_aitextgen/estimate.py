@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from transformers import AutoConfig
 
-from . import four_bit
+from . import four_bit, in_backward
 from .adapter_settings import SHORT_FORMS, AdapterSettings
 from .chunked_loss import body_and_head, chunked_lm_loss, final_hidden
 from .hardware import format_bytes
@@ -72,9 +72,10 @@ def probe_lengths(config: object, reserved: int = 0) -> tuple[int, int, int]:
     return context // 4, context // 2, context
 
 
-# Bytes per value of the largest tensor that its step inside backward makes beside its gradient (measured on
-# a 50257 x 1600 bf16 tensor, benchmarks/RESULTS.md): an fp32 copy as backward makes the gradient, and for
-# Adafactor, stepped through fp32 (in_backward.py), the fp32 weight and gradient and its own temporaries.
+# Bytes per value of a tensor that its step inside backward makes beside its gradient (measured on a 50257 x
+# 1600 bf16 tensor, benchmarks/in_backward_step.py): an fp32 copy as backward makes the gradient, and for
+# Adafactor, stepped through fp32 (in_backward.py), the fp32 weight and gradient and its own temporaries; a
+# matrix it steps in slices of rows makes the fp32 copy and a few fp32 slices.
 IN_BACKWARD_STEP_BYTES = {"adamw": 4, "adamw8bit": 4, "adafactor": 14}
 
 
@@ -383,10 +384,17 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int,
     block = max((unique_tensor_bytes(b.parameters()) for b in transformer_blocks(full)), default=0)
     gradients = unique_tensor_bytes(trainable)
     if plan.step_in_backward:  # one tensor's gradient at a time, and what its step makes beside it
-        gradients = max((p.numel() * (p.element_size() + IN_BACKWARD_STEP_BYTES[plan.optimizer]) for p in trainable),
-                        default=0)
+        gradients = max((in_backward_step_bytes(p, plan.optimizer) for p in trainable), default=0)
     return (unique_tensor_bytes(params) - four_bits, gradients, optimizer_state_bytes(trainable, plan.optimizer),
             block, sum(p.numel() for p in trainable), max((p.numel() for p in quantized), default=0))
+
+
+def in_backward_step_bytes(param: torch.Tensor, optimizer: str) -> int:
+    """One tensor's gradient and what its step inside backward makes beside it (in_backward.py)."""
+    if optimizer == "adafactor" and in_backward.in_slices(param.shape):
+        slices = in_backward.SLICE_TEMPORARIES * in_backward.SLICE_VALUES * 4
+        return param.numel() * (param.element_size() + IN_BACKWARD_STEP_BYTES["adamw"]) + slices
+    return param.numel() * (param.element_size() + IN_BACKWARD_STEP_BYTES[optimizer])
 
 
 def storage16_supported(config: object) -> bool:

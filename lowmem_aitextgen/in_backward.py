@@ -16,9 +16,13 @@ gradient freed at once, so a full fine-tune never holds a whole copy of the grad
 | a gradient that is not finite skips   | no step-wide skip is possible once  | the other tensors of that step are |
 | its own tensor (counted)              | some tensors have stepped           | updated                            |
 | through_fp32 (Adafactor on 16-bit     | rounded to nearest, an update below | the tensor's fp32 copy and gradient|
-| weights): an fp32 copy of the one     | half a bf16 step would be lost      | while it steps (1558M's embedding  |
-| tensor steps, rounded back            |                                     | with Adafactor: 1.2 GiB)           |
+| weights): an fp32 copy of the one     | half a bf16 step would be lost      | while it steps, and the optimizer's|
+| tensor steps, rounded back            |                                     | full-size temporaries              |
 | stochastically                        |                                     |                                    |
+| Adafactor on a large matrix, in       | transformers' step makes five fp32  | three passes over the gradient     |
+| slices of rows (adafactor_in_rows):   | copies of the whole matrix (1558M's | instead of one (memory-bound, a    |
+| the same step, its factored           | embedding: 1.2 GiB beside 2.9 GiB   | few % of the step; RESULTS.md)     |
+| statistics summed slice by slice      | of weights)                         |                                    |
 
 Mixed precision with fp16's loss scaling cannot run here (the hooks would step with scaled gradients, and
 GradScaler skips whole steps): plan.TrainPlan refuses the pair.  The state is one optimizer per tensor,
@@ -34,11 +38,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.optimization import Adafactor
 
 logger = logging.getLogger("lowmem_aitextgen")
 
 # torch.nn.utils.clip_grads_with_norm_'s guard against dividing by a zero norm
 CLIP_EPSILON = 1e-6
+# The values of one slice of rows that adafactor_in_rows steps at a time: 8 MiB in fp32, which glibc serves
+# from its heap under heap.HELD rather than mapping afresh for each slice.  A matrix with more is stepped in
+# slices; their temporaries are at most SLICE_TEMPORARIES fp32 slices.
+SLICE_VALUES = 2**21
+SLICE_TEMPORARIES = 4
+
+
+def in_slices(shape: torch.Size) -> bool:
+    """Whether a tensor of `shape` is stepped by Adafactor in slices of rows (adafactor_in_rows)."""
+    return len(shape) == 2 and shape.numel() > SLICE_VALUES
 
 
 def round_stochastically(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +99,7 @@ class StepInBackward(torch.optim.Optimizer):
     @torch.no_grad()
     def _step_tensor(self, group: int, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
         grad = param.grad
-        if not torch.isfinite(grad).all():
+        if not torch.isfinite(torch.stack(torch.aminmax(grad))).all():  # no mask the size of the gradient
             self.skipped_tensors += 1
             if self.skipped_tensors == 1:
                 logger.warning("A gradient was not finite; its tensor was not updated this step (updates inside "
@@ -102,6 +117,8 @@ class StepInBackward(torch.optim.Optimizer):
             stepped = inner["params"][0]
             if stepped is param:
                 optimizer.step()
+            elif steps_in_rows(optimizer, param):
+                adafactor_in_rows(optimizer, stepped, param, grad)
             else:
                 stepped.data, stepped.grad = param.detach().float(), grad.float()
                 param.grad = grad = None  # the 16-bit gradient's memory back before the step's temporaries
@@ -141,3 +158,54 @@ class StepInBackward(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def steps_in_rows(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """Whether `param`'s step through fp32 runs in slices of rows: a matrix of more than SLICE_VALUES values
+    under the Adafactor optimizers.optimizer_over builds (no first moment, the learning rate as given)."""
+    if not isinstance(optimizer, Adafactor) or not in_slices(param.shape):
+        return False
+    group = optimizer.param_groups[0]
+    return group["beta1"] is None and not (group["relative_step"] or group["scale_parameter"] or group["warmup_init"])
+
+
+@torch.no_grad()
+def adafactor_in_rows(optimizer: Adafactor, stepped: nn.Parameter, param: torch.Tensor, grad: torch.Tensor,
+                      slice_values: int = SLICE_VALUES) -> None:
+    """transformers' Adafactor step of a matrix (factored second moment, no first moment), computed in fp32 a
+    slice of rows at a time and rounded back into `param` stochastically: no fp32 copy of the whole weight,
+    gradient or update.  Its statistics are sums over rows and columns, so three passes give the same step:
+    the squared gradient's means, the update's RMS (for clipping), the update itself.  The state is the one
+    transformers keeps, under `stepped`."""
+    group, state = optimizer.param_groups[0], optimizer.state[stepped]
+    rows, cols = param.shape
+    if not state:
+        state.update(step=0, RMS=0, exp_avg_sq_row=torch.zeros(rows, device=param.device),
+                     exp_avg_sq_col=torch.zeros(cols, device=param.device))
+    height = max(1, slice_values // cols)
+    slices = [slice(start, start + height) for start in range(0, rows, height)]
+    row_means, col_sum = torch.empty(rows, device=param.device), torch.zeros(cols, device=param.device)
+    weight_squares = torch.zeros((), device=param.device)
+    for rows_here in slices:
+        squared = grad[rows_here].to(torch.float32, copy=True).square_().add_(group["eps"][0])  # grad stays
+        row_means[rows_here] = squared.mean(dim=-1)
+        col_sum += squared.sum(dim=0)
+        weight_squares += param[rows_here].float().square().sum()
+    state["step"] += 1
+    state["RMS"] = weight_squares.sqrt() / param.numel() ** 0.5
+    lr, beta2t = group["lr"], 1.0 - state["step"] ** group["decay_rate"]
+    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+    row.mul_(beta2t).add_(row_means, alpha=1.0 - beta2t)
+    col.mul_(beta2t).add_(col_sum / rows, alpha=1.0 - beta2t)
+    row_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
+    col_factor = col.unsqueeze(0).rsqrt()
+    update_squares = torch.zeros((), device=param.device)
+    for rows_here in slices:
+        update_squares += (row_factor[rows_here] * col_factor).mul_(grad[rows_here].float()).square_().sum()
+    clip = ((update_squares.sqrt() / param.numel() ** 0.5) / group["clip_threshold"]).clamp_(min=1.0)
+    for rows_here in slices:
+        update = (row_factor[rows_here] * col_factor).mul_(grad[rows_here].float()).div_(clip).mul_(lr)
+        weight = param[rows_here].float()
+        if group["weight_decay"] != 0:
+            weight.add_(weight, alpha=-group["weight_decay"] * lr)
+        param[rows_here].copy_(round_stochastically(weight.sub_(update), param.dtype))

@@ -91,15 +91,17 @@ def test_a_run_that_fits_nothing_is_refused_naming_the_numbers_and_the_fix():
     assert "free memory on the device, give max_memory=" in message and "a smaller block_size" in message
 
 
-def test_1558m_full_plans_on_8_gib_without_offloading_where_the_call_leaves_the_accumulation_out():
+@pytest.mark.parametrize("card", ["6 GiB", "8 GiB"])
+def test_1558m_full_plans_on_6_and_8_gib_without_offloading_where_the_call_leaves_the_accumulation_out(card):
     """The table's call gives gradient_accumulation_steps=8, so the planner never updates inside backward for
     it, and its error says what to leave out; without it, 1558M full fine-tuning plans on the card within
-    its budget, and the table's cell shows both."""
-    refused = planned("1558M", "8 GiB", False)
+    its budget, and the table's cell shows both.  On 6 GiB that takes Adafactor stepping the embedding in
+    slices of rows (as one fp32 step it alone makes 1.2 GiB)."""
+    refused = planned("1558M", card, False)
     assert isinstance(refused, MemoryError) and "Without gradient_accumulation_steps= the planner" in str(refused)
-    plan, estimate = planned("1558M", "8 GiB", False, gradient_accumulation_steps=1)
+    plan, estimate = planned("1558M", card, False, gradient_accumulation_steps=1)
     assert plan.step_in_backward and not plan.offload and estimate.total <= plan.budget.bytes
-    assert cards.cell("1558M", "8 GiB", False).startswith("1×8 does not fit; without accumulation, bf16 weights")
+    assert cards.cell("1558M", card, False).startswith("1×8 does not fit; without accumulation, bf16 weights")
 
 
 @pytest.mark.parametrize("card", ["T4", "V100"])

@@ -12,10 +12,10 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, budget
+from lowmem_aitextgen import aitextgen, budget, in_backward
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, stepping_in_backward
 from lowmem_aitextgen.estimate import estimate_plan
-from lowmem_aitextgen.in_backward import StepInBackward, round_stochastically
+from lowmem_aitextgen.in_backward import StepInBackward, adafactor_in_rows, round_stochastically
 from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
 from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
 
@@ -200,3 +200,50 @@ def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(optimizer
     resumed = run("interrupted", resume=True).model.state_dict()
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[key], value), key
+
+
+def test_adafactor_in_slices_of_rows_is_transformers_step():
+    """A large matrix's Adafactor step, computed a slice of rows at a time (no whole fp32 copy): three steps
+    equal transformers' Adafactor on the same fp32 weight within float rounding, clipping and weight decay
+    included, and so does the state it keeps."""
+    torch.manual_seed(0)
+    value = torch.randn(50, 24)
+    whole, sliced = torch.nn.Parameter(value.clone()), torch.nn.Parameter(value.clone())
+    reference = optimizer_over([{"params": [whole], "weight_decay": 0.1}], 1e-2, 1e-8, "adafactor")
+    placeholder = torch.nn.Parameter(torch.empty(0))
+    ours = optimizer_over([{"params": [placeholder], "weight_decay": 0.1}], 1e-2, 1e-8, "adafactor")
+    for step in range(3):
+        grad = torch.randn(50, 24) * torch.linspace(0.1, 5, 24)  # uneven columns: the factored statistics matter
+        grad[step] *= 50  # an outlying row: the update's RMS exceeds 1 and is clipped
+        whole.grad = grad.clone()
+        reference.step()
+        adafactor_in_rows(ours, placeholder, sliced.data, grad.clone(), slice_values=7 * 24)  # 8 slices, the last short
+    assert not torch.equal(whole, value)
+    torch.testing.assert_close(sliced.data, whole.data, rtol=1e-6, atol=1e-7)
+    expected, got = reference.state[whole], ours.state[placeholder]
+    assert got.keys() == expected.keys() and got["step"] == expected["step"] == 3
+    for key in ("exp_avg_sq_row", "exp_avg_sq_col", "RMS"):
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=0, msg=key)
+
+
+def test_inside_backward_a_large_bf16_matrix_steps_in_rows_and_lands_beside_the_fp32_step(monkeypatch):
+    """Through StepInBackward, a bf16 matrix over SLICE_VALUES takes the sliced step; its weight lands on a
+    bf16 neighbour of the whole fp32 step's, and no gradient is left."""
+    monkeypatch.setattr(in_backward, "SLICE_VALUES", 256)
+    torch.manual_seed(0)
+    value = torch.randn(64, 32)
+    fp32 = torch.nn.Parameter(value.bfloat16().float())
+    half = torch.nn.Parameter(value.bfloat16())
+    make = functools.partial(optimizer_over, learning_rate=1e-2, adam_epsilon=1e-8, optimizer="adafactor")
+    fp32_stepper = StepInBackward([{"params": [fp32]}], make, 1e-2)
+    half_stepper = StepInBackward([{"params": [half]}], make, 1e-2, through_fp32=True)
+    assert in_backward.steps_in_rows(half_stepper.inner[0], half)
+    x = torch.randn(8, 64)
+    fp32_stepper.step(lambda: (x @ fp32).square().sum().backward())
+    half_stepper.step(lambda: (x @ half.float()).square().sum().backward())
+    step = (fp32.detach() - value.bfloat16().float()).abs()
+    ulp = torch.nextafter(half.detach(), torch.full_like(half, float("inf"))).float() - half.detach().float()
+    assert step.max() > 0 and half.grad is None
+    assert ((half.detach().float() - fp32.detach()).abs() <= 2 * ulp + 0.01 * step).all()
+    state = half_stepper.state_dict()["state"][0]
+    assert state["exp_avg_sq_row"].shape == (64,) and state["exp_avg_sq_col"].shape == (32,)
