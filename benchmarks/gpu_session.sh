@@ -46,8 +46,9 @@ case "$group" in
   # issue 30's: 774M full fine-tune with 6 GiB free (on-card tiers first), and strategy="fsdp_cpu_offload" on
   # the whole card, 355M
   offload2) only=() ;;
-  # issue 38's: 1558M full fine-tune with 6 and 8 GiB free and no accumulation (16-bit weights updated inside
-  # backward, no offloading), and 1558M LoRA with 4 GiB free: peak, estimate, tokens/s
+  # issue 38's: 1558M full fine-tune with 6 GiB free and no accumulation (16-bit weights updated inside backward,
+  # no offloading), 1558M LoRA with 4 GiB free (a 4-bit base): peak, estimate, tokens/s; and what the step of
+  # 1558M's embedding inside backward makes on the card, Adafactor whole and in slices of rows
   frontier) only=() ;;
   # issue 36's: eager against each block compiled against the model's body compiled (torch_compile=), for 124M
   # and 355M, at batch 1 and at the planner's micro-batch (gradient_accumulation_steps=8); step_seconds[0] in the
@@ -101,10 +102,10 @@ case "$group" in
     timeout "$(limit 260)" python3 benchmarks/gpu_cards.py --free 0 --rows "355M fsdp_cpu_offload" --row-timeout 250 \
       --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "fsdp offload row stopped" | tee -a "$log" ;;
   frontier)
-    for free in 6 8; do
-      timeout "$(limit 180)" python3 benchmarks/gpu_cards.py --free "$free" --rows "1558M full 1x1" --row-timeout 170 \
-        --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M full row stopped" | tee -a "$log"
-    done
-    timeout "$(limit 170)" python3 benchmarks/gpu_cards.py --free 4 --rows "1558M LoRA" --row-timeout 160 \
-      --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M LoRA row stopped" | tee -a "$log" ;;
+    timeout "$(limit 220)" python3 benchmarks/gpu_cards.py --free 6 --rows "1558M full 1x1" --row-timeout 210 \
+      --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M full row stopped" | tee -a "$log"
+    timeout "$(limit 200)" python3 benchmarks/gpu_cards.py --free 4 --rows "1558M LoRA" --row-timeout 190 \
+      --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M LoRA row stopped" | tee -a "$log"
+    timeout "$(limit 80)" python3 benchmarks/in_backward_step.py --device cuda --rows adafactor_whole \
+      --rows adafactor_rows 2>&1 | tee -a "$log" || echo "in-backward step rows stopped" | tee -a "$log" ;;
 esac

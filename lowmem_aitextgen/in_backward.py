@@ -19,10 +19,10 @@ gradient freed at once, so a full fine-tune never holds a whole copy of the grad
 | weights): an fp32 copy of the one     | half a bf16 step would be lost      | while it steps, and the optimizer's|
 | tensor steps, rounded back            |                                     | full-size temporaries              |
 | stochastically                        |                                     |                                    |
-| Adafactor on a large matrix, in       | transformers' step makes five fp32  | three passes over the gradient     |
-| slices of rows (adafactor_in_rows):   | copies of the whole matrix (1558M's | instead of one (memory-bound, a    |
-| the same step, its factored           | embedding: 1.2 GiB beside 2.9 GiB   | few % of the step; RESULTS.md)     |
-| statistics summed slice by slice      | of weights)                         |                                    |
+| Adafactor on a large matrix, in       | transformers' step makes whole-size | three passes over the gradient     |
+| slices of rows (adafactor_in_rows):   | fp32 copies, 14 bytes a value       | instead of one: on CPU faster (the |
+| the same step, its factored           | (1558M's embedding: 1.1 GB beside   | slices stay in cache), on a GPU a  |
+| statistics summed slice by slice      | 2.9 GiB of weights)                 | few ms a step (RESULTS.md)         |
 
 Mixed precision with fp16's loss scaling cannot run here (the hooks would step with scaled gradients, and
 GradScaler skips whole steps): plan.TrainPlan refuses the pair.  The state is one optimizer per tensor,

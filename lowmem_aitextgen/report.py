@@ -74,7 +74,8 @@ class RunRecorder(OptimizerStepCallback):
     """Records every optimizer step and logs it to the Trainer's loggers."""
 
     # what run.py brings back from spawned training processes
-    carried_fields = ("records", "tokens", "wall_time", "learning_rate", "exact_parts", "optimizer_name")
+    carried_fields = ("records", "tokens", "wall_time", "learning_rate", "exact_parts", "optimizer_name",
+                      "skipped_tensor_updates")
 
     def __init__(self, plan: TrainPlan, avg_loss_smoothing: float, max_grad_norm: float = 0.0) -> None:
         super().__init__()
@@ -88,6 +89,7 @@ class RunRecorder(OptimizerStepCallback):
         self.learning_rate = float("nan")
         self.exact_parts: dict[str, int] = {}  # measured once, after the first step created the states
         self.optimizer_name = ""
+        self.skipped_tensor_updates = 0  # updates inside backward left out for a gradient that was not finite
         self.base_rounding = Rounding()  # what a 4-bit base rounded (four_bit.py), added as it is quantized
         self._optimizer: torch.optim.Optimizer | None = None
 
@@ -111,6 +113,8 @@ class RunRecorder(OptimizerStepCallback):
         if math.isfinite(loss):
             avg = loss if previous is None else self.smoothing * loss + (1 - self.smoothing) * previous
         self.wall_time = time.perf_counter() - self.started
+        if isinstance(self._optimizer, StepInBackward):
+            self.skipped_tensor_updates = self._optimizer.skipped_tensors
         record = StepRecord(trainer.global_step, loss, avg, self.learning_rate,
                             self.tokens / max(self.wall_time, 1e-9), peak_memory_bytes(self.plan.accelerator))
         self.records.append(record)
@@ -168,6 +172,8 @@ class RunRecorder(OptimizerStepCallback):
                 "optimizer": self.optimizer_name,
                 "step_in_backward": plan.step_in_backward,  # each weight updated as its gradient completes
                 "clipping": ("per tensor" if plan.step_in_backward else "global norm") if self.max_grad_norm else None,
+                # inside backward a gradient that is not finite skips its own tensor's update, not the step
+                "skipped_tensor_updates": self.skipped_tensor_updates if plan.step_in_backward else None,
                 "shards": plan.shards,  # processes the model is sharded across (strategy="fsdp")
                 "offload": plan.offload,  # weights, gradients and AdamW states in host memory
                 "gathered_for": plan.gathered_for if plan.sharded else None,  # what a sharded process holds whole

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import json
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lowmem_aitextgen.estimate import estimate_plan
 from lowmem_aitextgen.in_backward import StepInBackward, adafactor_in_rows, round_stochastically
 from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
 from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
+from lowmem_aitextgen.report import RunRecorder
 
 # wide enough that the blocks' gradients, not the embedding's alone, are what updating inside backward saves
 CONFIG = tiny_gpt2_config(n_layer=4, n_positions=64, n_embd=256)
@@ -195,11 +197,33 @@ def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(optimizer
     assert summary["plan"]["step_in_backward"] and summary["plan"]["gradient_accumulation_steps"] == 1
     assert summary["plan"]["optimizer"].lower().startswith(optimizer[:5])  # the class each tensor steps with
     assert summary["final_loss"] < summary["final_avg_loss"] - 0.3  # well below the running average: it falls
-    assert summary["plan"]["clipping"] == "per tensor"
+    assert summary["plan"]["clipping"] == "per tensor" and summary["plan"]["skipped_tensor_updates"] == 0
     run("interrupted", callbacks=[CtrlC(at_step=2)])
     resumed = run("interrupted", resume=True).model.state_dict()
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[key], value), key
+
+
+def test_a_gradient_that_is_not_finite_skips_its_own_tensor_warns_once_and_is_counted_in_the_summary(caplog,
+                                                                                                       tmp_path):
+    torch.manual_seed(0)
+    kept, stepped = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4))
+    before_kept, before_stepped = kept.detach().clone(), stepped.detach().clone()
+    make = functools.partial(torch.optim.AdamW, lr=1e-2)
+    stepper = StepInBackward([{"params": [kept, stepped]}], make, 1e-2, max_grad_norm=0.5)
+    poison = torch.full((4, 4), float("nan"))
+    with caplog.at_level("WARNING", logger="lowmem_aitextgen"):
+        for _ in range(2):
+            stepper.step(lambda: ((kept * poison).sum() + stepped.square().sum()).backward())
+    assert torch.equal(kept.detach(), before_kept) and kept.grad is None
+    assert not torch.equal(stepped.detach(), before_stepped)
+    assert stepper.skipped_tensors == 2
+    assert sum("was not finite" in record.getMessage() for record in caplog.records) == 1
+    recorder = RunRecorder(stepping_in_backward(TrainPlan(n_layer=CONFIG.n_layer), "adamw8bit"), 0.01, 0.5)
+    module = types.SimpleNamespace(model=torch.nn.Linear(2, 2))
+    recorder.on_before_optimizer_step(None, module, stepper)
+    recorder.on_optimizer_step(types.SimpleNamespace(global_step=1, loggers=[]), module, 1.0)
+    assert recorder.summary(module.model, str(tmp_path))["plan"]["skipped_tensor_updates"] == 2
 
 
 def test_adafactor_in_slices_of_rows_is_transformers_step():
