@@ -135,10 +135,13 @@ def test_rounding_to_bf16_is_stochastic_and_unbiased():
     assert abs(negative.float().mean().item() + value.item()) < 0.01 * (high - low).item()
 
 
-def test_a_16_bit_weight_stepped_through_fp32_takes_the_fp32_step_rounded():
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_16_bit_weight_stepped_through_fp32_takes_the_fp32_step_rounded(sliced, monkeypatch):
     """Adafactor inside backward on bf16 weights: the step is the fp32 one on the same values (its state in
     fp32), and the weight lands on a bf16 neighbour of the fp32 result (where the gradient, made in bf16,
-    lets it)."""
+    lets it); also for a matrix over SLICE_VALUES, stepped in slices of rows."""
+    if sliced:
+        monkeypatch.setattr(in_backward, "SLICE_VALUES", 256)
     torch.manual_seed(0)
     value = torch.randn(64, 32)
     fp32 = torch.nn.Parameter(value.bfloat16().float())
@@ -146,6 +149,7 @@ def test_a_16_bit_weight_stepped_through_fp32_takes_the_fp32_step_rounded():
     make = functools.partial(optimizer_over, learning_rate=1e-2, adam_epsilon=1e-8, optimizer="adafactor")
     fp32_stepper = StepInBackward([{"params": [fp32]}], make, 1e-2)
     half_stepper = StepInBackward([{"params": [half]}], make, 1e-2, through_fp32=True)
+    assert in_backward.steps_in_rows(half_stepper.inner[0], half) == sliced
     x = torch.randn(8, 64)
     fp32_stepper.step(lambda: (x @ fp32).square().sum().backward())
     half_stepper.step(lambda: (x @ half.float()).square().sum().backward())
@@ -153,9 +157,10 @@ def test_a_16_bit_weight_stepped_through_fp32_takes_the_fp32_step_rounded():
     assert step.max() > 0
     ulp = torch.nextafter(half.detach(), torch.full_like(half, float("inf"))).float() - half.detach().float()
     # a bf16 neighbour of the fp32 result, give or take the bf16 gradient's own rounding (0.4% of the step)
-    assert ((half.detach().float() - fp32.detach()).abs() <= 2 * ulp + 0.01 * step).all()
+    assert ((half.detach().float() - fp32.detach()).abs() <= 2 * ulp + 0.01 * step).all() and half.grad is None
     state = half_stepper.state_dict()["state"][0]
     assert all(v.dtype == torch.float32 for k, v in state.items() if k != "step" and torch.is_tensor(v))
+    assert state["exp_avg_sq_row"].shape == (64,) and state["exp_avg_sq_col"].shape == (32,)
 
 
 @pytest.mark.parametrize("pinned, fix", [
@@ -248,26 +253,3 @@ def test_adafactor_in_slices_of_rows_is_transformers_step():
     assert got.keys() == expected.keys() and got["step"] == expected["step"] == 3
     for key in ("exp_avg_sq_row", "exp_avg_sq_col", "RMS"):
         torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=0, msg=key)
-
-
-def test_inside_backward_a_large_bf16_matrix_steps_in_rows_and_lands_beside_the_fp32_step(monkeypatch):
-    """Through StepInBackward, a bf16 matrix over SLICE_VALUES takes the sliced step; its weight lands on a
-    bf16 neighbour of the whole fp32 step's, and no gradient is left."""
-    monkeypatch.setattr(in_backward, "SLICE_VALUES", 256)
-    torch.manual_seed(0)
-    value = torch.randn(64, 32)
-    fp32 = torch.nn.Parameter(value.bfloat16().float())
-    half = torch.nn.Parameter(value.bfloat16())
-    make = functools.partial(optimizer_over, learning_rate=1e-2, adam_epsilon=1e-8, optimizer="adafactor")
-    fp32_stepper = StepInBackward([{"params": [fp32]}], make, 1e-2)
-    half_stepper = StepInBackward([{"params": [half]}], make, 1e-2, through_fp32=True)
-    assert in_backward.steps_in_rows(half_stepper.inner[0], half)
-    x = torch.randn(8, 64)
-    fp32_stepper.step(lambda: (x @ fp32).square().sum().backward())
-    half_stepper.step(lambda: (x @ half.float()).square().sum().backward())
-    step = (fp32.detach() - value.bfloat16().float()).abs()
-    ulp = torch.nextafter(half.detach(), torch.full_like(half, float("inf"))).float() - half.detach().float()
-    assert step.max() > 0 and half.grad is None
-    assert ((half.detach().float() - fp32.detach()).abs() <= 2 * ulp + 0.01 * step).all()
-    state = half_stepper.state_dict()["state"][0]
-    assert state["exp_avg_sq_row"].shape == (64,) and state["exp_avg_sq_col"].shape == (32,)
