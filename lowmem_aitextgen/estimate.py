@@ -76,7 +76,8 @@ def probe_lengths(config: object, reserved: int = 0) -> tuple[int, int, int]:
 # 1600 bf16 tensor, benchmarks/in_backward_step.py): an fp32 copy as backward makes the gradient, and for
 # Adafactor, stepped through fp32 (in_backward.py), the fp32 weight and gradient and its own temporaries; a
 # matrix it steps in slices of rows makes the fp32 copy and a few fp32 slices.
-IN_BACKWARD_STEP_BYTES = {"adamw": 4, "adamw8bit": 4, "adafactor": 14}
+BACKWARD_FP32_COPY_BYTES = 4
+IN_BACKWARD_STEP_BYTES = {"adamw": BACKWARD_FP32_COPY_BYTES, "adamw8bit": BACKWARD_FP32_COPY_BYTES, "adafactor": 14}
 
 
 @dataclass(frozen=True)
@@ -393,7 +394,7 @@ def in_backward_step_bytes(param: torch.Tensor, optimizer: str) -> int:
     """One tensor's gradient and what its step inside backward makes beside it (in_backward.py)."""
     if optimizer == "adafactor" and in_backward.in_slices(param.shape):
         slices = in_backward.SLICE_TEMPORARIES * in_backward.SLICE_VALUES * 4
-        return param.numel() * (param.element_size() + IN_BACKWARD_STEP_BYTES["adamw"]) + slices
+        return param.numel() * (param.element_size() + BACKWARD_FP32_COPY_BYTES) + slices
     return param.numel() * (param.element_size() + IN_BACKWARD_STEP_BYTES[optimizer])
 
 
