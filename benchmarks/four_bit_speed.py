@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -32,31 +33,52 @@ def prepared(config: GPT2Config, four_bit: bool) -> torch.nn.Module:
     return model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def size_block_steps(description: str) -> argparse.Namespace:
+    """--size, --block and --steps of a speed comparison (also tier_speed.py's)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="355M", choices=list(GPT2_SIZES))
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def alternating_medians(steps: dict[str, Callable[[torch.Tensor], None]], config: GPT2Config, block: int,
+                        rounds: int) -> dict[str, float]:
+    """Each named training step run `rounds` times on one batch of `block` tokens, alternating with the others
+    (all see the same machine); the median seconds of each over the rounds after the first."""
+    ids = torch.randint(config.vocab_size, (1, block), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            step(ids)
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
+def main() -> None:
+    args = size_block_steps(__doc__)
     config = GPT2Config(**GPT2_SIZES[args.size])
     models = {"16-bit base": prepared(config, False), "4-bit base": prepared(config, True)}
-    optimizers = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
-                  for name, m in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in models}
-    ids = torch.randint(config.vocab_size, (1, args.block), generator=torch.Generator().manual_seed(0))
-    for _ in range(args.steps):
-        for name, model in models.items():
-            started = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizers[name].step()
-            optimizers[name].zero_grad(set_to_none=True)
-            times[name].append(time.perf_counter() - started)
-    medians = {name: statistics.median(t[1:]) for name, t in times.items()}
+    steps = {name: adamw_step(model) for name, model in models.items()}
+    medians = alternating_medians(steps, config, args.block, args.steps)
     for name, model in models.items():
         print(f"{name:<12} median step {medians[name]:.2f} s  parameters "
               f"{unique_tensor_bytes(model.parameters()) / 2**30:.2f} GiB")
     print(f"4-bit / 16-bit step time: {medians['4-bit base'] / medians['16-bit base']:.2f}x "
           f"({args.size}, block {args.block}, {torch.get_num_threads()} threads)")
+
+
+def adamw_step(model: torch.nn.Module) -> Callable[[torch.Tensor], None]:
+    """A training step of the adapter's weights: forward, backward, AdamW."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(ids: torch.Tensor) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 if __name__ == "__main__":

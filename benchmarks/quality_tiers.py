@@ -21,6 +21,7 @@ import copy
 import functools
 import pydoc_data.topics
 import statistics
+from collections.abc import Callable
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -93,28 +94,37 @@ def fine_tune_lora(base: GPT2LMHeadModel, tier: str, batches: list[torch.Tensor]
     return model
 
 
+def tier_step(model: torch.nn.Module, tier: str) -> Callable[[torch.Tensor], None]:
+    """One training step of `model` (a full fine-tune's tier, its weights already held as the tier holds them)
+    on a batch: the tier's optimizer, stepped after backward with global clipping or inside backward with
+    clipping per tensor (also benchmarks/tier_speed.py's)."""
+    name = "adamw" if tier == "AdamW" else "adafactor" if "Adafactor" in tier else "adamw8bit"
+    groups = parameter_groups(model, 0.0)
+    if tier.endswith("inside backward"):
+        make = functools.partial(optimizer_over, learning_rate=LR, adam_epsilon=1e-8, optimizer=name)
+        inside = StepInBackward(groups, make, LR, max_grad_norm=CLIP, through_fp32=name != "adamw8bit")
+        return lambda batch: inside.step(closure=lambda: model(input_ids=batch, labels=batch).loss.backward())
+    optimizer = optimizer_over(groups, LR, 1e-8, name)
+
+    def step(batch: torch.Tensor) -> None:
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def fine_tune(base: GPT2LMHeadModel, tier: str, batches: list[torch.Tensor]) -> torch.nn.Module:
     if tier in LORA_TIERS:
         return fine_tune_lora(base, tier, batches)
     model = copy.deepcopy(base)
     if tier.startswith("bf16 weights"):
         model = model.to(torch.bfloat16)
-    name = "adamw" if tier == "AdamW" else "adafactor" if "Adafactor" in tier else "adamw8bit"
-    groups = parameter_groups(model, 0.0)
-    if tier.endswith("inside backward"):
-        make = functools.partial(optimizer_over, learning_rate=LR, adam_epsilon=1e-8, optimizer=name)
-        stepper = StepInBackward(groups, make, LR, max_grad_norm=CLIP, through_fp32=name != "adamw8bit")
-        for batch in batches:
-            stepper.step(closure=lambda b=batch: model(input_ids=b, labels=b).loss.backward())
-        stepper.remove_hooks()
-        return model
-    optimizer = optimizer_over(groups, LR, 1e-8, name)
+    step = tier_step(model, tier)
     for batch in batches:
-        model(input_ids=batch, labels=batch).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return model
+        step(batch)
+    return model  # held_out_loss runs without gradients: hooks left inside backward never fire again
 
 
 def main() -> None:
