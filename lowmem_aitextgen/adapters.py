@@ -279,8 +279,13 @@ def read_base_record(adapter_folder: str) -> dict[str, Any] | None:
 def base_matches(record: dict[str, Any], base: nn.Module) -> bool:
     """Whether `base` holds the weights the adapter's record names: those it was saved with, or (prompt learning)
     the base as it was loaded, before training held it in 16 or 4 bits."""
+    hashes: dict[torch.dtype, str] = {}  # the base hashed once per dtype (both records may name one)
     for named in (record, record.get("original") or {}):
         dtype = getattr(torch, str(named.get("dtype", "float32")), None)
-        if isinstance(dtype, torch.dtype) and "sha256" in named and base_fingerprint(base, dtype)["sha256"] == named["sha256"]:
+        if not isinstance(dtype, torch.dtype) or "sha256" not in named:
+            continue
+        if dtype not in hashes:
+            hashes[dtype] = base_fingerprint(base, dtype)["sha256"]
+        if hashes[dtype] == named["sha256"]:
             return True
     return False

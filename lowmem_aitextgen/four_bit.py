@@ -128,22 +128,26 @@ def hold_base_in_four_bits(model: nn.Module, rounding: Rounding | None = None) -
     return rounding
 
 
+def four_bit_weights(model: nn.Module) -> dict[nn.Module, nn.Parameter]:
+    """Each module of `model` holding a 4-bit weight of its own (peft's layers also answer .weight), and it."""
+    weights = {module: module._parameters.get("weight") for module in model.modules()}
+    return {module: weight for module, weight in weights.items()
+            if weight is not None and storage16.is_quantized(weight)}
+
+
 def dequantize(model: nn.Module, dtype: torch.dtype) -> None:
     """Every 4-bit weight of `model` a plain one of `dtype` again (nn.Module.to would keep the NF4 type and
     only relabel its dtype)."""
     with torch.no_grad():
-        for module in model.modules():
-            weight = module._parameters.get("weight")  # a module's own (peft's layers also answer .weight)
-            if weight is not None and storage16.is_quantized(weight):
-                module.weight = nn.Parameter(storage16.dense(weight, dtype), requires_grad=False)
+        for module, weight in four_bit_weights(model).items():
+            module.weight = nn.Parameter(storage16.dense(weight, dtype), requires_grad=False)
 
 
 @contextlib.contextmanager
 def dense_while(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """`model`'s 4-bit weights plain ones of `dtype` inside the block, the 4-bit ones back after it (copying a
     4-bit tensor quantizes it again, with torchao's default groups)."""
-    quantized = {module: module._parameters["weight"] for module in model.modules()
-                 if module._parameters.get("weight") is not None and storage16.is_quantized(module._parameters["weight"])}
+    quantized = four_bit_weights(model)
     dequantize(model, dtype)
     try:
         yield

@@ -199,12 +199,14 @@ def adafactor_in_rows(optimizer: Adafactor, stepped: nn.Parameter, param: torch.
     col.mul_(beta2t).add_(col_sum / rows, alpha=1.0 - beta2t)
     row_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
     col_factor = col.unsqueeze(0).rsqrt()
-    update_squares = torch.zeros((), device=param.device)
-    for rows_here in slices:
-        update_squares += (row_factor[rows_here] * col_factor).mul_(grad[rows_here].float()).square_().sum()
+
+    def unclipped(rows_here: slice) -> torch.Tensor:  # made twice, for its RMS and to apply: never whole
+        return (row_factor[rows_here] * col_factor).mul_(grad[rows_here].float())
+
+    update_squares = sum(unclipped(rows_here).square_().sum() for rows_here in slices)
     clip = ((update_squares.sqrt() / param.numel() ** 0.5) / group["clip_threshold"]).clamp_(min=1.0)
     for rows_here in slices:
-        update = (row_factor[rows_here] * col_factor).mul_(grad[rows_here].float()).div_(clip).mul_(lr)
+        update = unclipped(rows_here).div_(clip).mul_(lr)
         weight = param[rows_here].float()
         if group["weight_decay"] != 0:
             weight.add_(weight, alpha=-group["weight_decay"] * lr)
