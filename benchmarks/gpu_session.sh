@@ -17,13 +17,15 @@
 #   run(command="bash benchmarks/gpu_session.sh frontier", carry=[".whl"], timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh compile124", carry=[".whl"], timeout_s=600)  (and compile124m,
 #   compile355, compile355m)
+#   run(command="bash benchmarks/gpu_session.sh generate", carry=[".whl"], timeout_s=600)
+# GROUP_SECONDS shortens a group's 9 minutes, so that two groups share one call (the first pays the start).
 # Results come back as $OUT/gpu_<group>.jsonl and $OUT/gpu_<group>.log.
 # Each group finishes within 9 minutes on an H100 (a lent GPU runs one command for at most 10): every row is
 # its own process under a time limit and prints its result as it completes, so a cut-off group still reports.
 set -euo pipefail
 group="${1:-targets}"
 ROW_LIMIT=170  # seconds a memory_speed.py row may take (each trains 12 steps of 355M at block 1024)
-deadline=$((SECONDS + 530))  # the whole group, wheels' install included, within 9 minutes
+deadline=$((SECONDS + ${GROUP_SECONDS:-530}))  # the whole group, wheels' install included, within 9 minutes
 case "$group" in
   # issue 4's targets: ours beside the Trainer in every matched configuration (full and LoRA)
   targets) only=(ours_full trainer_full ours_lora trainer_lora baseline) ;;
@@ -55,8 +57,11 @@ case "$group" in
   # results is the first step, compile included
   compile124|compile355) only=(ours_full ours_compile_blocks ours_compile_model) ;;
   compile124m|compile355m) only=(ours_accum8 ours_accum8_compile_blocks ours_accum8_compile_model) ;;
+  # issue 47's: plain transformers generate, eager (dynamic cache) against a static cache compiled with CUDA
+  # graphs, fp16 and bf16, batch 1 and 8, 355M and 1558M (benchmarks/generate_levers.py), most telling first
+  generate) only=() ;;
   *) echo "usage: bash benchmarks/gpu_session.sh targets|targets8bit|techniques|plan|xl|cards|offload|offload2|" \
-          "frontier|compile124|compile124m|compile355|compile355m" >&2
+          "frontier|compile124|compile124m|compile355|compile355m|generate" >&2
      exit 2 ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -108,4 +113,15 @@ case "$group" in
       --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M LoRA row stopped" | tee -a "$log"
     timeout "$(limit 80)" python3 benchmarks/in_backward_step.py --device cuda --rows adafactor_whole \
       --rows adafactor_rows 2>&1 | tee -a "$log" || echo "in-backward step rows stopped" | tee -a "$log" ;;
+  generate)
+    for spec in "355M fp16 dynamic 1" "355M fp16 static 1" "355M fp16 dynamic 8" "355M fp16 static 8" \
+                "1558M fp16 dynamic 1" "1558M fp16 static 1" "355M bf16 dynamic 1" "355M fp32 dynamic 1" \
+                "1558M fp16 dynamic 8" "1558M fp16 static 8" "355M bf16 static 1"; do
+      read -r size dtype cache batch <<< "$spec"
+      seconds=$(limit 120)
+      if ((seconds < 20)); then echo "row $spec skipped: the group's time is spent" | tee -a "$log"; continue; fi
+      timeout "$seconds" python3 benchmarks/generate_levers.py --size "$size" --dtype "$dtype" --cache "$cache" \
+        --batch "$batch" --out "$out/gpu_$group.jsonl" 2>>"$log.stderr" | tee -a "$log" \
+        || echo "row $spec failed or ran over" | tee -a "$log"
+    done ;;
 esac
