@@ -35,7 +35,7 @@ from . import _compat, four_bit, lora
 from .adapter_settings import ADAPTER_SUBFOLDER, AdapterSettings
 from .heap import release_freed_heap
 from .saving import WeightSource, model_weights, save_model_files
-from .storage16 import dense
+from .storage16 import dense, is_quantized
 
 BASE_RECORD = "base_weights.json"  # in the adapter folder: which weights the adapter was trained on
 
@@ -106,24 +106,30 @@ def is_mergeable(model: nn.Module) -> bool:
 
 
 def _tuner_layers(base: nn.Module) -> dict[str, nn.Module]:
-    """The base's layers an adapter wraps and that are not merged yet, by the name of their weight."""
+    """The base's layers an adapter wraps and that are not merged yet, by their names."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return {f"{name}.weight": module for name, module in base.named_modules()
+    return {name: module for name, module in base.named_modules()
             if isinstance(module, BaseTunerLayer) and not module.merged}
 
 
-def _merged_layer_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """One wrapped layer's weight with its adapter folded in, in `dtype`: LoRA's rounded once (lora.merged_weight),
-    any other method's by peft's own merge, on a copy of that one layer."""
+def _merged_parameter(module: nn.Module, parameter: str, dtype: torch.dtype) -> torch.Tensor:
+    """One wrapped layer's own parameter ("weight", "bias") with the adapter folded in, in `dtype`: LoRA's
+    weight rounded once (lora.merged_weight); anything else by peft's own merge on a copy of that one layer
+    in fp32 (at least), rounded once.  Every parameter goes through the merge, since methods change more than
+    the weight: IA3 scales a projection's output, so its merge scales the bias too."""
     from peft.tuners.lora import LoraLayer
 
-    if isinstance(module, LoraLayer):
+    exact = torch.promote_types(dtype, torch.float32)
+    if isinstance(module, LoraLayer) and parameter == "weight":
         return lora.merged_weight(module.get_base_layer().weight, module, dtype)
-    with four_bit.dense_while(module, torch.promote_types(dtype, torch.float32)):  # peft merges into plain ones
+    if isinstance(module, LoraLayer) and not lora.changes_bias(module):
+        return dense(module.get_base_layer().bias, dtype)
+    with four_bit.dense_while(module, exact):  # peft merges into plain weights
         layer = copy.deepcopy(module)
+    layer.to(exact)
     layer.merge()
-    return layer.get_base_layer().weight.detach().to(dtype)
+    return getattr(layer.get_base_layer(), parameter).detach().to(dtype)
 
 
 def _adapter_prefix(model: nn.Module) -> str:
@@ -144,31 +150,34 @@ def merged_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list[W
             continue
         name = weight.name.replace(".base_layer.", ".")
         out = dtype or weight.dtype
-        module = adapted.get(name)
+        layer, _, parameter = name.rpartition(".")
+        module = adapted.get(layer)
         if module is None:
             make = lambda weight=weight, out=out: dense(weight.make(), out)  # noqa: E731
         else:
-            make = lambda out=out, module=module: _merged_layer_weight(module, out)  # noqa: E731
+            make = lambda out=out, module=module, parameter=parameter: _merged_parameter(  # noqa: E731
+                module, parameter, out)
         weights.append(WeightSource(name, out, weight.shape, make))
     return weights
 
 
 def merge_in_place(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """The plain transformers model with the adapter folded into its own weights, each weight as the save
-    writes it (_merged_layer_weight) in `dtype` (default: the dtype the base is held in), one weight at a
+    writes it (_merged_parameter) in `dtype` (default: the dtype the base is held in), one weight at a
     time; the model's other weights cast to `dtype` too.  (peft's merge_and_unload adds a LoRA delta already
     rounded to bf16 to the bf16 weight: rounded twice, it differs from the saved model in the last bit of some
     weights.)"""
     with torch.no_grad():
         for module in _tuner_layers(model.get_base_model()).values():
             layer = module.get_base_layer()
-            merged = _merged_layer_weight(module, dtype or layer.weight.dtype)
-            if merged.dtype == layer.weight.dtype:
-                layer.weight.copy_(merged)
-            else:
-                layer.weight = nn.Parameter(merged, requires_grad=layer.weight.requires_grad)
-            del merged
-            release_freed_heap()  # the merged copy's memory back at once, as the streamed save does
+            for parameter, value in list(layer.named_parameters(recurse=False)):
+                merged = _merged_parameter(module, parameter, dtype or value.dtype)
+                if merged.dtype == value.dtype and not is_quantized(value):  # into a 4-bit one: quantized again
+                    value.copy_(merged)
+                else:
+                    setattr(layer, parameter, nn.Parameter(merged, requires_grad=value.requires_grad))
+                del merged
+                release_freed_heap()  # the merged copy's memory back at once, as the streamed save does
         plain = model.unload()
     return plain.to(dtype) if dtype is not None else plain
 

@@ -65,3 +65,8 @@ def merged_weight(base_weight: torch.Tensor, module: nn.Module, dtype: torch.dty
         merged.add_(delta)
         del delta
     return merged.to(dtype) if merged is not None else dense(base_weight, dtype)
+
+
+def changes_bias(module: nn.Module) -> bool:
+    """Whether merging this LoRA layer changes its bias (peft's lora_bias=True trains a bias for lora_B)."""
+    return any(getattr(module, "lora_bias", {}).get(adapter, False) for adapter in module.active_adapters)

@@ -61,6 +61,19 @@ def tokenizer_file(corpus_file, tmp_path_factory) -> str:
     return str(folder / "aitextgen.tokenizer.json")
 
 
+def realistic(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with biases and layer norms as a trained GPT-2 has them (a fresh one has zero biases and unit
+    norms, on which a merge that drops a bias's scale still looks exact); seeded, so each call gives the same."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) * 0.5 + 0.75)
+    return model
+
+
 def tiny_gpt2_config(vocab_size: int = 1000, n_layer: int = 2, n_positions: int = 32, dropout: float = 0.0,
                      **kwargs) -> GPT2Config:
     kwargs = {"bos_token_id": 0, "eos_token_id": 0, "n_embd": 64, "n_head": 4, **kwargs}

@@ -9,11 +9,20 @@ import sys
 import pytest
 import pytorch_lightning as pl
 import torch
-from peft import IA3Config, PeftModel, PrefixTuningConfig, PromptTuningConfig
+from peft import (
+    AdaLoraConfig,
+    FourierFTConfig,
+    IA3Config,
+    LoraConfig,
+    PeftModel,
+    PrefixTuningConfig,
+    PromptTuningConfig,
+    VeraConfig,
+)
 from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
 
-from conftest import CtrlC, corpus_text, snapshot, tiny_gpt2_config
+from conftest import CtrlC, corpus_text, realistic, snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, estimate, memory
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.plan import AdapterSettings, TrainPlan
@@ -35,6 +44,13 @@ def base64(tmp_path):
     """A tiny GPT-2 with a context of 64 positions (prefix tuning takes 20 of them), dropout off."""
     GPT2LMHeadModel(tiny_gpt2_config(n_positions=CONTEXT)).save_pretrained(tmp_path / "base64")
     return str(tmp_path / "base64")
+
+
+@pytest.fixture
+def realistic_base64(tmp_path):
+    """base64 with biases and layer norms as a trained model has them: merges that forget a bias can fail."""
+    realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=CONTEXT))).save_pretrained(tmp_path / "realistic")
+    return str(tmp_path / "realistic")
 
 
 def blocks(ai: aitextgen, path: str, length: int) -> torch.Tensor:
@@ -128,8 +144,8 @@ def test_prefix_tuning_resumes_to_the_uninterrupted_weights(small_data, tokenize
         assert torch.equal(resumed[key], value), key
 
 
-def test_a_mergeable_peft_config_saves_the_merged_model_and_its_adapter(small_data, base_folder, tokenizer_file):
-    ai = aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file)
+def test_a_mergeable_peft_config_saves_the_merged_model_and_its_adapter(small_data, realistic_base64, tokenizer_file):
+    ai = aitextgen(model_folder=realistic_base64, tokenizer_file=tokenizer_file)
     ai.train(small_data, peft_config=IA3Config(target_modules=["c_attn", "c_fc"], feedforward_modules=["c_fc"]),
              output_dir="out", num_steps=10, batch_size=2, learning_rate=5e-2, save_every=0, generate_every=0,
              precision="32-true", seed=1)
@@ -140,7 +156,7 @@ def test_a_mergeable_peft_config_saves_the_merged_model_and_its_adapter(small_da
     assert type(merged.model) is GPT2LMHeadModel
     for key, value in ai.model.state_dict().items():
         assert torch.equal(merged.model.state_dict()[key], value), key
-    start = GPT2LMHeadModel.from_pretrained(base_folder)
+    start = GPT2LMHeadModel.from_pretrained(realistic_base64)
     assert not torch.equal(start.transformer.h[0].mlp.c_fc.weight, ai.model.transformer.h[0].mlp.c_fc.weight)
     with_adapter = PeftModel.from_pretrained(start, "out/adapter").eval()
     batch = torch.randint(0, 1000, (2, 32))
@@ -338,23 +354,89 @@ EXPECTED = {
 }
 
 
-def test_every_kind_of_output_dir_loads_in_every_loader_in_a_new_process(text, base64, tokenizer_file):
+def test_every_kind_of_output_dir_loads_in_every_loader_in_a_new_process(text, realistic_base64, tokenizer_file):
     """For a full, sharded, LoRA, IA3, resumed LoRA and prefix-tuned run: AutoModelForCausalLM and pipeline
     read output_dir (the trained model; for prefix tuning, which changes no weight, the base: no
     adapter_config.json at the top for transformers to trip on), peft's documented call puts the adapter on
     the base it was trained on and gives the model aitextgen(model_folder=out) loads (unmerged, for
     methods saved merged), so does aitextgen(model_folder=<the adapter folder>), and the CLI generates."""
+    from lowmem_aitextgen import hardware
+
     kinds = {"full": {}, "fsdp": {"strategy": "fsdp", "n_gpu": 0}, "lora": {"lora": True},
              "ia3": {"peft_config": IA3Config()}, "prefix": {"adapter": "prefix"}}
-    for name, kwargs in kinds.items():
-        aitextgen(model_folder=base64, tokenizer_file=tokenizer_file).train(
-            text, output_dir=name, num_steps=2, save_every=0, generate_every=0, learning_rate=1e-2, seed=1, **kwargs)
-    for callbacks, resume in (([CtrlC(at_step=1)], False), ([], True)):
-        aitextgen(model_folder=base64, tokenizer_file=tokenizer_file).train(
-            text, output_dir="resumed lora", num_steps=3, save_every=0, generate_every=0, learning_rate=1e-2,
-            seed=1, lora=True, callbacks=callbacks, resume=resume)
-    result = subprocess.run([sys.executable, "-c", LOADERS, tokenizer_file, base64, *EXPECTED], capture_output=True,
+    # trained as on a CPU without native bf16, so the runs save fp32 models on every CPU kind and "equal" and
+    # "close" mean the same everywhere (what a bf16 merge rounds: test_the_merge_equals_the_adapter_model_...)
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"])):
+        for name, kwargs in kinds.items():
+            aitextgen(model_folder=realistic_base64, tokenizer_file=tokenizer_file).train(
+                text, output_dir=name, num_steps=2, save_every=0, generate_every=0, learning_rate=1e-2, seed=1,
+                **kwargs)
+        for callbacks, resume in (([CtrlC(at_step=1)], False), ([], True)):
+            aitextgen(model_folder=realistic_base64, tokenizer_file=tokenizer_file).train(
+                text, output_dir="resumed lora", num_steps=3, save_every=0, generate_every=0, learning_rate=1e-2,
+                seed=1, lora=True, callbacks=callbacks, resume=resume)
+    result = subprocess.run([sys.executable, "-c", LOADERS, tokenizer_file, realistic_base64, *EXPECTED], capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == {
         name: {**expected, "trained": True, "pipeline": True, "cli": 2} for name, expected in EXPECTED.items()}
+
+
+def trained_like(model: torch.nn.Module) -> torch.nn.Module:
+    """The adapter's parameters moved away from their initialisation (LoRA's B starts at zero, IA3's scales at
+    one: merging either at init changes nothing)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                parameter.uniform_(0.5, 1.5) if "ia3_l" in name else parameter.normal_(0.0, 0.1)
+    return model
+
+
+# Every method peft can merge that attaches to GPT-2's Conv1D projections (LoHa, LoKr, BOFT and OFT refuse them).
+MERGEABLE = {
+    "lora": lambda: LoraConfig(target_modules=["c_attn", "c_proj", "c_fc"]),
+    "lora with bias": lambda: LoraConfig(target_modules=["c_attn", "c_fc"], lora_bias=True),
+    "ia3 attention": lambda: IA3Config(target_modules=["c_attn"], feedforward_modules=[]),
+    "ia3 feed-forward": lambda: IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"]),
+    "adalora": lambda: AdaLoraConfig(target_modules=["c_attn"], total_step=10),
+    "vera": lambda: VeraConfig(target_modules=["c_attn"]),
+    "fourierft": lambda: FourierFTConfig(target_modules=["c_attn"]),
+}
+
+
+@pytest.mark.parametrize("base", ["fp32", "bf16", "4-bit"])
+@pytest.mark.parametrize("method", MERGEABLE)
+def test_the_merge_equals_the_adapter_model_on_a_realistic_base(method, base):
+    """For every mergeable method, on a base held as training holds it (fp32, bf16, NF4): the merged model
+    gives the adapter model's logits (fp32 math, within float rounding), the 16-bit merge is the fp32 one
+    rounded once, and the model merge_in_place leaves in the object holds what the save writes."""
+    from lowmem_aitextgen import adapters, four_bit
+    from lowmem_aitextgen.adapter_settings import AdapterSettings
+
+    torch.manual_seed(0)
+    model = realistic(GPT2LMHeadModel(tiny_gpt2_config())).requires_grad_(False)
+    if base != "fp32":
+        model.to(torch.bfloat16)
+    if base == "4-bit":
+        four_bit.hold_base_in_four_bits(model)
+    trained = trained_like(adapters.add_adapter(model, AdapterSettings.of(MERGEABLE[method]())))
+    ids = torch.randint(1000, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def logits(m: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad(), four_bit.dense_while(m, torch.float32):
+            return m.eval().float()(input_ids=ids).logits
+
+    expected = logits(trained)
+    merged = {dtype: {w.name: w.make() for w in adapters.merged_weights(trained, dtype)}
+              for dtype in (torch.float32, torch.bfloat16)}
+    assert all(torch.equal(merged[torch.bfloat16][name], value.to(torch.bfloat16))
+               for name, value in merged[torch.float32].items())
+    saved = GPT2LMHeadModel(tiny_gpt2_config())
+    saved.load_state_dict(merged[torch.float32], strict=False)
+    saved.tie_weights()
+    assert (logits(saved) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    saved_dtype = torch.float32 if base == "fp32" else torch.bfloat16
+    in_memory = adapters.merge_in_place(trained, saved_dtype)
+    with four_bit.dense_while(in_memory, saved_dtype):
+        assert all(torch.equal(value, merged[saved_dtype][name]) for name, value in in_memory.state_dict().items()
+                   if name in merged[saved_dtype])

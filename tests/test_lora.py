@@ -6,7 +6,7 @@ import pytorch_lightning as pl
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import tiny_gpt2_config
+from conftest import realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, memory
 
 
@@ -15,6 +15,7 @@ def test_lora_trains_only_adapters_and_saves_adapter_and_merged(tokenizer_file, 
 
     torch.manual_seed(0)
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=64))
+    realistic(ai.model)
     base_state = {k: v.clone() for k, v in ai.model.state_dict().items()}
     counts = {}
 
@@ -60,7 +61,7 @@ def test_lora_trains_only_adapters_and_saves_adapter_and_merged(tokenizer_file, 
 
 
 def test_lora_adapter_folder_loads_and_keeps_training(tokenizer_file, corpus_file, tmp_path):
-    GPT2LMHeadModel(tiny_gpt2_config(n_positions=64)).save_pretrained(tmp_path / "base")
+    realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=64))).save_pretrained(tmp_path / "base")
     ai = aitextgen(model_folder=str(tmp_path / "base"), tokenizer_file=tokenizer_file)
     ai.train(corpus_file, lora=True, num_steps=3, save_every=0, generate_every=0, output_dir=str(tmp_path / "a"))
     again = aitextgen(model_folder=str(tmp_path / "a" / "lora_adapter"))
