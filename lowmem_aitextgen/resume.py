@@ -26,10 +26,11 @@ from lightning_fabric.plugins import TorchCheckpointIO
 from torch import nn
 
 from .adapter_settings import AdapterSettings, from_description
-from .adapters import base_weights
+from .adapters import base_matches, base_weights
 from .callbacks import OptimizerStepCallback
 from .plan import CHECKPOINT_NAME, RunSettings, TrainPlan
 from .saving import STAGING_PREFIX, apply_umask
+from .storage16 import is_quantized
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -98,9 +99,12 @@ def base_parameters(model: nn.Module) -> dict[str, list[int]]:
     return {name: list(param.shape) for name, param in base_weights(model).items()}
 
 
-def run_description(plan: TrainPlan, settings: RunSettings, base: dict[str, list[int]]) -> dict[str, Any]:
-    """What a resumed run must share with the one that wrote the checkpoint."""
+def run_description(plan: TrainPlan, settings: RunSettings, base: dict[str, list[int]],
+                    base_record: dict[str, str] | None = None) -> dict[str, Any]:
+    """What a resumed run must share with the one that wrote the checkpoint; `base_record`: an adapter run's
+    fingerprint of the base its adapter trains on (adapters.base_fingerprint), which the checkpoint holds none of."""
     return {"run_id": plan.run_id, "base_parameters": base,
+            "base_fingerprint": base_record,
             "adapter": plan.adapter.settings if plan.adapter is not None else None,
             "optimizer": plan.optimizer, "step_in_backward": plan.step_in_backward,
             "four_bit_base": plan.four_bit_base,
@@ -207,6 +211,26 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, settings:
     if saved["global_step"] >= settings.num_steps:
         raise ValueError(f"resume={path!r} is at step {saved['global_step']:,}, and num_steps={settings.num_steps:,} "
                          f"asks for no more; pass num_steps above {saved['global_step']:,} to train further.")
+
+
+def check_resumed_base(path: str | None, saved: dict[str, Any] | None, base_record: dict[str, str] | None,
+                       model: nn.Module) -> None:
+    """The base an adapter resumes on is the one the checkpoint's adapter was trained on: same fingerprint, as
+    read (`base_record`) or as `model` holds it cast to the checkpoint's dtype.  A checkpoint written before
+    bases were recorded is not checked."""
+    recorded = (saved or {}).get("base_fingerprint")
+    if path is None or recorded is None:
+        return
+    if base_record is not None and base_record.get("sha256") == recorded.get("sha256"):
+        return
+    held_in_another_dtype = base_record is not None and base_record.get("dtype") != recorded.get("dtype")
+    if held_in_another_dtype and not any(is_quantized(p) for p in model.parameters()) and base_matches(recorded, model):
+        return  # (a plan of this machine holds the base in another dtype than the interrupted run's)
+    raise ValueError(f"resume={path!r}: its adapter was trained on other base weights than this model holds "
+                     f"(the checkpoint's base: {recorded.get('dtype')} sha256 {str(recorded.get('sha256'))[:12]}…). "
+                     "Resuming would put the adapter on the wrong model. Construct aitextgen(model_folder=...) with "
+                     "the model the interrupted run started from (not its output_dir, which holds the adapter "
+                     "merged in), or pass resume=False to start over.")
 
 
 def _described(adapter: dict[str, Any] | None) -> dict[str, Any] | None:

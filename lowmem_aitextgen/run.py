@@ -68,12 +68,23 @@ class Outcome:
     early_stopped: bool = False  # the validation loss stopped improving: the run is complete
 
 
+def adapter_base_record(model: nn.Module, plan: TrainPlan,
+                        quantized: four_bit.QuantizedBase | None) -> dict[str, str] | None:
+    """An adapter run's record of its base as loaded, before the plan casts it (adapters.base_fingerprint; one
+    read straight into 4 bits was recorded as it was read): what the adapter folder and the checkpoint name
+    as the weights the adapter trains on.  None for a run that trains every weight."""
+    if quantized is not None:
+        return quantized.fingerprint.record()
+    return base_fingerprint(model) if plan.trains_adapter else None
+
+
 class TrainingRun:
     """Trains `model` by `plan` and `settings` on `dataset`; run() does it once."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, base_name: str | None, plan: TrainPlan,
                  settings: RunSettings, dataset: Any, loggers: list[Logger], callbacks: list[pl.Callback],
-                 val_dataset: Any = None, quantized: four_bit.QuantizedBase | None = None) -> None:
+                 val_dataset: Any = None, quantized: four_bit.QuantizedBase | None = None,
+                 base_record: dict[str, str] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.plan = plan
@@ -85,13 +96,9 @@ class TrainingRun:
         self.dtype = next(model.parameters()).dtype
         self.recorder = RunRecorder(plan, settings.avg_loss_smoothing, settings.max_grad_norm)
         self.history = ValidationHistory() if self.val_dataset is not None else None
-        # the adapter's base recorded as loaded, before the plan casts it (lora.base_fingerprint); one read
-        # straight into 4 bits was recorded as it was read
-        base_record = None
         if quantized is not None:
-            base_record, self.recorder.base_rounding = quantized.fingerprint.record(), quantized.rounding
-        elif plan.trains_adapter:
-            base_record = base_fingerprint(model)
+            self.recorder.base_rounding = quantized.rounding
+        self.base_record = base_record  # adapter_base_record's
         self.files = RunFiles(plan, tokenizer, base_name, self.recorder, self.dtype, self.history, base_record,
                               loggers)
         self.signals = StopOnSignal()
@@ -163,6 +170,7 @@ class TrainingRun:
             self.recovery = OutOfMemoryRecovery(self.files.checkpoint)
             validating = self.val_dataset is not None
             self.module = (ValidatedModule if validating else CausalLMModule)(model, self.plan, self.settings)
+            self.module.base_record = self.base_record
             loader, data_order = training_loader(self.dataset, self.plan)
             val_loader = validation_loader(self.val_dataset, self.plan) if validating else None
             self.trainer = self._trainer(self.plan, data_order)

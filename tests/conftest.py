@@ -117,6 +117,13 @@ def base_folder(tmp_path):
     return str(tmp_path / "base")
 
 
+@pytest.fixture
+def realistic_base(tmp_path):
+    """base_folder's model with biases and layer norms as a trained model has them (conftest.realistic)."""
+    realistic(GPT2LMHeadModel(tiny_gpt2_config())).save_pretrained(tmp_path / "realistic")
+    return str(tmp_path / "realistic")
+
+
 def snapshot(folder) -> dict:
     """Every file under `folder` with its bytes: compare before and after a call that must change nothing."""
     import pathlib

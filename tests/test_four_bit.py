@@ -216,3 +216,35 @@ def test_base_bits_with_lora_auto_holds_the_lora_the_planner_may_choose_on_a_4_b
     assert not full.trains_adapter and not full.four_bit_base  # no LoRA chosen: nothing to hold in 4 bits
     lora, _ = planned("124M", None, "auto", cpu="no native bf16", base_bits=4, max_memory="1.6GB")
     assert lora.trains_lora and lora.four_bit_base
+
+
+def test_the_object_after_a_4_bit_run_never_becomes_another_runs_model(tmp_path, corpus_file, tokenizer_file,
+                                                                        monkeypatch):
+    """After a run on a 4-bit base the object reads its model back from output_dir on first use: it does so
+    after the working folder changed, and refuses, naming the folder, where another run has saved there since
+    or the folder is gone, instead of becoming that run's model or calling a good one damaged."""
+    base = str(tmp_path / "base")
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(base)
+
+    def four_bit_run(output_dir: str) -> aitextgen:
+        ai = aitextgen(model_folder=base, tokenizer_file=tokenizer_file)
+        ai.train(corpus_file, output_dir=output_dir, num_steps=2, block_size=32, base_bits=4, lora=True,
+                 save_every=0, generate_every=0, seed=1)
+        return ai
+
+    monkeypatch.chdir(tmp_path)
+    kept = four_bit_run("kept")
+    monkeypatch.chdir(tmp_path / "kept")  # a notebook that changes directory
+    assert kept.generate_one(max_length=8, seed=1) == aitextgen(model_folder=str(tmp_path / "kept"),
+                                                                tokenizer_file=tokenizer_file).generate_one(
+        max_length=8, seed=1)
+    monkeypatch.chdir(tmp_path)
+    overwritten = four_bit_run("out")
+    aitextgen(model_folder=base, tokenizer_file=tokenizer_file).train(  # a second cell saves into the same folder
+        corpus_file, output_dir="out", num_steps=2, block_size=32, save_every=0, generate_every=0, seed=2)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'out'}.*has written there since"):
+        overwritten.model
+    moved = four_bit_run("moved")
+    os.rename("moved", "elsewhere")
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'moved'}.*is gone"):
+        moved.model

@@ -103,3 +103,51 @@ def test_ddp_on_two_cpu_processes(corpus_file, base_folder, tokenizer_file, tmp_
         assert torch.equal(rank1[key], value), key  # gradients were averaged across ranks
         assert torch.equal(saved[key].to(value.dtype), value), key  # LoRA: the object holds the bf16 merge
     assert result.stdout.count("steps reached: generating sample texts") == 1  # rank 0 only, at step 2
+
+
+class SigTerm(CtrlC):
+    """Sends SIGTERM (docker stop, a scheduler's pre-emption) once, after the given optimizer step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            self.at_step = -1
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+KINDS = {"lora": {"lora": True}, "ia3": {"peft_config": "ia3"}, "lora on a 4-bit base": {"lora": True, "base_bits": 4},
+         "full": {"lora": False}}
+
+
+@pytest.mark.parametrize("ending", ["Ctrl-C", "SIGTERM"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_readme_resume_line_on_the_same_object_ends_as_an_uninterrupted_run(
+        kind, ending, small_data, realistic_base, tokenizer_file):
+    """README's "an interrupted run, continued" on the object the interrupted run leaves (which holds the model
+    with the adapter merged in): the base is read back and checked, and the run ends bit-equal to one that was
+    never interrupted, for every kind of run and ending; a new object on the interrupted run's output_dir is
+    refused (its model has the adapter merged in), and the object keeps its model."""
+    from peft import IA3Config
+
+    kwargs = {"peft_config": IA3Config()} if kind == "ia3" else KINDS[kind]
+
+    def train(ai, output_dir, **more):  # the README's call: fewer steps, a seed, no samples, a rate that moves
+        ai.train(small_data, output_dir=output_dir, num_steps=6, batch_size=1, gradient_accumulation_steps=8,
+                 learning_rate=1e-2, max_memory="6GiB", val_data=0.1, save_every=0, generate_every=0, seed=1,
+                 **{**kwargs, **more})
+        return ai
+
+    uninterrupted = train(aitextgen(model_folder=realistic_base, tokenizer_file=tokenizer_file), "whole")
+    ai = aitextgen(model_folder=realistic_base, tokenizer_file=tokenizer_file)
+    if ending == "Ctrl-C":
+        train(ai, "out", callbacks=[CtrlC(at_step=2)])
+    else:
+        with pytest.raises(SystemExit):
+            train(ai, "out", callbacks=[SigTerm(at_step=2)])
+    stopped = {k: v.clone() for k, v in ai.model.state_dict().items()}
+    if kind != "full":
+        with pytest.raises(ValueError, match="other base weights"):
+            train(aitextgen(model_folder="out", tokenizer_file=tokenizer_file), "out", resume=True)
+    train(ai, "out", resume=True)
+    for key, value in uninterrupted.model.state_dict().items():
+        assert torch.equal(ai.model.state_dict()[key], value), key
+    assert any(not torch.equal(stopped[key], value) for key, value in ai.model.state_dict().items())
