@@ -64,6 +64,7 @@ def mean_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
         return causal_lm_loss(model.eval(), batch, None).item()
 
 
+@pytest.mark.edges
 def test_prefix_tuning_trains_saves_and_reloads_in_a_new_process(text, base64, tokenizer_file, tmp_path):
     ai = aitextgen(model_folder=base64, tokenizer_file=tokenizer_file)
     base = {k: v.clone() for k, v in ai.model.state_dict().items()}
@@ -144,6 +145,7 @@ def test_prefix_tuning_resumes_to_the_uninterrupted_weights(small_data, tokenize
         assert torch.equal(resumed[key], value), key
 
 
+@pytest.mark.edges
 def test_a_mergeable_peft_config_saves_the_merged_model_and_its_adapter(small_data, realistic_base64, tokenizer_file):
     ai = aitextgen(model_folder=realistic_base64, tokenizer_file=tokenizer_file)
     ai.train(small_data, peft_config=IA3Config(target_modules=["c_attn", "c_fc"], feedforward_modules=["c_fc"]),
@@ -354,6 +356,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.edges
 def test_every_kind_of_output_dir_loads_in_every_loader_in_a_new_process(text, realistic_base64, tokenizer_file):
     """For a full, sharded, LoRA, IA3, resumed LoRA and prefix-tuned run: AutoModelForCausalLM and pipeline
     read output_dir (the trained model; for prefix tuning, which changes no weight, the base: no
@@ -404,6 +407,7 @@ MERGEABLE = {
 }
 
 
+@pytest.mark.edges
 @pytest.mark.parametrize("base", ["fp32", "bf16", "4-bit"])
 @pytest.mark.parametrize("method", MERGEABLE)
 def test_the_merge_equals_the_adapter_model_on_a_realistic_base(method, base):

@@ -11,6 +11,10 @@ from transformers import GPT2Config
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 
+# tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
+NOT_AT_THE_EDGES = ("the subclass's own behaviour on models built from configs; what it calls of transformers is "
+                    "test_loading's and test_generation's, which run at the oldest versions")
+
 
 def test_signature_is_a_superset_of_aitextgen():
     for method in ("__init__", "train"):

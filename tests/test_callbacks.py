@@ -6,6 +6,8 @@ import torch
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 
+pytestmark = pytest.mark.edges  # Lightning's callback hooks
+
 
 def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, corpus_file, tmp_path):
     from lowmem_aitextgen.callbacks import TrainingDiverged

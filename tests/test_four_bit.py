@@ -53,6 +53,7 @@ def quantized_and_dense(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.M
     return model, dense
 
 
+@pytest.mark.edges
 @pytest.mark.parametrize("compute", ["fp32", "bf16 autocast", "fp16 autocast"])
 def test_a_4_bit_layer_computes_as_its_dequantized_weight_in_the_plans_dtype(compute):
     """fp32 math (a CPU without native bf16: the rest of the base in bf16, upcast), bf16 autocast (native bf16
@@ -187,6 +188,7 @@ def test_adapters_on_a_4_bit_base_train_save_reload_and_resume(tmp_path, corpus_
         assert (tmp_path / "resumed" / file).read_bytes() == (tmp_path / "lora" / file).read_bytes(), file
 
 
+@pytest.mark.edges
 def test_a_saved_base_read_straight_into_4_bits_is_the_base_read_then_quantized(tmp_path):
     """loading.DeferredModel.load_in_four_bits quantizes each matrix as it is read (the 16-bit base never whole
     in memory): the same 4-bit weights, the same rounding, and the fingerprint of the base as read in 16 bits,

@@ -5,6 +5,8 @@ import pytest
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 
+pytestmark = pytest.mark.edges  # transformers' generate under aitextgen's arguments
+
 
 @pytest.fixture
 def ai(tokenizer_file):

@@ -12,6 +12,9 @@ from lowmem_aitextgen import aitextgen, budget, hardware
 from lowmem_aitextgen.cards import planned
 from lowmem_aitextgen.report import RunRecorder
 
+# tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
+NOT_AT_THE_EDGES = ("devices presented as data")
+
 GIB = 2**30
 
 

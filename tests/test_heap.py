@@ -12,6 +12,9 @@ import pytest
 
 from lowmem_aitextgen import heap
 
+# tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
+NOT_AT_THE_EDGES = ("glibc's allocator")
+
 pytestmark = pytest.mark.skipif(not heap.glibc_heap_available() or not os.path.exists("/proc/self/statm"),
                                 reason="glibc's heap on Linux")
 

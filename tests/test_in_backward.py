@@ -176,6 +176,7 @@ def test_a_pinned_optimizer_or_accumulation_is_never_stepped_inside_backward_and
         fit_plan(CONFIG, plan, BLOCK, inside, asked)
 
 
+@pytest.mark.edges
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "adafactor"])
 def test_a_run_inside_backward_trains_records_it_and_resumes_bit_equal(optimizer, small_data, tokenizer_file,
                                                                         tmp_path):
@@ -231,6 +232,7 @@ def test_a_gradient_that_is_not_finite_skips_its_own_tensor_warns_once_and_is_co
     assert recorder.summary(module.model, str(tmp_path))["plan"]["skipped_tensor_updates"] == 2
 
 
+@pytest.mark.edges
 def test_adafactor_in_slices_of_rows_is_transformers_step():
     """A large matrix's Adafactor step, computed a slice of rows at a time (no whole fp32 copy): three steps
     equal transformers' Adafactor on the same fp32 weight within float rounding, clipping and weight decay

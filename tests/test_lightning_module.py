@@ -7,6 +7,8 @@ import torch
 from conftest import AtBatchStart, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 
+pytestmark = pytest.mark.edges  # Lightning's module hooks, checkpoint hooks and loop
+
 
 def test_nonfinite_gradients_are_dropped(tokenizer_file, corpus_file):
     """A step whose gradients are NaN leaves the weights untouched."""

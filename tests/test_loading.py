@@ -15,6 +15,8 @@ from conftest import CtrlC, corpus_text, fake_hub_cache, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen._compat import default_gpt2_vocab_files, gpt2_tokenizer_from_files
 
+pytestmark = pytest.mark.edges  # transformers' and peft's loaders and configs
+
 
 def test_hub_model_loads_offline_from_cache(tmp_path):
     model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257))

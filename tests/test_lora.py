@@ -2,12 +2,15 @@
 
 import os
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, memory
+
+pytestmark = pytest.mark.edges  # peft's LoRA, its merge and its loaders
 
 
 def test_lora_trains_only_adapters_and_saves_adapter_and_merged(tokenizer_file, corpus_file, tmp_path):

@@ -7,6 +7,8 @@ from transformers import GPT2LMHeadModel
 from conftest import AtBatchStart, saved_bytes, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, memory
 
+pytestmark = pytest.mark.edges  # checkpointing through transformers' GPT-2 blocks
+
 
 def saved_tensor_bytes(model, batch):
     return saved_bytes(lambda: model(input_ids=batch, labels=batch, use_cache=False).loss)

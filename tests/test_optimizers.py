@@ -7,6 +7,8 @@ import torch
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import TokenDataset, aitextgen
 
+pytestmark = pytest.mark.edges  # Lightning's optimizer hooks and transformers' Adafactor
+
 
 def test_adafactor_trains_with_little_optimizer_state(corpus_file, tokenizer_file):
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())

@@ -16,6 +16,8 @@ from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.report import PNG_DATA_KEY
 
+pytestmark = pytest.mark.edges  # Lightning's loggers and callbacks
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -17,6 +17,7 @@ from lowmem_aitextgen import aitextgen
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
+@pytest.mark.edges
 @pytest.mark.parametrize("lora, optimizer", [(False, "adamw"), (True, "adamw"), (False, "adamw8bit")])
 def test_ctrl_c_then_resume_ends_with_the_uninterrupted_weights(small_data, base_folder, tokenizer_file,
                                                                  lora, optimizer):
@@ -83,6 +84,7 @@ def test_sigkill_at_any_moment_leaves_a_loadable_model_and_checkpoint(small_data
     assert not [name for name in os.listdir(out) if name.startswith(".")]  # no half-written leftovers
 
 
+@pytest.mark.edges
 @pytest.mark.parametrize("lora", [False, True])
 def test_ddp_on_two_cpu_processes(corpus_file, base_folder, tokenizer_file, tmp_path, lora):
     """With checkpointing, accumulation, the default precision, and LoRA or a full fine-tune."""

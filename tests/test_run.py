@@ -1,11 +1,14 @@
 """run: a training run end to end: accumulation equals a larger batch, mixed precision learns and stays finite."""
 
+import pytest
 import pytorch_lightning as pl
 import torch
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.TokenDataset import TokenDataset
+
+pytestmark = pytest.mark.edges  # Lightning's Trainer, fit and strategies
 
 
 class GradientRecorder(pl.Callback):

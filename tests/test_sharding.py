@@ -68,6 +68,7 @@ def max_memory_for(base_folder: str, gathered_for: str, precision: str) -> int:
     return budgeted_bytes(plan, estimate_plan(model.config, plan, model.config.n_positions))
 
 
+@pytest.mark.edges
 @pytest.mark.parametrize("lora, gathered_for", [(False, "step"), (False, "block"), (True, "step")])
 def test_fsdp_trains_as_ddp_does_and_saves_a_folder_one_process_loads(corpus_file, tokenizer_file, base_folder,
                                                                        lora, gathered_for):
@@ -103,6 +104,7 @@ def test_fsdp_trains_as_ddp_does_and_saves_a_folder_one_process_loads(corpus_fil
     assert ai.generate_one(prompt="The", max_length=16, seed=1)
 
 
+@pytest.mark.edges
 def test_fsdp_resumes_to_the_uninterrupted_weights(corpus_file, tokenizer_file, base_folder):
     uninterrupted = train(corpus_file, tokenizer_file, base_folder, "whole", "r1", "fsdp", num_steps=6)
     first = train(corpus_file, tokenizer_file, base_folder, "parts", "r2", "fsdp", num_steps=6, stop_at=3)

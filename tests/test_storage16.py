@@ -20,6 +20,8 @@ from lowmem_aitextgen.estimate import estimate_plan, memory_plan, storage16_supp
 from lowmem_aitextgen.memory import apply_memory_plan
 from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
 
+pytestmark = pytest.mark.edges  # forwards of transformers' Conv1D, Linear, LayerNorm and Embedding
+
 CONFIG = tiny_gpt2_config(vocab_size=300, n_positions=64)
 
 

@@ -259,6 +259,7 @@ def test_ddp_validation_loss_counts_every_block_once(tokenizer_file, tmp_path):
     assert summary("ddp_out")["best_val_loss"] == pytest.approx(mean_token_cross_entropy(saved, blocks), abs=2e-4)
 
 
+@pytest.mark.edges
 def test_ddp_spawn_brings_the_run_back_to_the_process_that_waited(corpus_file, tokenizer_file, tmp_path):
     """strategy="ddp_spawn" trains in two new processes; the summary this process writes is the run's."""
     result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "ddp_spawn_train.py"), corpus_file,
@@ -274,6 +275,7 @@ def test_ddp_spawn_brings_the_run_back_to_the_process_that_waited(corpus_file, t
     assert saved.config.n_layer == 2
 
 
+@pytest.mark.edges
 def test_val_loss_reaches_the_loggers_and_lightnings_own_callbacks(tokenizer_file):
     import csv
 
