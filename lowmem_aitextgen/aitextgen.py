@@ -354,8 +354,8 @@ class aitextgen(_aitextgen):
             progress_bar_refresh_rate: steps between progress bar updates (default 20).
             freeze_layers, num_layers_freeze: freeze the first blocks (aitextgen's; 1558M freezes by default).
             precision: a Lightning precision string ("32-true", "bf16-mixed", "16-mixed", ...); wins over fp16.
-            gradient_checkpointing: True or False forces it for every block; None (default): the blocks memory
-                needs, every block from 300M parameters without a budget.
+            gradient_checkpointing: True or False forces it for every block; None (default): the blocks the
+                memory budget needs (the planner decides).
             lora: True trains LoRA adapters (merged into the saved model; the adapter in lora_adapter/); "auto":
                 only where the memory budget needs it; False (default): every weight.
             lora_r, lora_alpha, lora_dropout, lora_target_modules: LoRA's settings (defaults 8, 16, 0.05, every
