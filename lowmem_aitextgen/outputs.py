@@ -8,8 +8,8 @@ to, and RunFiles, through which a training run writes every file it writes there
 | model.safetensors, tokenizer files     | val_data, the end of training), and by ai.save()      |
 | lora_adapter/ (+ base_weights.json)    | at a LoRA run's model saves (adapter/: another        |
 |                                        | mergeable peft method's)                              |
-| adapter_config.json,                   | at a prefix or prompt tuning run's model saves, beside|
-| adapter_model.safetensors              | the base model they need (adapters.py)                |
+| adapter/ (adapter_config.json,         | at a prefix or prompt tuning run's model saves, beside|
+| adapter_model.safetensors, base record)| the base model they need (adapters.py)                |
 | training_summary.json, loss.png,       | with each model save, and after each evaluation       |
 | memory.png                             |                                                       |
 | last.ckpt                              | every save_every steps and at a stop; removed once    |
