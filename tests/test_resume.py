@@ -153,3 +153,46 @@ def test_the_readme_resume_line_on_the_same_object_ends_as_an_uninterrupted_run(
     for key, value in uninterrupted.model.state_dict().items():
         assert torch.equal(ai.model.state_dict()[key], value), key
     assert any(not torch.equal(stopped[key], value) for key, value in ai.model.state_dict().items())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.edges
+def test_two_nodes_started_by_torchrun_train_one_model(corpus_file, base_folder, tokenizer_file, tmp_path):
+    """Several machines, as docs/scaling.md describes them, on this one: two "nodes" started by torchrun
+    (--nnodes=2 --nproc_per_node=1, a rendezvous on localhost) train with num_nodes=2 on CPU over gloo; the
+    ranks see different data, their losses are averaged and their weights end equal, only rank 0 writes
+    output_dir, and the folder loads in one process."""
+    record = tmp_path / "record"
+    record.mkdir()
+    port = str(free_port())
+    script = os.path.join(SCRIPTS, "two_nodes_train.py")
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", script,
+                               corpus_file, tokenizer_file, base_folder, str(tmp_path / f"out{node}"), str(record)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        results = [node.communicate(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (out, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+
+    ranks = [json.loads((record / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["node_rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
+    seen = [{tuple(block) for block in r["seen"]} for r in ranks]
+    assert len(seen[0]) == len(seen[1]) == 4 * 2 and not seen[0] & seen[1]  # each rank its own share
+    for (mine0, mean0), (mine1, mean1) in zip(ranks[0]["losses"], ranks[1]["losses"]):
+        assert mean0 == mean1 == pytest.approx((mine0 + mine1) / 2)  # one loss: the two ranks' averaged
+    final = [torch.load(record / f"final{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert all(torch.equal(final[1][key], value) for key, value in final[0].items())  # gradients averaged
+    assert os.path.isfile(tmp_path / "out0" / "model.safetensors") and not os.path.exists(tmp_path / "out1")
+    saved = aitextgen(model_folder=str(tmp_path / "out0"), tokenizer_file=tokenizer_file).model.state_dict()
+    assert all(torch.equal(saved[key].to(value.dtype), value) for key, value in final[0].items())
