@@ -20,7 +20,7 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
-from . import arguments, generation, loading, outputs, saving, validation
+from . import arguments, four_bit, generation, loading, outputs, saving, validation
 from .adapters import base_matches, check_adapter_fits, is_adapter_model, loaded_adapter
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
@@ -456,6 +456,8 @@ class aitextgen(_aitextgen):
         if any(isinstance(args.get(name), (str, os.PathLike)) for name in ("train_data", "val_data")):
             self._check_tokenizer("train()")  # the text would be encoded past the model's embeddings
         check_optimizer(args.optimizer or "adamw")
+        if args.get("base_bits") == 4:
+            four_bit.check_available()
         return args
 
     def _training_plan(self, args: arguments.Arguments

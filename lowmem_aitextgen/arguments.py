@@ -388,6 +388,12 @@ def token_dataset_names() -> set[str]:
     return parameter_names(AitextgenTokenDataset.__init__) - set(TRAIN_SETS_FOR_TOKEN_DATASET) | {"block_size"}
 
 
+def check_estimate(block_size: Any, batch_size: Any, chunked_loss: Any) -> None:
+    """estimate_memory()'s arguments that train() takes too, by train()'s own rules."""
+    check({"block_size": block_size, "batch_size": batch_size, "chunked_loss": chunked_loss},
+          {name: TRAIN_RULES[name] for name in ("block_size", "batch_size", "chunked_loss")})
+
+
 def check_train(train: Callable, args: Arguments) -> None:
     """Every train() argument, before any work: unknown names, then each value."""
     extra = args.extra
@@ -428,8 +434,12 @@ def check_model_fits(args: Arguments, config: Any) -> None:
     if args.freeze_layers and args.num_layers_freeze and n_layer and args.num_layers_freeze >= n_layer:
         raise ValueError(f"num_layers_freeze={args.num_layers_freeze} freezes every layer of this {n_layer}-layer "
                          f"model; use a number below {n_layer}.")
+    check_block_size(args.get("block_size"), config)
+
+
+def check_block_size(block_size: int | None, config: Any) -> None:
+    """A block the model's positions can hold (train() and estimate_memory())."""
     context = context_length(config)
-    block_size = args.get("block_size")
     if block_size is not None and context is not None and block_size > context:
         raise ValueError(f"block_size={block_size} is above the model's context of {context} tokens; "
                          f"use block_size<={context}.")

@@ -81,7 +81,12 @@ def estimate_cli(model: str = "355M", table: bool = False, **kwargs: Any) -> Non
     if os.path.isfile(model):
         from transformers import AutoConfig
 
-        model = AutoConfig.from_pretrained(model)
+        try:
+            model = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError) as error:  # transformers' own errors, a JSON decoding one among them
+            raise ValueError(f"{model} cannot be read as a model config ({' '.join(str(error).split())[:200]}); "
+                             "name a GPT-2 size (124M, 355M, 774M, 1558M), a model folder or its config.json.") \
+                from error
     print(estimate_memory(model, **kwargs))
 
 
@@ -180,7 +185,7 @@ def verb_help(verb: str) -> str:
 
 # What a user's mistake raises from our own checks (each message names the argument, its value and the fix);
 # anything else, or any of these raised inside another library, is a crash that keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, MemoryError)
+USER_ERRORS = (ValueError, TypeError, OSError, MemoryError, ImportError)  # ImportError: an extra not installed
 DEBUG_VARIABLE = "LOWMEM_AITEXTGEN_DEBUG"  # set (to anything but "" or "0"): tracebacks, as --debug
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 

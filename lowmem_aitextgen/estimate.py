@@ -37,6 +37,7 @@ from transformers import AutoConfig
 
 from . import four_bit, in_backward
 from .adapter_settings import SHORT_FORMS, AdapterSettings
+from .arguments import check_block_size, check_estimate
 from .chunked_loss import body_and_head, chunked_lm_loss, final_hidden
 from .hardware import format_bytes
 from .memory import apply_memory_plan, transformer_blocks, unique_tensor_bytes
@@ -331,6 +332,7 @@ def estimate_memory(
         offload: the weights, gradients and AdamW states in host memory while a GPU computes (the planner's
             offload tier, strategy="fsdp_cpu_offload"), counted in `host`.
     """
+    check_estimate(block_size, batch_size, chunked_loss)
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
     check_optimizer_name(optimizer)  # an estimate needs no torchao installed
@@ -350,6 +352,7 @@ def estimate_memory(
     if lora is not False and adapter is not None:
         raise ValueError(f"lora={lora!r} and adapter={adapter!r} each choose the adapter; pass only one of them.")
     config = model_config(model)
+    check_block_size(block_size, config)
     blocks = _n_layer(config)
     if not (gradient_checkpointing in (True, False) or (isinstance(gradient_checkpointing, int)
                                                           and 0 <= gradient_checkpointing <= blocks)):

@@ -113,12 +113,17 @@ def hold_in_four_bits(module: nn.Module, rounding: Rounding) -> None:
     release_freed_heap()
 
 
+def check_available(argument: str = "base_bits=4") -> None:
+    """torchao is installed, or an ImportError naming `argument` and the install line (before any work)."""
+    if not eight_bit_available():
+        raise ImportError(f"{argument}: a 4-bit base needs torchao: {INSTALL_4BIT}.")
+
+
 def hold_base_in_four_bits(model: nn.Module, rounding: Rounding | None = None) -> Rounding:
     """Every quantizable block matrix of `model`'s frozen base in NF4, one at a time (each 16-bit copy freed
     as its 4-bit one is made), computed by storage16's forwards, what it rounded added to `rounding`;
     undo: dequantize."""
-    if not eight_bit_available():
-        raise ImportError(f"A 4-bit base needs torchao: {INSTALL_4BIT}.")
+    check_available()
     rounding = rounding if rounding is not None else Rounding()
     with torch.no_grad():
         for module in quantizable_layers(model):

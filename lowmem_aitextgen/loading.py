@@ -197,6 +197,8 @@ class DeferredModel:
 
         try:
             read_safetensors_into(model, os.path.join(self.folder, "model.safetensors"), each)
+        except ImportError:  # a missing package (torchao, for a 4-bit base) says so itself: the file is fine
+            raise
         except Exception as error:  # a file changed since the constructor checked it
             raise _damaged(self.folder, self.what, error) from error
         if os.path.isfile(os.path.join(self.folder, "generation_config.json")):

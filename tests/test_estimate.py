@@ -3,6 +3,7 @@ training forward; weights, gradients and optimizer states exact."""
 
 import dataclasses
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -164,3 +165,31 @@ def test_a_gpu_plan_for_774m_within_6gib_holds_weights_in_16_bits():
     eight_bit = estimate_memory("774M", block_size=1024, precision="bf16-mixed", gradient_checkpointing=True,
                                 optimizer="adamw8bit", device="cuda")
     assert eight_bit.total > 6 * 2**30  # why the 16-bit tier was needed
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": -5}, r"^block_size=-5 must be a positive integer"),
+    ({"block_size": 0}, r"^block_size=0 must be a positive integer"),
+    ({"batch_size": 0}, r"^batch_size=0 must be a positive integer"),
+    ({"block_size": "abc"}, r"^block_size='abc' must be a positive integer"),
+    ({"block_size": 2048}, r"^block_size=2048 is above the model's context of 1024 tokens"),
+])
+def test_the_estimate_checks_its_arguments_by_trains_rules(kwargs, message):
+    """estimate_memory() took block_size=-5 and printed a negative overhead: it now refuses what train() refuses,
+    with train()'s message."""
+    with pytest.raises(ValueError, match=message):
+        estimate_memory("124M", **kwargs)
+
+
+def test_the_estimate_command_refuses_in_one_line(tmp_path):
+    """Each refusal of `lowmem_aitextgen estimate` is one line and exit status 2, a config.json that does not
+    parse included (it ended in transformers' traceback)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "lowmem_aitextgen")
+    truncated = tmp_path / "config.json"
+    truncated.write_text('{"model_type": "gpt2", "n_layer": ', encoding="utf-8")
+    for args, says in ((["355M", "--block_size=-5"], "--block_size=-5 must be a positive integer"),
+                       (["355M", "--batch_size=0"], "--batch_size=0 must be a positive integer"),
+                       ([str(tmp_path)], "cannot be read as a model config")):
+        result = subprocess.run([exe, "estimate", *args], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+        assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

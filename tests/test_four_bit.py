@@ -137,6 +137,39 @@ def test_base_bits_is_refused_before_any_work_where_nothing_would_hold_it(tmp_pa
     assert not out.exists()
 
 
+def test_a_4_bit_base_with_sharding_is_refused_at_the_argument(tmp_path, small_data, tokenizer_file):
+    """A 4-bit base is held whole in one process: with strategy="fsdp" over two processes the call is refused
+    before any work, naming base_bits, the strategy and the fix (it was TrainPlan's internal invariant)."""
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"^base_bits=4 cannot be used with strategy='fsdp'.*strategy='ddp'") as error:
+        ai.train(small_data, output_dir=str(out), num_steps=1, lora=True, base_bits=4, strategy="fsdp", n_gpu=0,
+                 devices=2)
+    assert len(str(error.value)) < 300 and not out.exists()
+
+
+WITHOUT_TORCHAO = """
+import sys
+sys.modules["torchao"] = None  # as if it were not installed: every import of it fails
+from lowmem_aitextgen import cli
+cli.main(sys.argv[1:])
+"""
+
+
+def test_without_torchao_a_4_bit_run_names_the_install_line_before_any_work(tmp_path, small_data, tokenizer_file):
+    """base_bits=4 without torchao: one line naming base_bits and the install line, exit status 2, nothing written
+    (it was reworded as a damaged model, after a traceback)."""
+    base = str(tmp_path / "base")
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(base)
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TORCHAO, "train", small_data, f"--model_folder={base}",
+                             f"--tokenizer_file={tokenizer_file}", "--lora", "--base_bits=4", "--num_steps=1",
+                             f"--output_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "base_bits=4" in last and "pip install" in last and "damaged" not in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
 RELOADED = """
 import json, sys, torch
 from peft import PeftModel
