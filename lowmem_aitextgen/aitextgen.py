@@ -481,9 +481,11 @@ class aitextgen(_aitextgen):
                                                        unk_token=self.unk_token),
                                    reserved=plan.adapter.positions_taken if plan.adapter is not None else 0)
         dataset, val_dataset = validation.validation_datasets(encode(args.train_data), args, encode)
-        plan = fit_to_budget(plan, asked, model.config, dataset.block_size, weights_on_gpu(model))
         settings = run_settings(args)
-        if resumed is not None:
+        if resumed is not None:  # what the checkpoint holds the run to is said before any planner's refusal
+            check_resumable(resume_from, resumed, plan, settings, model)
+        plan = fit_to_budget(plan, asked, model.config, dataset.block_size, weights_on_gpu(model))
+        if resumed is not None:  # and the plan fitted to the budget is one the checkpoint can continue in
             check_resumable(resume_from, resumed, plan, settings, model)
         return plan, settings, dataset, val_dataset, resumed
 

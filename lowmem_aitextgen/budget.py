@@ -343,7 +343,7 @@ def in_backward_if_unpinned(plan: TrainPlan, config: object, block_size: int, bu
                             asked: PlannerInputs) -> str | None:
     """Where nothing fits because the user pinned what updates inside backward change (the optimizer, an
     accumulation), and that tier would fit without the pins: what to leave out.  Never chosen silently."""
-    pinned = [name for name, given in (("optimizer=", "optimizer" in plan.fixed),
+    pinned = [name for name, given in (("optimizer=", "optimizer" in plan.fixed - plan.checkpoint_fixes),
                                        ("gradient_accumulation_steps=", asked.accumulation_pinned)) if given]
     if not pinned or plan.trains_adapter or plan.sharded or plan.step_in_backward or not eight_bit_available():
         return None
@@ -366,11 +366,13 @@ def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEs
                  host_short: int | None = None, lora_offered: bool = False) -> str:
     """Why no plan fits: the budget and what made it, the smallest plan's needs, what else holds the
     card where that is known, and the fixes."""
-    fixed = ", ".join(sorted(plan.fixed)) or "none"
+    fixed = ", ".join(sorted(plan.fixed - plan.checkpoint_fixes)) or "none"
     lora = "" if lora_offered or plan.trains_adapter else "lora=True (or lora='auto'), "
     where = budget if budget.source == "max_memory" else f"the memory budget of {budget}"
+    held = checkpoint_holds(plan)
     lines = [f"No plan fits {where}: the smallest one needs {format_bytes(needs)} "
-             f"(arguments you fixed: {fixed}).", str(estimate)]
+             f"(arguments you fixed: {fixed}{'; the checkpoint to resume fixes ' + held if held else ''}).",
+             str(estimate)]
     if budget.this_process_elsewhere >= NAMED_HOLDINGS:
         lines.append(f"This process already holds {format_bytes(budget.this_process_elsewhere)} of GPU tensors "
                      "besides this model (an earlier model or run in this notebook?): delete them (del old_ai), "
@@ -385,8 +387,17 @@ def nothing_fits(plan: TrainPlan, budget: Budget, needs: int, estimate: MemoryEs
                      "them).")
     raise_it = "raise max_memory, " if budget.source == "max_memory" else \
         "free memory on the device, give max_memory= to plan for another budget, "
-    lines.append(f"To train: {raise_it}use {lora}a smaller block_size or a smaller model.")
+    lines.append(f"To train: {raise_it}use {lora}a smaller block_size or a smaller model"
+                 + (", or pass resume=False to start over without the checkpoint." if held else "."))
     return "\n".join(lines)
+
+
+def checkpoint_holds(plan: TrainPlan) -> str:
+    """What the checkpoint being resumed holds the plan to, in words ("" where nothing)."""
+    said = {"optimizer": f"the optimizer ({OPTIMIZER_NAMES.get(plan.optimizer, plan.optimizer)}: its state is in it)",
+            "step_in_backward": "updates inside backward (one micro-batch a step)",
+            "four_bit_base": "a 4-bit base (its adapter trained on one)"}
+    return ", ".join(said[name] for name in sorted(plan.checkpoint_fixes) if name in said)
 
 
 def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: list, estimate_host: int = 0,

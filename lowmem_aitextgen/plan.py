@@ -197,7 +197,10 @@ class TrainPlan:
     resume_from: str | None = None  # a checkpoint written by an earlier run
     budget: Budget | None = None  # what the plan was fitted to (budget.py), None if nothing could be read
     chosen_because: str = ""  # what the planner weighed (budget.py), for the plan line and the summary
-    fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES)
+    fixed: frozenset[str] = frozenset()  # memory choices the user made (FITTED_CHOICES), and those below
+    # what a checkpoint being resumed fixes that the user did not (its optimizer's state, updates inside
+    # backward, a 4-bit base), said apart from the user's in a refusal (budget.nothing_fits)
+    checkpoint_fixes: frozenset[str] = frozenset()
     # names this run's files (outputs.py); a resumed run keeps the interrupted run's.  Not a decision: two
     # plans that decide alike are equal whatever their runs are called
     run_id: str = field(default="", compare=False)
@@ -538,6 +541,14 @@ def decide_optimizer(args: Arguments, resumed: dict | None) -> str:
     return args.optimizer or (resumed or {}).get("optimizer") or "adamw"
 
 
+def checkpoint_fixes(args: Arguments, resumed: dict | None) -> frozenset[str]:
+    """The memory choices a checkpoint being resumed holds the run to, where the call did not name them."""
+    if resumed is None:
+        return frozenset()
+    held = {"optimizer"} | {name for name in ("step_in_backward", "four_bit_base") if resumed.get(name)}
+    return frozenset(held - args.given())
+
+
 def fixed_choices(args: Arguments, constructor_checkpointing: bool | None, resumed: dict | None,
                   adapter: AdapterSettings | None = None) -> frozenset[str]:
     """The memory choices the user made, which max_memory and out-of-memory recovery keep (and a resumed
@@ -609,6 +620,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         data_seed=args.seed if args.seed is not None else int(torch.randint(2**31, ())),
         resume_from=resume_from,
         fixed=fixed_choices(args, constructor_checkpointing, resumed, adapter),
+        checkpoint_fixes=checkpoint_fixes(args, resumed),
         run_id=(resumed or {}).get("run_id") or new_run_id(),
     )
     return plan.on_four_bit_base() if four_bit_base else plan

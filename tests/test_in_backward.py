@@ -255,3 +255,25 @@ def test_adafactor_in_slices_of_rows_is_transformers_step():
     assert got.keys() == expected.keys() and got["step"] == expected["step"] == 3
     for key in ("exp_avg_sq_row", "exp_avg_sq_col", "RMS"):
         torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=0, msg=key)
+
+
+def test_a_resume_that_fits_nothing_says_what_the_checkpoint_fixes_apart_from_the_call(small_data, tokenizer_file,
+                                                                                        tmp_path):
+    """A run that stepped Adafactor inside backward, resumed within a budget nothing fits: the refusal names no
+    argument of the user's as fixed, says the checkpoint holds the optimizer and the updates inside backward, and
+    offers no other optimizer (the checkpoint holds Adafactor's state), only a start over without it."""
+    base_folder = str(tmp_path / "wide")
+    GPT2LMHeadModel(CONFIG).save_pretrained(base_folder)
+    args = dict(num_steps=6, batch_size=2, learning_rate=1e-3, save_every=0, generate_every=0, seed=1, block_size=32)
+    plan = stepping_in_backward(TrainPlan(n_layer=CONFIG.n_layer, micro_batch_size=2, loss_chunk_tokens=128,
+                                          optimizer="adamw8bit"), "adamw8bit")
+    above = fastest_needs(budget.sixteen_bit_weights(plan, CONFIG, PlannerInputs()), block=32)
+    aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file).train(
+        small_data, output_dir="out", max_memory=above - 1, callbacks=[CtrlC(at_step=2)], **args)
+    with pytest.raises(MemoryError) as refused:
+        aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file).train(
+            small_data, output_dir="out", max_memory="1MB", resume=True, **args)
+    first, *_, last = str(refused.value).splitlines()
+    assert "arguments you fixed: none; the checkpoint to resume fixes the optimizer (Adafactor" in first
+    assert "updates inside backward" in first and "8-bit" not in str(refused.value)
+    assert "resume=False" in last
