@@ -536,9 +536,11 @@ def _raise_for(outcome: Outcome) -> None:
             "lora=True, or optimizer='adamw8bit'."
         ) from outcome.out_of_memory
     if outcome.save_error is not None:
-        raise OSError(outcome.save_error.errno, f"{outcome.save_error.strerror} The trained model is still in this "
+        error = outcome.save_error
+        where = f"{error.filename}: " if error.filename else ""  # a plain write's (the summary's) path
+        raise OSError(error.errno, f"{where}{error.strerror} The trained model is still in this "
                       "aitextgen object: save it with ai.save_for_upload('another/folder'), or free some space and "
-                      f"call ai.save_for_upload({plan.output_dir!r}).") from outcome.save_error
+                      f"call ai.save_for_upload({plan.output_dir!r}).") from error
     if outcome.terminated:
         logger.warning(f"SIGTERM: training stopped at step {outcome.steps:,} with a checkpoint in {plan.output_dir}; "
                        f"exiting with status {SIGTERM_EXIT_STATUS} (train again with resume=True to continue).")

@@ -29,7 +29,7 @@ from .adapter_settings import AdapterSettings, from_description
 from .adapters import base_matches, base_weights
 from .callbacks import OptimizerStepCallback
 from .plan import CHECKPOINT_NAME, RunSettings, TrainPlan
-from .saving import STAGING_PREFIX, apply_umask
+from .saving import STAGING_PREFIX, apply_umask, write_error
 from .storage16 import is_quantized
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -77,10 +77,11 @@ def save_checkpoint(trainer: pl.Trainer, path: str) -> None:
     except BaseException as error:
         if trainer.is_global_zero:
             discard_checkpoint(staging)
-        if isinstance(error, OSError):
-            raise OSError(error.errno, f"The checkpoint {path} could not be written ({error.strerror or error}); "
-                                       "the files already in its folder are untouched. Free some disk space (or "
-                                       "choose an output_dir on another disk) and train again.") from error
+        failed = write_error(error) if isinstance(error, Exception) else None
+        if failed is not None:
+            raise OSError(failed.errno, f"The checkpoint {path} could not be written ({failed.strerror or failed}); "
+                                        "the files already in its folder are untouched. Free some disk space (or "
+                                        "choose an output_dir on another disk) and train again.") from error
         raise
     trainer.strategy.barrier("lowmem_aitextgen.save_checkpoint")
 

@@ -242,6 +242,29 @@ def write_model(folder: str, model: nn.Module, tokenizer: Any | None = None) -> 
         tokenizer.save_pretrained(folder)
 
 
+# How a full disk or a file-size limit reads in the errors of libraries that write files of their own and do not
+# raise OSError for it: safetensors' Rust writer ("No space left on device (os error 28)", "File too large (os
+# error 27)"), tokenizers', torch's zip writer ("unexpected pos").
+_DISK_FULL = ("no space left", "os error 28", "storagefull")
+_TOO_LARGE = ("file too large", "os error 27", "filetoolarge")
+_STOPPED_SHORT = ("unexpected pos",)  # torch's zip writer: it cannot tell which
+
+
+def write_error(error: BaseException) -> OSError | None:
+    """The OSError a failed write stands for (a full disk, a file-size limit), whichever library raised it, or
+    None where `error` is no write failure."""
+    for candidate in (error, error.__cause__, error.__context__):
+        if isinstance(candidate, OSError):
+            return candidate
+    said = str(error).lower()
+    for words, code in ((_DISK_FULL, errno.ENOSPC), (_TOO_LARGE, errno.EFBIG)):
+        if any(word in said for word in words):
+            return OSError(code, os.strerror(code))
+    if any(word in said for word in _STOPPED_SHORT):
+        return OSError(errno.EIO, "the write stopped short (a full disk or a file-size limit)")
+    return None
+
+
 def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
                 write: Callable[[str], None] | None = None) -> list[str]:
     """Save model (+ tokenizer) so a crash never corrupts output_dir: `write(folder)` (default write_model)
@@ -259,10 +282,13 @@ def atomic_save(output_dir: str, model: nn.Module, tokenizer: Any | None = None,
                 write(staging)
             apply_umask(staging)
             _fsync_tree(staging)
-        except OSError as error:  # before the first rename: nothing in output_dir has changed
-            raise OSError(error.errno, f"Saving the model to {output_dir} failed ({error.strerror or error}); the "
-                                       "files already there are untouched. Free some disk space or choose another "
-                                       "folder.") from error
+        except Exception as error:  # before the first rename: nothing in output_dir has changed
+            failed = write_error(error)
+            if failed is None:
+                raise
+            raise OSError(failed.errno, f"Saving the model to {output_dir} failed ({failed.strerror or failed}); the "
+                                        "files already there are untouched. Free some disk space or choose another "
+                                        "folder.") from error
         written = find_weights(staging)
         names = sorted(os.listdir(staging))
         _move_into(staging, output_dir)

@@ -332,6 +332,84 @@ def test_a_checkpoint_write_past_the_file_size_limit_fails_cleanly_and_the_retry
     assert hidden_leftovers(finished) == [] and not os.path.exists(os.path.join(finished, "last.ckpt"))
 
 
+WRITES_PAST_THE_LIMIT = textwrap.dedent("""
+    import json, resource, signal, sys
+    from lowmem_aitextgen import aitextgen
+    data, base, tokenizer, folder, limit = sys.argv[1:6]
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+    said = {}
+    for name, kwargs in (("full", {}), ("lora", {"lora": True}), ("lora on a 4-bit base", {"lora": True, "base_bits": 4})):
+        ai = aitextgen(model_folder=base, tokenizer_file=tokenizer)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
+        try:
+            ai.train(data, output_dir=f"{folder}/{name}", num_steps=2, save_every=0, generate_every=0, **kwargs)
+        except Exception as error:
+            said[name] = [type(error).__name__, str(error)]
+        try:
+            ai.save(f"{folder}/{name} saved")
+        except Exception as error:
+            said[name + ", ai.save()"] = [type(error).__name__, str(error)]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        said[name + ", generates"] = ai.generate_one(max_length=4, seed=1) is not None
+    print(json.dumps(said))
+""")
+
+
+def test_a_model_write_past_the_file_size_limit_names_the_folder_and_what_is_kept(finished, corpus_file,
+                                                                                  tokenizer_file, tmp_path):
+    """A limit on file size (or a full disk) hit by safetensors' own writer, for a full, a LoRA and a 4-bit LoRA
+    run's final save and for ai.save(): one OSError naming the folder, saying the files there are untouched and
+    the trained model is still in the object, which still generates (safetensors' error named no path)."""
+    result = subprocess.run([sys.executable, "-c", WRITES_PAST_THE_LIMIT, corpus_file, finished, tokenizer_file,
+                             str(tmp_path), str(300_000)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    for name in ("full", "lora", "lora on a 4-bit base"):
+        kind, message = said[name]
+        assert kind in ("OSError", "PermissionError") and str(tmp_path / name) in message, said
+        assert "untouched" in message and "still in this aitextgen object" in message, said
+        kind, message = said[name + ", ai.save()"]
+        assert kind == "OSError" and str(tmp_path / f"{name} saved") in message and "untouched" in message, said
+        assert said[name + ", generates"]
+
+
+LIBRARY_WRITES_PAST_THE_LIMIT = textwrap.dedent("""
+    import json, resource, signal, sys, torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from lowmem_aitextgen.saving import atomic_save
+    folder, tokenizer_file = sys.argv[1:3]
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+    tokenizer, model = Tokenizer.from_file(tokenizer_file), torch.nn.Linear(4, 4)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
+    writers = {  # each library's own writer, as a save calls it (peft's adapter, the tokenizer, a state dict)
+        "safetensors": lambda staging: save_file({"w": torch.zeros(10000)}, f"{staging}/adapter_model.safetensors"),
+        "tokenizers": lambda staging: tokenizer.save(f"{staging}/tokenizer.json"),
+        "torch": lambda staging: torch.save({"w": torch.zeros(10000)}, f"{staging}/training_args.bin")}
+    said = {}
+    for name, write in writers.items():
+        try:
+            atomic_save(f"{folder}/{name}", model, write=write)
+        except Exception as error:
+            said[name] = [type(error).__name__, str(error)]
+    print(json.dumps(said))
+""")
+
+
+def test_a_failed_write_in_any_library_names_the_folder(tmp_path, tokenizer_file):
+    """safetensors, tokenizers and torch report a full disk or a file-size limit with exceptions of their own
+    that name no path: a save turns each into one OSError naming the folder and saying its files are
+    untouched."""
+    result = subprocess.run([sys.executable, "-c", LIBRARY_WRITES_PAST_THE_LIMIT, str(tmp_path), tokenizer_file],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    assert said.keys() == {"safetensors", "tokenizers", "torch"}, said
+    for name, (kind, message) in said.items():
+        assert kind == "OSError" and f"Saving the model to {tmp_path / name} failed" in message, said
+        assert "untouched" in message and hidden_leftovers(str(tmp_path / name)) == [], said
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 3 MB tmpfs (needs the right to mount, which CI's root has; skipped otherwise)."""
