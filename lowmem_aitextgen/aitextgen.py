@@ -393,19 +393,36 @@ class aitextgen(_aitextgen):
         try:
             outcome = run.run()
         finally:  # however it ended, the object holds the trained model (LoRA merged), ready to generate
-            if run.read_back_from is not None:  # read from output_dir on first use
-                self._model, self._deferred = None, loading.DeferredModel(os.path.abspath(run.read_back_from),
-                                                                          "train()")
-                self._read_back_run = plan.run_id
-            elif run.trained_model is None and quantized is not None:  # stopped before training: the base as read
-                self._model, self._deferred = None, deferred
-            else:
-                self.model = run.trained_model or model
-            saved = run.files.saved_at is not None
-            self._folder = os.path.abspath(plan.output_dir) if saved else None  # it holds the object's model
-            if saved:
-                self._origin = (os.path.abspath(plan.output_dir), plan.run_id)
+            self._hold_after(run, model, deferred if quantized is not None else None)
         _raise_for(outcome)
+
+    def _hold_after(self, run: TrainingRun, model: torch.nn.Module, unread: loading.DeferredModel | None) -> None:
+        """After a run however it ended, the model a new object would load from the folder holding it: the run's
+        save read back where the run leaves no model in memory (a 4-bit base's, weights that went bad after a
+        save), the model the run started from where nothing good was saved, else the trained model (an adapter
+        that merges, merged).  `unread`: the base as it was before a 4-bit run read it."""
+        plan, self._folder = run.plan, None  # until known: the folder holding exactly the object's model
+        if run.read_back_from is not None:
+            self._read_from(run.read_back_from, plan.run_id)
+        elif run.trained_model is None and unread is not None:  # stopped before training: the base as read
+            self._model, self._deferred, self._folder = None, unread, unread.folder
+        elif run.weights_went_bad and self._run_base is not None:  # nothing good saved: where the run started
+            self._read_from(self._run_base, None)
+        else:
+            self.model = run.trained_model or model
+        if run.files.saved_at is not None:
+            self._folder = os.path.abspath(plan.output_dir)
+            self._origin = (self._folder, plan.run_id)
+
+    def _read_from(self, folder: str, run_id: str | None) -> None:
+        """The object's model: what aitextgen(model_folder=folder) loads (a plain model read on first use,
+        checked then to be still run `run_id`'s; a base with its prompt-learning adapter at once)."""
+        loaded, _ = loading.load_model(None, os.path.abspath(folder), None, None, None)
+        if isinstance(loaded, loading.DeferredModel):
+            self._model, self._deferred, self._read_back_run = None, loaded, run_id
+        else:
+            self.model = loaded
+        self._folder = os.path.abspath(folder)
 
     def _base_to_train(self, plan: TrainPlan, resumed: dict[str, Any] | None
                        ) -> tuple[torch.nn.Module, QuantizedBase | None, dict[str, str] | None]:

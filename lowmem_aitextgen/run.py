@@ -108,6 +108,7 @@ class TrainingRun:
         self.module: CausalLMModule | None = None
         self.trained_model: nn.Module | None = None  # set however the run ends, for the caller to keep
         self.read_back_from: str | None = None  # or: the caller reads the trained model from there on first use
+        self.weights_went_bad = False  # the weights stopped being finite: the model in memory is not kept
 
     def run(self) -> Outcome:
         """Lock output_dir (rank 0, which alone writes there), train, save."""
@@ -142,6 +143,8 @@ class TrainingRun:
             memory.set_requires_grad(frozen, True)
             if plan.four_bit_base and is_mergeable(model) and self._output_dir_holds_the_result(outcome):
                 # merged in memory it would be the 16-bit model the budget needed a 4-bit base to avoid
+                self.read_back_from, outcome.model = plan.output_dir, None
+            elif self.weights_went_bad and self.files.saved_at is not None:  # the last good weights: its save
                 self.read_back_from, outcome.model = plan.output_dir, None
             else:
                 outcome.model = self.trained_model = model if is_sharded(model) else finished_model(model, self.dtype)
@@ -184,6 +187,7 @@ class TrainingRun:
                 outcome.terminated = True
                 return model
             except NonFiniteWeights as error:
+                self.weights_went_bad = True
                 outcome.diverged = f"{error} Training stopped and they were not saved; {self.files.kept()}."
                 return model
             except Exception as error:
@@ -248,6 +252,7 @@ class TrainingRun:
                 save = self.files.write_summary if keeps_best else self.files.save_model
                 summary = save(trained, module.skipped_steps, stopped_because=outcome.stopped_because)
             except NonFiniteWeights as error:
+                self.weights_went_bad = True
                 outcome.diverged = f"{error} They were not saved; {self.files.kept()}."
             except OSError as error:
                 outcome.save_error = error

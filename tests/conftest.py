@@ -29,6 +29,15 @@ class CtrlC(pl.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+class SigTerm(CtrlC):
+    """Sends SIGTERM (docker stop, a scheduler's pre-emption) once, after the given optimizer step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            self.at_step = -1
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class AtBatchStart(pl.Callback):
     """Records read(model) at the start of every micro-batch."""
 

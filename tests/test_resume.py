@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import CtrlC
+from conftest import CtrlC, SigTerm
 from lowmem_aitextgen import aitextgen
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -105,15 +105,6 @@ def test_ddp_on_two_cpu_processes(corpus_file, base_folder, tokenizer_file, tmp_
         assert torch.equal(rank1[key], value), key  # gradients were averaged across ranks
         assert torch.equal(saved[key].to(value.dtype), value), key  # LoRA: the object holds the bf16 merge
     assert result.stdout.count("steps reached: generating sample texts") == 1  # rank 0 only, at step 2
-
-
-class SigTerm(CtrlC):
-    """Sends SIGTERM (docker stop, a scheduler's pre-emption) once, after the given optimizer step."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.at_step:
-            self.at_step = -1
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 KINDS = {"lora": {"lora": True}, "ia3": {"peft_config": "ia3"}, "lora on a 4-bit base": {"lora": True, "base_bits": 4},
