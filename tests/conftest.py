@@ -38,6 +38,18 @@ class SigTerm(CtrlC):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class BadWeightsAt(pl.Callback):
+    """Makes a weight NaN after the given optimizer step, as an overflowing update would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(p for p in pl_module.model.parameters() if p.is_floating_point()).view(-1)[0] = float("nan")
+
+
 class AtBatchStart(pl.Callback):
     """Records read(model) at the start of every micro-batch."""
 

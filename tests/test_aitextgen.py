@@ -6,12 +6,11 @@ import inspect
 import logging
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from aitextgen import aitextgen as Original
 from transformers import GPT2Config
 
-from conftest import CtrlC, SigTerm, tiny_gpt2_config
+from conftest import BadWeightsAt, CtrlC, SigTerm, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.callbacks import TrainingDiverged
 
@@ -76,18 +75,6 @@ def test_one_step_of_the_real_355m_architecture(tmp_path):
     assert torch.isfinite(ai.model.transformer.h[23].mlp.c_proj.weight).all()
 
 
-
-
-class BadWeightsAt(pl.Callback):
-    """Makes a weight NaN after the given optimizer step, as an overflowing update would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            with torch.no_grad():
-                next(p for p in pl_module.model.parameters() if p.is_floating_point()).view(-1)[0] = float("nan")
 
 
 KINDS = {"full": {}, "lora": {"lora": True}, "ia3": {"peft_config": "ia3"}, "prefix": {"adapter": "prefix"},

@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import corpus_text, snapshot, tiny_gpt2_config
+from conftest import BadWeightsAt, corpus_text, snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.TokenDataset import TokenDataset
 
@@ -65,25 +65,13 @@ def test_saving_nan_weights_over_a_model_is_refused(finished, method):
     assert snapshot(finished) == before
 
 
-class PoisonAt(pl.Callback):
-    """Makes a weight NaN after the given optimizer step, as an overflowing update would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            with torch.no_grad():
-                next(pl_module.model.parameters()).view(-1)[0] = float("nan")
-
-
 def test_weights_that_go_nan_in_training_are_not_saved_and_the_message_says_what_was_kept(finished, corpus_file):
     from lowmem_aitextgen.callbacks import TrainingDiverged
 
     before = snapshot(finished)
     with pytest.raises(TrainingDiverged, match="not finite.*not saved; this run saved no model"):
         aitextgen(model_folder=finished).train(corpus_file, output_dir=finished, num_steps=4, save_every=3,
-                                               generate_every=0, callbacks=[PoisonAt(step=1)])
+                                               generate_every=0, callbacks=[BadWeightsAt(step=1)])
     assert snapshot(finished) == before  # neither the model nor a checkpoint of NaN weights
 
 
@@ -92,7 +80,7 @@ def test_weights_that_go_nan_after_a_save_keep_that_save(finished, corpus_file):
 
     with pytest.raises(TrainingDiverged, match="keeps the model saved at step 2"):
         aitextgen(model_folder=finished).train(corpus_file, output_dir=finished, num_steps=4, save_every=2,
-                                               generate_every=0, callbacks=[PoisonAt(step=3)])
+                                               generate_every=0, callbacks=[BadWeightsAt(step=3)])
     ai = aitextgen(model_folder=finished)
     assert all(torch.isfinite(p).all() for p in ai.model.parameters())
     assert json.loads(open(os.path.join(finished, "training_summary.json")).read())["steps"] == 2
