@@ -585,7 +585,8 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     # run's adapter goes on training on the base it was trained on
     four_bit_base = adapter is not None and (args.get("base_bits") == 4 or bool((resumed or {}).get("four_bit_base")))
     if four_bit_base and (shards > 1 or offload):  # TrainPlan's invariant, said at the argument that breaks it
-        asked = "base_bits=4" if args.get("base_bits") == 4 else "the checkpoint to resume (its adapter trained on a 4-bit base)"
+        asked = ("base_bits=4" if args.get("base_bits") == 4
+                 else "the checkpoint to resume (its adapter trained on a 4-bit base)")
         raise ValueError(f"{asked} cannot be used with strategy={args.strategy!r}, which "
                          f"{'offloads' if offload else f'shards across {shards} processes'} the model: a 4-bit base "
                          "is held whole in one process. Use strategy='ddp' (each process holds the 4-bit base), or "

@@ -378,8 +378,8 @@ def test_every_kind_of_output_dir_loads_in_every_loader_in_a_new_process(text, r
             aitextgen(model_folder=realistic_base64, tokenizer_file=tokenizer_file).train(
                 text, output_dir="resumed lora", num_steps=3, save_every=0, generate_every=0, learning_rate=1e-2,
                 seed=1, lora=True, callbacks=callbacks, resume=resume)
-    result = subprocess.run([sys.executable, "-c", LOADERS, tokenizer_file, realistic_base64, *EXPECTED], capture_output=True,
-                            text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-c", LOADERS, tokenizer_file, realistic_base64, *EXPECTED],
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == {
         name: {**expected, "trained": True, "pipeline": True, "cli": 2} for name, expected in EXPECTED.items()}

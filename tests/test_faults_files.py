@@ -326,7 +326,8 @@ WRITES_PAST_THE_LIMIT = textwrap.dedent("""
     data, base, tokenizer, folder, limit = sys.argv[1:6]
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
     said = {}
-    for name, kwargs in (("full", {}), ("lora", {"lora": True}), ("lora on a 4-bit base", {"lora": True, "base_bits": 4})):
+    kinds = {"full": {}, "lora": {"lora": True}, "lora on a 4-bit base": {"lora": True, "base_bits": 4}}
+    for name, kwargs in kinds.items():
         ai = aitextgen(model_folder=base, tokenizer_file=tokenizer)
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
         try:
