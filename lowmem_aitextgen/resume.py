@@ -57,9 +57,9 @@ class DiskCheckpointIO(TorchCheckpointIO):
         except BaseException as error:
             if os.path.exists(path):
                 os.remove(path)  # a full disk leaves no partial file behind
-            write_error = error.__context__ if not isinstance(error, OSError) else error
-            if isinstance(write_error, OSError):
-                raise OSError(write_error.errno, write_error.strerror) from error
+            failed = write_error(error)  # torch's own writer reports the file's OSError as "unexpected pos"
+            if failed is not None:
+                raise OSError(failed.errno, failed.strerror) from error
             raise
 
 
