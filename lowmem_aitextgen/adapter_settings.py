@@ -72,6 +72,16 @@ class AdapterSettings:
         return cls.of(LoraConfig(r=int(r), lora_alpha=float(alpha), lora_dropout=float(dropout),
                                  target_modules=targets, task_type="CAUSAL_LM"))
 
+    def same_as(self, other: AdapterSettings) -> bool:
+        """Whether `other` is this adapter: the same method and settings, peft's defaults filled in, but for the
+        fields one leaves to peft (None) that peft fills in from the model (a loaded adapter's config has them;
+        the call that made it, repeated, has not)."""
+        if other.peft_type != self.peft_type:
+            return False
+        mine, theirs = (json.loads(AdapterSettings.of(a.peft_config()).settings_json) for a in (self, other))
+        return all(mine.get(key) == theirs.get(key) or None in (mine.get(key), theirs.get(key))
+                   for key in mine.keys() | theirs.keys())
+
     def peft_config(self) -> Any:
         """A new peft config of these settings (get_peft_model fills in the model's fields)."""
         from peft import PeftConfig

@@ -436,8 +436,8 @@ class aitextgen(_aitextgen):
         object keeps the model it had."""
         held = (self._model, self._deferred, self._run_base)
         record, folder = (resumed or {}).get("base_fingerprint"), self._run_base
-        if record is not None and self._deferred is None and folder is not None \
-                and loading.DeferredModel.possible(folder) and not base_matches(record, self.model):
+        if record is not None and folder is not None and loading.DeferredModel.possible(folder) \
+                and not self._holds_base(record, folder):
             self._model, self._deferred = None, loading.DeferredModel(folder, f"train(resume={plan.resume_from!r})")
         else:
             self._run_base = self._folder
@@ -449,6 +449,13 @@ class aitextgen(_aitextgen):
             self._model, self._deferred, self._run_base = held
             raise
         return model, quantized, base_record
+
+    def _holds_base(self, record: dict[str, str], folder: str) -> bool:
+        """Whether the object's model is the base a checkpoint's adapter trained on: a model not read yet is
+        where it is read from (the run's start folder, or another: a run's output_dir read back)."""
+        if self._deferred is not None:
+            return os.path.abspath(self._deferred.folder) == os.path.abspath(folder)
+        return base_matches(record, self.model)
 
     def _model_for(self, plan: TrainPlan) -> tuple[torch.nn.Module, QuantizedBase | None]:
         """The model to train: weights not read yet are read straight into the 16 bits the plan holds them

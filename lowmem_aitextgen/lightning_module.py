@@ -57,7 +57,13 @@ class CausalLMModule(pl.LightningModule):
         return causal_lm_loss(self.model, batch, self.plan.loss_chunk_tokens)
 
     def on_train_end(self) -> None:
-        if self.in_backward is not None:  # a backward after training (the user's) must not step the model
+        self.stop_stepping()
+
+    def stop_stepping(self) -> None:
+        """Hooks that update inside backward off, so no later backward (the user's, an out-of-memory retry's,
+        the next train()'s) steps the model with this run's optimizer.  on_train_end is not called where fit
+        raised (Ctrl-C, out of memory): run.py calls this then."""
+        if self.in_backward is not None:
             self.in_backward.remove_hooks()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

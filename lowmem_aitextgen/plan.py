@@ -466,12 +466,14 @@ def block_count(config: Any) -> int:
 
 def decide_adapter(args: Arguments, loaded: AdapterSettings | None, resumed: dict | None,
                    model_type: str | None) -> AdapterSettings | None:
-    """The peft method that trains: the one a loaded model already has (it keeps training), else train()'s
+    """The peft method that trains: the one a loaded model already has (it keeps training; asked for again with
+    the same settings, as the call that made it repeated with resume=True asks, it is that one), else train()'s
     lora=True, peft_config (any method, LoRA too) or adapter=, else with lora="auto" the LoRA of the run being
     resumed; None for full fine-tuning (lora="auto" is then budget.py's to decide)."""
     asked, given = asked_adapter(args, model_type)
     if loaded is not None:
-        if asked is not None and not (asked.is_lora and loaded.is_lora and given == "lora=True"):
+        if asked is not None and not loaded.same_as(asked) \
+                and not (asked.is_lora and loaded.is_lora and given == "lora=True"):
             raise ValueError(f"{given}: this model already has a {loaded.describe()} adapter (loaded with it), which "
                              f"keeps training; leave {given.split('=')[0]} out, or load the model without its adapter.")
         return loaded

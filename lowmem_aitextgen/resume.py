@@ -184,7 +184,8 @@ def check_resumable(path: str, saved: dict[str, Any], plan: TrainPlan, settings:
     ours = run_description(plan, settings, base_parameters(model))
     mismatch = next((key for key in ("base_parameters", "adapter", "frozen_layers", "optimizer",
                                      "step_in_backward", "four_bit_base", "effective_batch_size", "validation")
-                     if saved.get(key) != ours[key]), None)
+                     if saved.get(key) != ours[key] and not (key == "adapter" and _same_adapter(saved, ours))),
+                    None)
     fixes = {
         "base_parameters": "construct aitextgen with the same model as the interrupted run",
         "lora": "call train() with the same lora, lora_r, lora_alpha, lora_dropout and lora_target_modules",
@@ -232,6 +233,13 @@ def check_resumed_base(path: str | None, saved: dict[str, Any] | None, base_reco
                      "Resuming would put the adapter on the wrong model. Construct aitextgen(model_folder=...) with "
                      "the model the interrupted run started from (not its output_dir, which holds the adapter "
                      "merged in), or pass resume=False to start over.")
+
+
+def _same_adapter(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
+    """The checkpoint's adapter is this run's, though one config holds what peft filled in from the model and
+    the other not (a run resumed on the model its output_dir holds, its adapter loaded with it)."""
+    return None not in (saved["adapter"], ours["adapter"]) and \
+        AdapterSettings.of(saved["adapter"]).same_as(AdapterSettings.of(ours["adapter"]))
 
 
 def _described(adapter: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -180,8 +180,11 @@ class TrainingRun:
             self._carry_back_from_spawned(self.trainer)
             try:
                 with _compat.without_warning(_compat.LIGHTNING_LEAFSPEC, FutureWarning):
-                    self.trainer.fit(self.module, train_dataloaders=loader, val_dataloaders=val_loader,
-                                     ckpt_path=resume_from, weights_only=True)
+                    try:
+                        self.trainer.fit(self.module, train_dataloaders=loader, val_dataloaders=val_loader,
+                                         ckpt_path=resume_from, weights_only=True)
+                    finally:
+                        self.module.stop_stepping()
                 return model
             except SIGTERMException:  # Lightning's own handler, before ours was installed
                 outcome.terminated = True

@@ -50,6 +50,40 @@ class BadWeightsAt(pl.Callback):
                 next(p for p in pl_module.model.parameters() if p.is_floating_point()).view(-1)[0] = float("nan")
 
 
+class OutOfMemoryFrom(pl.Callback):
+    """Runs out of memory at every micro-batch from the given optimizer step on, at any micro-batch size and in
+    any plan: the run tries each cheaper plan and stops with none left."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+class FileSizeLimitAtTheEnd(pl.Callback):
+    """When training ends, before the final save: a limit on file size (RLIMIT_FSIZE, as a full disk would)
+    that every model file is over, with SIGXFSZ ignored so that writes fail with EFBIG; lift() takes it off."""
+
+    def __init__(self, limit: int = 64 * 1024) -> None:
+        self.limit, self.before = limit, None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import resource
+
+        self.before = (resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, self.before[0][1]))
+
+    def lift(self) -> None:
+        import resource
+
+        if self.before is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, self.before[0])
+            signal.signal(signal.SIGXFSZ, self.before[1])
+            self.before = None
+
+
 class AtBatchStart(pl.Callback):
     """Records read(model) at the start of every micro-batch."""
 

@@ -2,15 +2,18 @@
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
+import os
+import shutil
 
 import pytest
 import torch
 from aitextgen import aitextgen as Original
-from transformers import GPT2Config
+from transformers import GPT2Config, GPT2LMHeadModel
 
-from conftest import BadWeightsAt, CtrlC, SigTerm, tiny_gpt2_config
+from conftest import BadWeightsAt, CtrlC, FileSizeLimitAtTheEnd, OutOfMemoryFrom, SigTerm, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 from lowmem_aitextgen.callbacks import TrainingDiverged
 
@@ -78,10 +81,58 @@ def test_one_step_of_the_real_355m_architecture(tmp_path):
 
 
 KINDS = {"full": {}, "lora": {"lora": True}, "ia3": {"peft_config": "ia3"}, "prefix": {"adapter": "prefix"},
-         "lora on a 4-bit base": {"lora": True, "base_bits": 4}}
+         "lora on a 4-bit base": {"lora": True, "base_bits": 4}, "inside backward": {"max_memory": "in backward"}}
 ENDINGS = {"finished": ([], None), "Ctrl-C": ([CtrlC(at_step=2)], None), "SIGTERM": ([SigTerm(at_step=2)], SystemExit),
            "weights went bad after a save": ([BadWeightsAt(step=3)], TrainingDiverged),
-           "weights went bad before any save": ([BadWeightsAt(step=1)], TrainingDiverged)}
+           "weights went bad before any save": ([BadWeightsAt(step=1)], TrainingDiverged),
+           "out of memory with no plan left": ([OutOfMemoryFrom(step=3)], MemoryError),
+           "a failed final save": ([FileSizeLimitAtTheEnd()], OSError)}
+# wide enough that updating inside backward saves more than the libraries' overhead hides (test_in_backward)
+WIDE = tiny_gpt2_config(n_layer=4, n_positions=64, n_embd=256)
+COMMON = dict(num_steps=4, save_every=2, generate_every=0, learning_rate=1e-2, seed=1)
+
+
+def inside_backward_budget(config: GPT2Config, block: int = 32) -> int:
+    """A max_memory under which the planner updates inside backward: a byte less than the tier above it needs."""
+    from lowmem_aitextgen import budget, cards
+    from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
+    from lowmem_aitextgen.estimate import estimate_plan
+    from lowmem_aitextgen.plan import PlannerInputs
+
+    plan = cards.plan_of_call(GPT2LMHeadModel(config), n_gpu=0, **COMMON)
+    above = min(budgeted_bytes(p, estimate_plan(config, p, block)) for p in budget.sixteen_bit_weights(
+        dataclasses.replace(plan, optimizer="adamw8bit"), config, PlannerInputs()))
+    assert fit_plan(config, plan, block, above - 1)[0].step_in_backward
+    return above - 1
+
+
+def start_of(kind: str, realistic_base: str, tmp_path) -> tuple[str, dict]:
+    """The folder a kind of run starts from, and its train() arguments."""
+    from peft import IA3Config
+
+    if kind == "inside backward":
+        realistic(GPT2LMHeadModel(WIDE)).save_pretrained(tmp_path / "wide")
+        return str(tmp_path / "wide"), {"max_memory": inside_backward_budget(WIDE)}
+    return realistic_base, {"peft_config": IA3Config()} if kind == "ia3" else KINDS[kind]
+
+
+def end(ai: aitextgen, ending: str, data: str, output_dir: str, kwargs: dict) -> None:
+    """ai.train() on `data`, ended as `ending` says (the error it raises expected)."""
+    callbacks, raised = copy.deepcopy(ENDINGS[ending])
+    try:
+        with pytest.raises(raised) if raised else contextlib.nullcontext():
+            ai.train(data, output_dir=output_dir, callbacks=callbacks, **COMMON, **kwargs)
+    finally:
+        for callback in callbacks:
+            getattr(callback, "lift", lambda: None)()
+
+
+def assert_same_model(ours: aitextgen, theirs: aitextgen, where: str) -> None:
+    """The same weights in the same dtype, and the same text for a seed."""
+    mine, other = ours.model.state_dict(), theirs.model.state_dict()
+    assert mine.keys() == other.keys() and all(
+        mine[key].dtype == value.dtype and torch.equal(mine[key], value) for key, value in other.items()), where
+    assert ours.generate_one(max_length=8, seed=3) == theirs.generate_one(max_length=8, seed=3), where
 
 
 @pytest.mark.parametrize("ending", ENDINGS)
@@ -89,21 +140,47 @@ ENDINGS = {"finished": ([], None), "Ctrl-C": ([CtrlC(at_step=2)], None), "SIGTER
 def test_after_any_ending_the_object_holds_what_a_new_object_loads(kind, ending, small_data, realistic_base,
                                                                    tokenizer_file, tmp_path):
     """For every kind of run and ending, the object train() leaves holds what aitextgen(model_folder=...) loads
-    from the folder that holds its model (output_dir, or where the run started when nothing good was saved):
-    the same weights in the same dtype, the same text for a seed, and ai.save() writes that model."""
-    from peft import IA3Config
-
-    kwargs = {"peft_config": IA3Config()} if kind == "ia3" else KINDS[kind]
-    callbacks, raised = copy.deepcopy(ENDINGS[ending])
-    ai = aitextgen(model_folder=realistic_base, tokenizer_file=tokenizer_file)
-    with pytest.raises(raised) if raised else contextlib.nullcontext():
-        ai.train(small_data, output_dir=str(tmp_path / "out"), num_steps=4, save_every=2, generate_every=0,
-                 learning_rate=1e-2, seed=1, callbacks=callbacks, **kwargs)
-    folder = realistic_base if ending == "weights went bad before any save" else str(tmp_path / "out")
+    from the folder that holds its model (output_dir, or where the run started when nothing good was saved; after
+    a failed final save no folder does, and it holds what the run would have saved): the same weights in the same
+    dtype, the same text for a seed; ai.save() writes that model, and training it into another folder gives what
+    training the new object gives."""
+    start, kwargs = start_of(kind, realistic_base, tmp_path)
+    ai = aitextgen(model_folder=start, tokenizer_file=tokenizer_file)
+    end(ai, ending, small_data, str(tmp_path / "out"), kwargs)
+    folders = {"weights went bad before any save": start, "a failed final save": None}
+    if ending == "a failed final save":  # what it would have saved: the same run, finished
+        finished = aitextgen(model_folder=start, tokenizer_file=tokenizer_file)
+        finished.train(small_data, output_dir=str(tmp_path / "finished"), **COMMON, **kwargs)
+        assert_same_model(ai, finished, "the finished run")
     ai.save(str(tmp_path / "saved"))
-    for other in (folder, str(tmp_path / "saved")):
-        new = aitextgen(model_folder=other, tokenizer_file=tokenizer_file)
-        ours, theirs = ai.model.state_dict(), new.model.state_dict()
-        assert ours.keys() == theirs.keys() and all(
-            ours[key].dtype == value.dtype and torch.equal(ours[key], value) for key, value in theirs.items()), other
-        assert ai.generate_one(max_length=8, seed=3) == new.generate_one(max_length=8, seed=3)
+    news = [aitextgen(model_folder=folder, tokenizer_file=tokenizer_file)
+            for folder in (folders.get(ending, str(tmp_path / "out")), str(tmp_path / "saved")) if folder]
+    for new in news:
+        assert_same_model(ai, new, new.model_source.name)
+    # a prefix adapter is not merged: the model holds it and trains it on (adapter= again is refused)
+    next_run = dict(COMMON, num_steps=2, save_every=0, seed=2, **({} if kind == "prefix" else kwargs))
+    for name, obj in (("ours", ai), ("theirs", news[0])):
+        obj.train(small_data, output_dir=str(tmp_path / f"next {name}"), **next_run)
+    assert_same_model(ai, news[0], "trained into another folder")
+
+
+LEAVE_A_CHECKPOINT = ("Ctrl-C", "SIGTERM", "weights went bad after a save", "out of memory with no plan left",
+                      "a failed final save")
+
+
+@pytest.mark.parametrize("ending", LEAVE_A_CHECKPOINT)
+@pytest.mark.parametrize("kind", KINDS)
+def test_after_any_ending_with_a_checkpoint_resume_continues_as_a_new_object_does(kind, ending, small_data,
+                                                                                 realistic_base, tokenizer_file,
+                                                                                 tmp_path):
+    """train(resume=True) on the object an ending left ends with the weights a new object resuming the same
+    checkpoint ends with (one that starts from where the run started: the checkpoint's adapter base)."""
+    start, kwargs = start_of(kind, realistic_base, tmp_path)
+    ai = aitextgen(model_folder=start, tokenizer_file=tokenizer_file)
+    end(ai, ending, small_data, str(tmp_path / "out"), kwargs)
+    assert os.path.exists(tmp_path / "out" / "last.ckpt")
+    shutil.copytree(tmp_path / "out", tmp_path / "copy")
+    new = aitextgen(model_folder=start, tokenizer_file=tokenizer_file)
+    for obj, folder in ((ai, "out"), (new, "copy")):
+        obj.train(small_data, output_dir=str(tmp_path / folder), resume=True, **COMMON, **kwargs)
+    assert_same_model(ai, new, "resumed")
