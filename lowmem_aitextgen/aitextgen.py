@@ -28,7 +28,7 @@ from .data import check_train_data, training_dataset
 from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
 from .plan import RunSettings, TrainPlan, build_plan, planner_inputs, run_settings
-from .report import make_loggers
+from .report import make_loggers, say_what_is_not_drawn
 from .resume import check_resumable, check_resumed_base, checkpoint_to_resume, read_run_description
 from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun, adapter_base_record
 from .TokenDataset import TokenDataset
@@ -246,13 +246,9 @@ class aitextgen(_aitextgen):
         """aitextgen's generate_to_file(): every argument checked before the file is touched, which is
         replaced only once all n texts are made; returns its path."""
         self._check_tokenizer("generate_to_file()")
-        generation.check_generate(self.model, self.tokenizer, "generate_to_file()", arguments.Arguments(
-            {"n": n, "batch_size": batch_size, "seed": seed, **kwargs}, {}))
-        if n % batch_size:
-            raise ValueError(f"n={n} must be a multiple of batch_size={batch_size}; e.g. "
-                             f"n={max(batch_size, n - n % batch_size)}.")
-        if not isinstance(sample_delim, str):
-            raise ValueError(f"sample_delim={sample_delim!r} must be text (a str).")
+        given = arguments.Arguments({"n": n, "batch_size": batch_size, "seed": seed, **kwargs}, {})
+        generation.check_generate(self.model, self.tokenizer, "generate_to_file()", given)
+        generation.check_values({**given, "sample_delim": sample_delim}, to_file=True)
         path, seed = generation.destination(destination_path, seed)
         generation.generate_to_file(self.model, self.tokenizer, n, batch_size, path, sample_delim, seed, **kwargs)
         return path
@@ -384,6 +380,7 @@ class aitextgen(_aitextgen):
         docs/arguments.md and docs/memory.md say more; docs/runs.md what output_dir holds."""
         args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
         loggers = make_loggers(args.loggers, args.output_dir)
+        say_what_is_not_drawn()
         plan, settings, dataset, val_dataset, resumed = self._training_plan(args)
         deferred = self._deferred
         model, quantized, base_record = self._base_to_train(plan, resumed)

@@ -259,6 +259,23 @@ def callbacks(value: Any) -> str | None:
     return "must be a list of pytorch_lightning Callback objects"
 
 
+LOGGER_NAMES = ("csv", "tensorboard")  # train(loggers=...)'s names (report.make_loggers makes them)
+
+
+def loggers(value: Any) -> str | None:
+    from pytorch_lightning.loggers import Logger
+
+    from .hardware import importable
+
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if not isinstance(item, Logger) and item not in LOGGER_NAMES:
+            return (f"holds {item!r}, which is not a Lightning logger; use {' or '.join(map(repr, LOGGER_NAMES))}, "
+                    "or a pytorch_lightning.loggers object")
+        if item == "tensorboard" and not (importable("tensorboard") or importable("tensorboardX")):
+            return "needs TensorBoard: pip install tensorboard; or use loggers='csv'"
+    return None
+
+
 INF = math.inf
 
 # Lightning's strategy names, checked here so that a typo fails before any work.
@@ -272,9 +289,9 @@ def strategy(value: Any) -> str | None:
     from pytorch_lightning.strategies import Strategy
 
     if isinstance(value, str) and value.startswith("deepspeed"):
-        import importlib.util
+        from .hardware import importable
 
-        if importlib.util.find_spec("deepspeed") is None:
+        if not importable("deepspeed"):
             return "needs the deepspeed package (pip install deepspeed); or use strategy='ddp'"
     if isinstance(value, Strategy) or (isinstance(value, str) and value in STRATEGY_NAMES):
         return None
@@ -359,6 +376,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "pin_micro_batch": flag("True keeps batch_size x gradient_accumulation_steps as given"),
     "max_memory": optional(memory_problem),
     "callbacks": optional(callbacks),
+    "loggers": lambda value: None if value is None or value is False else loggers(value),
     "block_size": integer(1, "e.g. block_size=512"),
     "val_data": optional(either(path(""), dataset, number(0, 0.5, "", low_open=True, high_open=True), says=(
         "must be a text file, a TokenDataset, or a fraction of train_data to hold out in (0, 0.5), "

@@ -336,7 +336,16 @@ def fit_plan(config: object, plan: TrainPlan, block_size: int, budget: int | Bud
             return dataclasses.replace(chosen, budget=budget, chosen_because=why), estimate
     message = nothing_fits(plan, budget, *smallest, host_short, lora_offered=asked.lora_if_needed is not None)
     raise MemoryError("\n".join(filter(None, (message, in_backward_if_unpinned(plan, config, block_size, budget,
-                                                                              asked)))))
+                                                                              asked), tiers_without_torchao()))))
+
+
+def tiers_without_torchao() -> str | None:
+    """Where torchao is missing, the tiers the planner could not try, with the install line: a budget that
+    nothing fits may fit one of them."""
+    if eight_bit_available():
+        return None
+    return ("Not tried, as torchao is not installed: 8-bit AdamW, 16-bit weights, updates inside backward and a "
+            f"4-bit base; {hardware.INSTALL_TORCHAO} makes them possible.")
 
 
 def in_backward_if_unpinned(plan: TrainPlan, config: object, block_size: int, budget: Budget,

@@ -21,7 +21,7 @@ from typing import Any
 
 import fire
 
-from . import arguments
+from . import arguments, generation
 from .aitextgen import aitextgen
 from .estimate import estimate_memory
 from .TokenDataset import TokenDataset, check_text_file
@@ -59,8 +59,9 @@ def train_cli(file_path: str, **kwargs: Any) -> None:
 
 def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
     """Generate from a trained model (model_folder=...) to a file or the console."""
-    ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
     generate_kwargs = _accepted(aitextgen.__init__, kwargs, accepted=False)
+    generation.check_values(generate_kwargs, to_file)  # before the model is read
+    ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
     if to_file:
         ai.generate_to_file(**generate_kwargs)
     else:

@@ -35,12 +35,11 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import storage16
-from .hardware import eight_bit_available
+from .hardware import INSTALL_TORCHAO, eight_bit_available
 from .heap import release_freed_heap
 
 BLOCK = 64  # values sharing one scale
 SCALER_BLOCK = 256  # scales sharing one (double-quantized) scale, at most
-INSTALL_4BIT = "pip install 'lowmem_aitextgen[8bit]' (torchao, which holds the 4-bit NF4 type)"
 
 
 def scaler_block(numel: int) -> int | None:
@@ -116,7 +115,7 @@ def hold_in_four_bits(module: nn.Module, rounding: Rounding) -> None:
 def check_available(argument: str = "base_bits=4") -> None:
     """torchao is installed, or an ImportError naming `argument` and the install line (before any work)."""
     if not eight_bit_available():
-        raise ImportError(f"{argument}: a 4-bit base needs torchao: {INSTALL_4BIT}.")
+        raise ImportError(f"{argument}: a 4-bit base needs torchao, which holds the 4-bit NF4 type: {INSTALL_TORCHAO}.")
 
 
 def hold_base_in_four_bits(model: nn.Module, rounding: Rounding | None = None) -> Rounding:

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
 from random import randint
 from typing import Any
@@ -70,21 +70,35 @@ def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments
     ours = set(GENERATE_RULES) | {"pad_token_id", "schema", "destination_path", "sample_delim"}
     extra = {k: v for k, v in args.items() if k not in ours}
     reject_unknown(where, extra, accepted_generate_kwargs(model) | ours)
-    check(args, GENERATE_RULES)
+    check_values(args)
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
                          f"{embeddings:,}; construct aitextgen with the tokenizer the model was trained with.")
-    min_length, max_length = args.get("min_length"), args.get("max_length")
-    if min_length is not None and max_length is not None and min_length > max_length:
-        raise ValueError(f"min_length={min_length} is above max_length={max_length}; no text could be long enough. "
-                         "Lower min_length or raise max_length.")
     if args.get("prompt"):
         ids = tokenizer(args["prompt"])["input_ids"]
         context = context_length(model)
         if len(ids) >= context:
             raise ValueError(f"The prompt is {len(ids)} tokens, but the model's context is {context} tokens; "
                              "shorten the prompt.")
+
+
+def check_values(args: Mapping[str, Any], to_file: bool = False) -> None:
+    """The values of generate()'s arguments, on their own (the CLI checks them before reading the model); with
+    to_file, generate_to_file()'s too."""
+    check(args, GENERATE_RULES)
+    min_length, max_length = args.get("min_length"), args.get("max_length")
+    if min_length is not None and max_length is not None and min_length > max_length:
+        raise ValueError(f"min_length={min_length} is above max_length={max_length}; no text could be long enough. "
+                         "Lower min_length or raise max_length.")
+    if not to_file:
+        return
+    n, batch_size = args.get("n", 20), args.get("batch_size") or 1
+    if n % batch_size:
+        raise ValueError(f"n={n} must be a multiple of batch_size={batch_size}; e.g. "
+                         f"n={max(batch_size, n - n % batch_size)}.")
+    if not isinstance(args.get("sample_delim", ""), str):
+        raise ValueError(f"sample_delim={args['sample_delim']!r} must be text (a str).")
 
 
 def clamped_max_length(model: nn.Module, max_length: int | None) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .hardware import eight_bit_available
+from .hardware import INSTALL_TORCHAO, eight_bit_available
 from .plan import OPTIMIZERS
 
 # torchao's AdamW8bit quantizes a state tensor in blocks of 256 values with one fp32 scale each and
@@ -33,7 +33,6 @@ EIGHT_BIT_CODE_BOOK_BYTES = 256 * 4
 # torchao 0.18's single_param_adam, as _adamw8bit_compiled_once calls it
 TORCHAO_UPDATE_ARGUMENTS = ("p", "grad", "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "lr", "beta1", "beta2",
                             "weight_decay", "eps", "IS_ADAMW", "BF16_STOCHASTIC_ROUND")
-INSTALL_8BIT = "pip install 'lowmem_aitextgen[8bit]' (torchao)"
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -57,7 +56,7 @@ def check_optimizer(optimizer: str) -> None:
     """A clear error before training for an unknown optimizer or a missing optional package."""
     check_optimizer_name(optimizer)
     if optimizer == "adamw8bit" and not eight_bit_available():
-        raise ImportError(f"optimizer='adamw8bit' needs torchao: {INSTALL_8BIT}, or use optimizer='adamw'.")
+        raise ImportError(f"optimizer='adamw8bit' needs torchao: {INSTALL_TORCHAO}, or use optimizer='adamw'.")
 
 
 def build_optimizer(model: nn.Module, weight_decay: float, learning_rate: float, adam_epsilon: float,

@@ -565,6 +565,32 @@ def fixed_choices(args: Arguments, constructor_checkpointing: bool | None, resum
     return frozenset(fixed)
 
 
+def check_four_bit_unsharded(args: Arguments, shards: int, offload: bool) -> None:
+    """TrainPlan's invariant that a 4-bit base is held whole in one process, refused at the argument."""
+    if shards > 1 or offload:
+        asked = ("base_bits=4" if args.get("base_bits") == 4
+                 else "the checkpoint to resume (its adapter trained on a 4-bit base)")
+        raise ValueError(f"{asked} cannot be used with strategy={args.strategy!r}, which "
+                         f"{'offloads' if offload else f'shards across {shards} processes'} the model: a 4-bit base "
+                         "is held whole in one process. Use strategy='ddp' (each process holds the 4-bit base), or "
+                         "leave base_bits out.")
+
+
+def resumed_in_backward(args: Arguments, resumed: dict | None, sharded: bool, precision: str) -> bool:
+    """A resumed run that updated inside backward goes on so (its checkpoint holds no gradient state to go
+    back); TrainPlan's invariant for it refused at the argument that breaks it.  An accumulation is
+    resume.check_resumable's to refuse, with the checkpoint's other settings."""
+    if not (resumed or {}).get("step_in_backward") or args.gradient_accumulation_steps != 1:
+        return False
+    asked = (f"strategy={args.strategy!r}" if sharded else f"precision={args.precision!r}" if args.precision
+             else f"fp16={args.fp16!r}")
+    if not can_step_in_backward(1, sharded, precision):
+        raise ValueError(f"{asked}: the checkpoint to resume updated each weight inside backward, which needs one "
+                         "unsharded model and no fp16 loss scaling; resume without it (strategy='ddp' or 'auto', "
+                         "precision='bf16-mixed' or '32-true'), or pass resume=False to start over.")
+    return True
+
+
 def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpointing: bool | None,
                freeze_by_default: bool, loaded_adapter: AdapterSettings | None, resume_from: str | None,
                resumed: dict | None) -> TrainPlan:
@@ -586,13 +612,9 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
     # base_bits=4 asks for it (with lora="auto", for the LoRA the planner may choose: budget.tiers); a resumed
     # run's adapter goes on training on the base it was trained on
     four_bit_base = adapter is not None and (args.get("base_bits") == 4 or bool((resumed or {}).get("four_bit_base")))
-    if four_bit_base and (shards > 1 or offload):  # TrainPlan's invariant, said at the argument that breaks it
-        asked = ("base_bits=4" if args.get("base_bits") == 4
-                 else "the checkpoint to resume (its adapter trained on a 4-bit base)")
-        raise ValueError(f"{asked} cannot be used with strategy={args.strategy!r}, which "
-                         f"{'offloads' if offload else f'shards across {shards} processes'} the model: a 4-bit base "
-                         "is held whole in one process. Use strategy='ddp' (each process holds the 4-bit base), or "
-                         "leave base_bits out.")
+    if four_bit_base:
+        check_four_bit_unsharded(args, shards, offload)
+    precision = resolve_precision(args.fp16, args.precision, accelerator)
     plan = TrainPlan(
         output_dir=os.fspath(args.output_dir),
         accelerator=accelerator,
@@ -601,7 +623,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         strategy=strategy,
         shards=shards,
         offload=offload,
-        precision=resolve_precision(args.fp16, args.precision, accelerator),
+        precision=precision,
         checkpointed_blocks=decide_checkpointing(args, constructor_checkpointing, model, adapter),
         n_layer=block_count(model.config),
         adapter=adapter,
@@ -611,8 +633,7 @@ def build_plan(model: torch.nn.Module, args: Arguments, *, constructor_checkpoin
         accumulation=args.gradient_accumulation_steps,
         loss_chunk_tokens=default_chunk_tokens(accelerator) if args.chunked_loss else None,
         optimizer=decide_optimizer(args, resumed),
-        # a resumed run that stepped inside backward goes on so (resume.check_resumable refuses accumulation)
-        step_in_backward=bool((resumed or {}).get("step_in_backward")) and args.gradient_accumulation_steps == 1,
+        step_in_backward=resumed_in_backward(args, resumed, shards > 1 or offload, precision),
         cpu_speedups=on_cpu,
         torch_compile=decide_compile(args, accelerator, strategy),
         hold_freed_heap=False,  # budget.py holds the heap where the memory needs it

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from .callbacks import OptimizerStepCallback
 from .four_bit import Rounding
-from .hardware import format_bytes
+from .hardware import format_bytes, importable
 from .in_backward import StepInBackward
 from .memory import peak_memory_bytes, trainable_parameters, unique_tensor_bytes
 from .plan import TrainPlan, describe_checkpointing
@@ -40,7 +40,6 @@ SUMMARY_FILE = "training_summary.json"
 LOSS_PLOT = "loss.png"
 MEMORY_PLOT = "memory.png"
 PNG_DATA_KEY = "lowmem_aitextgen"  # the plotted numbers, as JSON in a PNG text chunk
-LOGGER_NAMES = ("csv", "tensorboard")
 LOGS_SUBFOLDER = "logs"
 
 
@@ -293,11 +292,14 @@ def describe_summary(summary: dict[str, Any]) -> str:
 
 
 def matplotlib_available() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importable("matplotlib")
+
+
+def say_what_is_not_drawn() -> None:
+    """One line before training where matplotlib, which draws loss.png and memory.png, is not installed."""
+    if not matplotlib_available():
+        logger.info(f"{LOSS_PLOT} and {MEMORY_PLOT} will not be drawn: matplotlib is not installed "
+                    "(pip install matplotlib); training_summary.json holds the same numbers.")
 
 
 def loss_plot_data(records: list[StepRecord], validation: list[dict] | None = None) -> dict[str, list]:
@@ -377,9 +379,6 @@ def make_loggers(loggers: Any, output_dir: str) -> list[Logger]:
             made.append(item)
         elif item == "csv":
             made.append(CSVLogger(output_dir, name=LOGS_SUBFOLDER))
-        elif item == "tensorboard":
+        else:  # "tensorboard": arguments.loggers checked the names and that TensorBoard is installed
             made.append(TensorBoardLogger(output_dir, name=LOGS_SUBFOLDER))
-        else:
-            raise ValueError(f"loggers={item!r} is not a Lightning logger; use "
-                             f"{' or '.join(map(repr, LOGGER_NAMES))}, or a pytorch_lightning.loggers object.")
     return made

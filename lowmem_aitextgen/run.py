@@ -139,6 +139,7 @@ class TrainingRun:
             outcome.terminated = outcome.terminated or self.signals.terminated
             if self.trainer is not None and self.trainer.is_global_zero:
                 self._save_final(model, outcome)  # from the trained model, before it is merged in place
+            self._share_what_rank_zero_saved()
         finally:
             memory.set_requires_grad(frozen, True)
             if plan.four_bit_base and is_mergeable(model) and self._output_dir_holds_the_result(outcome):
@@ -157,6 +158,18 @@ class TrainingRun:
             outcome.diverged = (f"{self.guard.reason} The weights of step {outcome.steps:,}, the last good ones, "
                                 f"are saved in {plan.output_dir}.")
         return outcome
+
+    def _share_what_rank_zero_saved(self) -> None:
+        """Rank 0 alone saves: the other ranks learn from it which step output_dir holds and whether the weights
+        went bad at the final save, so that every rank's object holds the same model after the run (a rank
+        holding its start while rank 0 holds the last save would shard mixed weights in the next run), and the
+        run id rank 0 wrote there (each process planned its own before the processes met)."""
+        if self.trainer is None or not torch.distributed.is_initialized():  # one process, or ddp_spawn's parent
+            return
+        saved_at, went_bad, run_id = self.trainer.strategy.broadcast(
+            (self.files.saved_at, self.weights_went_bad, self.plan.run_id), src=0)
+        self.files.saved_at, self.weights_went_bad = saved_at, self.weights_went_bad or went_bad
+        self.plan = dataclasses.replace(self.plan, run_id=run_id)
 
     def _output_dir_holds_the_result(self, outcome: Outcome) -> bool:
         """Whether output_dir holds the model the run leaves: its final save, or the best model it kept."""

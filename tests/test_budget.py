@@ -4,6 +4,7 @@ kept; a clear failure; and the fixed ladder out-of-memory recovery steps down.""
 import dataclasses
 import json
 import os
+import sys
 
 import pytest
 
@@ -110,6 +111,20 @@ def test_nothing_fits_fails_before_writing(corpus_file, tokenizer_file, tmp_path
     ai = aitextgen(tokenizer_file=tokenizer_file, config=CONFIG)
     with pytest.raises(MemoryError, match="No plan fits max_memory=1.00 MiB"):
         ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=1, max_memory="1MiB")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_without_torchao_nothing_fits_names_the_tiers_not_tried_and_the_install_line(corpus_file, tokenizer_file,
+                                                                                       tmp_path, monkeypatch):
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=CONFIG)
+    with pytest.raises(MemoryError) as with_torchao:
+        ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=1, max_memory="1MiB")
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # as if torchao were not installed
+    with pytest.raises(MemoryError) as without:
+        ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=1, max_memory="1MiB")
+    assert "torchao" not in str(with_torchao.value)
+    assert str(without.value).endswith("a 4-bit base; pip install 'lowmem_aitextgen[8bit]' (torchao) makes them "
+                                       "possible.")
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -69,12 +69,21 @@ def files_under(folder) -> dict[str, bytes]:
     (["train", "DATA", "--num_steps=0"], "--num_steps=0 must be a positive integer"),
     (["train", "DATA", "--lora=maybe"], "--lora='maybe' must be one of True, False, 'auto'"),
     (["generate", "--model_folder=missing"], "--model_folder='missing' does not exist"),
+    # the values before the model is read: a damaged one would otherwise be what the user hears of first
+    (["generate", "--model_folder=DAMAGED", "--n=0"], "--n=0 must be"),
+    (["generate", "--model_folder=DAMAGED", "--n=3", "--batch_size=2"], "--n=3 must be a multiple of batch_size=2"),
+    (["generate", "--model_folder=DAMAGED", "--to_file=False", "--temperature=0"], "--temperature=0 must be"),
     (["encode", "missing.txt"], "--file_path='missing.txt' does not exist"),
     (["train_tokenizer", "missing.txt"], "--files='missing.txt' does not exist"),
 ])
 def test_a_mistake_in_any_verb_is_one_line_on_stderr_and_status_2(argv, says, corpus_file, tmp_path, capsys):
     """No traceback, the flag and its value named with the fix, nothing written or changed."""
     argv = [corpus_file if arg == "DATA" else arg for arg in argv]
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    tiny_gpt2_config().save_pretrained(damaged)
+    (damaged / "model.safetensors").write_bytes(b"not a safetensors file")
+    argv = [arg.replace("DAMAGED", str(damaged)) for arg in argv]
     before = files_under(tmp_path)
     with pytest.raises(SystemExit) as exited:
         cli_module.main(argv)

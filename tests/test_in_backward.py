@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import CtrlC, tiny_gpt2_config
+from conftest import CtrlC, snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, budget, in_backward
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, stepping_in_backward
 from lowmem_aitextgen.estimate import estimate_plan
@@ -277,3 +277,10 @@ def test_a_resume_that_fits_nothing_says_what_the_checkpoint_fixes_apart_from_th
     assert "arguments you fixed: none; the checkpoint to resume fixes the optimizer (Adafactor" in first
     assert "updates inside backward" in first and "8-bit" not in str(refused.value)
     assert "resume=False" in last
+    # sharding, which updates inside backward cannot run under, refused at the argument (not TrainPlan's invariant)
+    before = snapshot("out")
+    with pytest.raises(ValueError, match=r"^strategy='fsdp': the checkpoint to resume updated each weight inside "
+                                         r"backward, which needs one unsharded model.*resume=False"):
+        aitextgen(model_folder=base_folder, tokenizer_file=tokenizer_file).train(
+            small_data, output_dir="out", resume=True, strategy="fsdp", n_gpu=0, devices=2, **args)
+    assert snapshot("out") == before

@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import struct
+import sys
 import zlib
 
 import pytest
@@ -137,6 +138,32 @@ def test_loggers_accept_tensorboard_and_logger_objects(tokenizer_file, corpus_fi
 
 def test_unknown_logger_is_refused_before_anything_is_written(tokenizer_file, corpus_file):
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
-    with pytest.raises(ValueError, match="loggers='wandb'.*'csv' or 'tensorboard'"):
+    with pytest.raises(ValueError, match="loggers='wandb' holds 'wandb', which is not a Lightning logger; use 'csv' or 'tensorboard'"):
         ai.train(corpus_file, output_dir="out", num_steps=1, loggers="wandb")
     assert not os.path.exists("out")
+
+
+def test_without_tensorboard_its_logger_is_refused_naming_the_install_line_before_any_work(
+        tokenizer_file, corpus_file, monkeypatch, capsys):
+    """train() and the CLI (one line, status 2), nothing written; Lightning's own ModuleNotFoundError came later
+    and, in the CLI, as a traceback."""
+    from lowmem_aitextgen import cli
+
+    for name in ("tensorboard", "tensorboardX"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    with pytest.raises(ValueError, match="loggers=.tensorboard. needs TensorBoard: pip install tensorboard"):
+        ai.train(corpus_file, output_dir="out", num_steps=1, loggers="tensorboard")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["train", corpus_file, "--output_dir=out", "--num_steps=1", "--loggers=tensorboard"])
+    assert exited.value.code == 2 and "pip install tensorboard" in capsys.readouterr().err
+    assert not os.path.exists("out")
+
+
+def test_without_matplotlib_training_says_the_plots_are_not_drawn_and_saves_the_rest(tokenizer_file, corpus_file,
+                                                                                       monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    ai.train(corpus_file, output_dir="out", num_steps=2, save_every=0, generate_every=0)
+    assert "matplotlib is not installed (pip install matplotlib)" in caplog.text
+    assert os.path.exists("out/training_summary.json") and not os.path.exists("out/loss.png")

@@ -326,3 +326,35 @@ def test_a_sharded_process_holds_gathered_weights_only_where_its_memory_allows()
     # out of memory, the first thing given up is what a process holds gathered
     assert [change for change, _ in ladder(fastest, False)][:2] == [
         "the plan as given", "each block's weights gathered only while it computes"]
+
+
+def endings_script(corpus_file, tokenizer_file, base, output_dir, next_dir, record, ending) -> None:
+    os.makedirs(record, exist_ok=True)
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "sharded_endings.py"), corpus_file, tokenizer_file,
+                             base, output_dir, next_dir, record, ending], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_holds(record: str, name: str, other: aitextgen) -> None:
+    """What sharded_endings.py recorded of its object equals `other`'s model: weights, dtype, a seed's text."""
+    mine, theirs = load_file(os.path.join(record, f"{name}.safetensors")), other.model.state_dict()
+    assert mine.keys() == theirs.keys() and all(
+        value.dtype == theirs[key].dtype and torch.equal(value, theirs[key]) for key, value in mine.items()), name
+    with open(os.path.join(record, f"{name}.json"), encoding="utf-8") as f:
+        assert json.load(f)["text"] == other.generate_one(max_length=8, seed=3), name
+
+
+@pytest.mark.parametrize("ending", ["finished", "Ctrl-C", "weights went bad after a save"])
+def test_after_a_sharded_run_the_object_holds_what_a_new_object_loads_and_trains_on_as_it_does(
+        ending, corpus_file, tokenizer_file, realistic_base, tmp_path):
+    """Issue 46's matrix (test_aitextgen.py) for the sharded kind of run: after the ending, rank 0's object holds
+    what aitextgen(model_folder=output_dir) loads, ai.save() writes it, and training it again (both ranks, into
+    another folder) ends as training the new object does."""
+    out, record = str(tmp_path / "out"), str(tmp_path / "record")
+    endings_script(corpus_file, tokenizer_file, realistic_base, out, str(tmp_path / "next"), record, ending)
+    for folder in (out, os.path.join(record, "saved")):
+        assert_holds(record, "object", aitextgen(model_folder=folder, tokenizer_file=tokenizer_file))
+    reference = str(tmp_path / "reference")
+    endings_script(corpus_file, tokenizer_file, out, "unused", str(tmp_path / "next new"), reference, "none")
+    assert_holds(record, "next", aitextgen(model_folder=str(tmp_path / "next new"), tokenizer_file=tokenizer_file))
+    assert_holds(reference, "next", aitextgen(model_folder=str(tmp_path / "next"), tokenizer_file=tokenizer_file))
