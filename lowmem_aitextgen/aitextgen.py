@@ -25,6 +25,8 @@ from .adapters import base_matches, check_adapter_fits, is_adapter_model, loaded
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
+from .decoding import DecodingView
+from .decoding import plan_decoding as decoding_plan
 from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
 from .plan import RunSettings, TrainPlan, build_plan, planner_inputs, run_settings
@@ -153,6 +155,17 @@ class aitextgen(_aitextgen):
     @model.setter
     def model(self, model: torch.nn.Module) -> None:
         self._model, self._deferred, self._read_back_run = model, None, None
+        self._decoding.forget()
+
+    @property
+    def _decoding(self) -> DecodingView:
+        """The form generate() decodes the model in (decoding.py), made on first use."""
+        if "_view" not in self.__dict__:
+            self._view = DecodingView()
+        return self._view
+
+    def _decoding_model(self, asked: str) -> torch.nn.Module:
+        return self._decoding.model_for(self.model, decoding_plan(self.model, asked))
 
     def _check_read_back(self) -> None:
         """The model a run left in its output_dir for this object (a 4-bit base's, read back on first use) is
@@ -189,6 +202,16 @@ class aitextgen(_aitextgen):
         if problem is not None:
             raise ValueError(f"{where}: {problem}")
 
+    def to_fp16(self) -> None:
+        """aitextgen's: the model in fp16, for generating on a GPU.  A CPU computes fp16 by emulation, many times
+        slower than fp32, and generate() already decodes in the fastest form the CPU has (decoding.py): there the
+        model stays as it is, said once."""
+        if next(self.model.parameters()).device.type != "cuda":
+            logger.warning("to_fp16: the model is on the CPU, which has no fp16 arithmetic; it stays as it is, and "
+                           "generate() decodes in the fastest form this CPU computes (int8 or bf16).")
+            return
+        super().to_fp16()
+
     def to_gpu(self, index: int = 0) -> None:
         """Moves the model to a GPU; without one it stays on the CPU, said once (aitextgen failed)."""
         if not torch.cuda.is_available():
@@ -203,13 +226,16 @@ class aitextgen(_aitextgen):
                  return_as_list: bool = False, seed: int | None = None, pad_token_id: int | None = None,
                  schema: bool = False, normalize_key: bool = True, use_cache: bool = True, lstrip: bool = True,
                  nonempty_output: bool = True, skip_special_tokens: bool = True, batch_size: int | None = None,
-                 **kwargs: Any) -> Any:
+                 decoding: str = "auto", stream: bool = False, **kwargs: Any) -> Any:
         """aitextgen's generate(): texts from the model, printed (or returned), every argument checked before it
-        starts.
+        starts; decoded in the fastest form the device has within the quality bound (int8 or bf16 on a CPU,
+        16 bits on a GPU: decoding.py), from a copy made for generation only: the weights train() and save()
+        use are never changed by it.
 
         Args:
-            n: how many texts (default 1).
-            prompt: the text each one starts with.
+            n: how many texts for each prompt (default 1).
+            prompt: the text each one starts with, or a list of them (n texts for each, in the prompts' order,
+                decoded together: each decodes as it would alone).
             prepend_bos: start from the beginning-of-text token (default: where the model was trained line by line).
             min_length, max_length: tokens to generate, at least and at most (default max: 256, within the context).
             temperature: sampling temperature (default 0.7).
@@ -223,11 +249,18 @@ class aitextgen(_aitextgen):
             nonempty_output: generate again where a text came out empty (default True).
             skip_special_tokens: leave special tokens out of the texts (default True).
             batch_size: texts made at a time (transformers 5 no longer accepts it as a generation argument).
+            decoding: "auto" (default): the plan's form; "exact": the model as held (fp32 on a CPU), token for
+                token what transformers' generate() gives; or a form ("int8", "bf16", "fp16") this device runs.
+                Per call, not per object: the weights are the same either way (a server may offer both).
+            stream: return an iterator of the text's pieces as they are made (one prompt, n=1; the text is shown
+                as it comes, so an empty one is not made again).  Leaving it early stops the decoding.
+            max_length above the model's context generates past it (generation.window_kept says how).
             **kwargs: transformers' generate() arguments (top_k, top_p, repetition_penalty, ...)."""
         args = arguments.from_call(self.generate, locals())
         self._check_tokenizer("generate()")
         generation.check_generate(self.model, self.tokenizer, "generate()", args)
-        return generation.generate(self.model, self.tokenizer, **args)
+        model = self._decoding_model(args.decoding)
+        return generation.generate(model, self.tokenizer, **{k: v for k, v in args.items() if k != "decoding"})
 
     def generate_one(self, **kwargs: Any) -> str:
         """One text, returned as a string."""
@@ -241,16 +274,23 @@ class aitextgen(_aitextgen):
                 {"n": n, "temperature": temperature, **kwargs}, {}))
         super().generate_samples(n, temperatures, **kwargs)
 
-    def generate_to_file(self, n: int = 20, batch_size: int = 1, destination_path: str | None = None,
-                         sample_delim: str = "=" * 20 + "\n", seed: int | None = None, **kwargs: Any) -> str:
-        """aitextgen's generate_to_file(): every argument checked before the file is touched, which is
-        replaced only once all n texts are made; returns its path."""
+    def generate_to_file(self, n: int = 20, batch_size: int | None = None, destination_path: str | None = None,
+                         sample_delim: str = "=" * 20 + "\n", seed: int | None = None, decoding: str = "auto",
+                         **kwargs: Any) -> str:
+        """aitextgen's generate_to_file(): n texts for each prompt (prompt= a text or a list), every argument
+        checked before the file is touched, which is replaced only once all are made; returns its path.
+        batch_size: texts made at a time (default: the decoding plan's, 8 on a CPU, which makes 4-5x the texts
+        a second that one at a time does; aitextgen's default was 1)."""
         self._check_tokenizer("generate_to_file()")
-        given = arguments.Arguments({"n": n, "batch_size": batch_size, "seed": seed, **kwargs}, {})
+        given = arguments.Arguments({"n": n, "batch_size": batch_size, "seed": seed, "decoding": decoding, **kwargs},
+                                    {})
         generation.check_generate(self.model, self.tokenizer, "generate_to_file()", given)
         generation.check_values({**given, "sample_delim": sample_delim}, to_file=True)
+        plan = decoding_plan(self.model, decoding)
         path, seed = generation.destination(destination_path, seed)
-        generation.generate_to_file(self.model, self.tokenizer, n, batch_size, path, sample_delim, seed, **kwargs)
+        model = self._decoding.model_for(self.model, plan)
+        generation.generate_to_file(model, self.tokenizer, n, batch_size or min(n, plan.file_batch), path,
+                                    sample_delim, seed, **kwargs)
         return path
 
     # --- training -------------------------------------------------------------

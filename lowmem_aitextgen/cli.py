@@ -57,15 +57,46 @@ def train_cli(file_path: str, **kwargs: Any) -> None:
     ai.train(dataset, **train_kwargs)
 
 
-def generate_cli(to_file: bool = True, **kwargs: Any) -> None:
-    """Generate from a trained model (model_folder=...) to a file or the console."""
+def generate_cli(to_file: bool = True, prompt: str = "", prompt_file: str | None = None, stream: bool = False,
+                 **kwargs: Any) -> None:
+    """Generate from a trained model (model_folder=...) to a file or the console; --prompt_file: a UTF-8 file
+    of prompts, one a line (n texts for each); --stream: print one text to the console as it is made
+    (Ctrl-C stops it at once)."""
     generate_kwargs = _accepted(aitextgen.__init__, kwargs, accepted=False)
-    generation.check_values(generate_kwargs, to_file)  # before the model is read
+    generate_kwargs["prompt"] = read_prompts(prompt_file) if prompt_file is not None else prompt
+    generation.check_values({**generate_kwargs, "stream": stream}, to_file and not stream)  # before the model is read
     ai = aitextgen(**_accepted(aitextgen.__init__, kwargs))
-    if to_file:
+    if stream:
+        _print_stream(ai.generate(stream=True, **generate_kwargs))
+    elif to_file:
         ai.generate_to_file(**generate_kwargs)
     else:
         ai.generate(**generate_kwargs)
+
+
+def read_prompts(path: str) -> list[str]:
+    """--prompt_file's prompts: its lines (blank ones left out), checked before any work."""
+    if not (os.path.isfile(path) and os.path.getsize(path) == 0):  # its own message for that: below
+        check_text_file(path, "prompt_file", text=False)
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\r\n") for line in f if line.strip()]
+    except UnicodeDecodeError as error:
+        raise ValueError(f"prompt_file={path!r} is not UTF-8 text (byte {error.start}); save it as UTF-8.") from None
+    if not prompts:
+        raise ValueError(f"prompt_file={path!r} holds no prompt; write one a line.")
+    return prompts
+
+
+def _print_stream(pieces: Iterator[str]) -> None:
+    """Each piece as it comes; Ctrl-C ends the text there (leaving the iterator stops the decoding)."""
+    try:
+        for piece in pieces:
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        print(flush=True)
+        raise SystemExit(130) from None
+    print()
 
 
 def estimate_cli(model: str = "355M", table: bool = False, **kwargs: Any) -> None:

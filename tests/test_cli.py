@@ -73,6 +73,10 @@ def files_under(folder) -> dict[str, bytes]:
     (["generate", "--model_folder=DAMAGED", "--n=0"], "--n=0 must be"),
     (["generate", "--model_folder=DAMAGED", "--n=3", "--batch_size=2"], "--n=3 must be a multiple of batch_size=2"),
     (["generate", "--model_folder=DAMAGED", "--to_file=False", "--temperature=0"], "--temperature=0 must be"),
+    (["generate", "--model_folder=DAMAGED", "--prompt_file=missing.txt"], "--prompt_file='missing.txt' does not exist"),
+    (["generate", "--model_folder=DAMAGED", "--prompt_file=EMPTY"], "holds no prompt; write one a line"),
+    (["generate", "--model_folder=DAMAGED", "--prompt_file=LATIN1"], "is not UTF-8 text (byte 3); save it as UTF-8"),
+    (["generate", "--model_folder=DAMAGED", "--stream", "--n=2"], "stream=True with n=2: one text streams at a time"),
     (["encode", "missing.txt"], "--file_path='missing.txt' does not exist"),
     (["train_tokenizer", "missing.txt"], "--files='missing.txt' does not exist"),
 ])
@@ -83,7 +87,10 @@ def test_a_mistake_in_any_verb_is_one_line_on_stderr_and_status_2(argv, says, co
     damaged.mkdir()
     tiny_gpt2_config().save_pretrained(damaged)
     (damaged / "model.safetensors").write_bytes(b"not a safetensors file")
-    argv = [arg.replace("DAMAGED", str(damaged)) for arg in argv]
+    (tmp_path / "empty.txt").write_text("\n  \n", encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    argv = [arg.replace("DAMAGED", str(damaged)).replace("EMPTY", str(tmp_path / "empty.txt"))
+            .replace("LATIN1", str(tmp_path / "latin1.txt")) for arg in argv]
     before = files_under(tmp_path)
     with pytest.raises(SystemExit) as exited:
         cli_module.main(argv)
@@ -118,3 +125,33 @@ def test_help_for_each_verb_lists_its_flags_with_their_defaults(verb, capsys):
     assert set(cli_module.flag_types(verb)) - listed <= {"file_path", "files"}  # the positional argument
     if verb == "train":
         assert "  --num_steps (5000)" in out and "  --learning_rate (0.001)" in out
+
+
+def test_generate_takes_a_file_of_prompts_and_streams_until_ctrl_c(tmp_path, tokenizer_file):
+    """--prompt_file: n texts for each line's prompt; --stream prints as it goes, and SIGINT (Ctrl-C) ends it at
+    once with status 130 and no traceback."""
+    import signal
+    import time
+
+    from transformers import GPT2LMHeadModel
+
+    GPT2LMHeadModel(tiny_gpt2_config(n_positions=64)).save_pretrained(tmp_path / "model")
+    (tmp_path / "prompts.txt").write_text("def\n\nclass\n", encoding="utf-8")
+    common = [f"--model_folder={tmp_path / 'model'}", f"--tokenizer_file={tokenizer_file}"]
+    cli("generate", *common, f"--prompt_file={tmp_path / 'prompts.txt'}", "--n=2", "--max_length=12",
+        "--nonempty_output=False", "--lstrip=False", f"--destination_path={tmp_path / 'texts.txt'}")
+    texts = (tmp_path / "texts.txt").read_text(encoding="utf-8").split("\n" + "=" * 20 + "\n")[:-1]
+    assert [t[:3] for t in texts] == ["def", "def", "cla", "cla"]
+
+    exe = os.path.join(os.path.dirname(sys.executable), "lowmem_aitextgen")
+    process = subprocess.Popen([exe, "generate", *common, "--stream", "--prompt=def", "--max_length=100000",
+                                "--suppress_tokens=[0]"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert process.stdout.read(3) == b"def"  # printed as it is made, long before 100,000 tokens
+        process.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 130 and b"Traceback" not in err, err[-2000:]
+        assert time.monotonic() - started < 30
+    finally:
+        process.kill()

