@@ -165,7 +165,15 @@ class aitextgen(_aitextgen):
         return self._view
 
     def _decoding_model(self, asked: str) -> torch.nn.Module:
-        return self._decoding.model_for(self.model, decoding_plan(self.model, asked))
+        """The model generate() runs (decoding.py); an int8 one read straight from the folder where the
+        object's model is not read yet (the object's stays unread: 1558M decodes in 3 GB)."""
+        plan = decoding_plan(self.model_shape, asked)
+        if self._deferred is not None and plan.form == "int8":
+            self._check_read_back()
+            view = self._decoding.model_from_folder(self._deferred, plan)
+            if view is not None:
+                return view
+        return self._decoding.model_for(self.model, plan)
 
     def _check_read_back(self) -> None:
         """The model a run left in its output_dir for this object (a 4-bit base's, read back on first use) is
@@ -258,9 +266,12 @@ class aitextgen(_aitextgen):
             **kwargs: transformers' generate() arguments (top_k, top_p, repetition_penalty, ...)."""
         args = arguments.from_call(self.generate, locals())
         self._check_tokenizer("generate()")
-        generation.check_generate(self.model, self.tokenizer, "generate()", args)
+        generation.check_generate(self.model_shape, self.tokenizer, "generate()", args)
         model = self._decoding_model(args.decoding)
-        return generation.generate(model, self.tokenizer, **{k: v for k, v in args.items() if k != "decoding"})
+        prompts = 1 if isinstance(args.prompt, str) else len(args.prompt)
+        extra = self._decoding.settings(args.n * prompts * (args.max_length or generation.DEFAULT_MAX_LENGTH))
+        return generation.generate(model, self.tokenizer, **{**extra, **{k: v for k, v in args.items()
+                                                                          if k != "decoding"}})
 
     def generate_one(self, **kwargs: Any) -> str:
         """One text, returned as a string."""
@@ -284,13 +295,12 @@ class aitextgen(_aitextgen):
         self._check_tokenizer("generate_to_file()")
         given = arguments.Arguments({"n": n, "batch_size": batch_size, "seed": seed, "decoding": decoding, **kwargs},
                                     {})
-        generation.check_generate(self.model, self.tokenizer, "generate_to_file()", given)
+        generation.check_generate(self.model_shape, self.tokenizer, "generate_to_file()", given)
         generation.check_values({**given, "sample_delim": sample_delim}, to_file=True)
-        plan = decoding_plan(self.model, decoding)
+        plan = decoding_plan(self.model_shape, decoding)
         path, seed = generation.destination(destination_path, seed)
-        model = self._decoding.model_for(self.model, plan)
-        generation.generate_to_file(model, self.tokenizer, n, batch_size or min(n, plan.file_batch), path,
-                                    sample_delim, seed, **kwargs)
+        generation.generate_to_file(self._decoding_model(decoding), self.tokenizer, n,
+                                    batch_size or min(n, plan.file_batch), path, sample_delim, seed, **kwargs)
         return path
 
     # --- training -------------------------------------------------------------
@@ -421,6 +431,7 @@ class aitextgen(_aitextgen):
         args = self._checked_train_arguments(arguments.from_call(self.train, locals()))
         loggers = make_loggers(args.loggers, args.output_dir)
         say_what_is_not_drawn()
+        self._decoding.forget()  # generate()'s copies: their memory back to the plan before it is made
         plan, settings, dataset, val_dataset, resumed = self._training_plan(args)
         deferred = self._deferred
         model, quantized, base_record = self._base_to_train(plan, resumed)

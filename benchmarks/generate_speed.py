@@ -1,0 +1,143 @@
+"""Generation speed against the references, in one process, alternating: transformers' fp32 generate()
+(aitextgen 0.6.0's path, and ours before issue 47), our exact decoding (decoding="exact"), and our default
+plan (decoding.py), for GPT-2 124M and 355M (random weights: speed only), 128 new tokens, sampling, batch 1 and 8.
+
+    python benchmarks/generate_speed.py --rounds 3
+    python benchmarks/generate_speed.py --sizes --memory 1558M        # peak RSS generating from a saved folder
+    python benchmarks/generate_speed.py --sizes --first-call 355M     # from aitextgen(model_folder=) to a token
+
+Reports tokens/s (the median of the rounds), time to first token (one new token, after a warm-up) and the
+ratios to transformers' fp32.  --memory: in a new process, aitextgen(model_folder=<a saved random model>)
+generating 32 tokens, its peak resident size (the whole run: reading, the decoding form, generating).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import GPT2Config
+
+from lowmem_aitextgen import aitextgen, hardware
+
+SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=24, n_embd=1024, n_head=16),
+         "1558M": dict(n_layer=48, n_embd=1600, n_head=25)}
+NEW, PROMPT = 128, "The meaning of"
+
+
+def transformers_fp32(ai: aitextgen, batch: int, new: int) -> None:
+    ids = ai.tokenizer(PROMPT, return_tensors="pt")["input_ids"].repeat(batch, 1)
+    with torch.inference_mode():
+        ai.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=True, temperature=0.7, pad_token_id=0)
+
+
+def ours(decoding: str):
+    def run(ai: aitextgen, batch: int, new: int) -> None:
+        length = len(ai.tokenizer(PROMPT)["input_ids"]) + new
+        ai.generate(n=batch, prompt=PROMPT, max_length=length, min_length=length, decoding=decoding,
+                    return_as_list=True, nonempty_output=False)
+    return run
+
+
+PATHS = {"transformers fp32": transformers_fp32, "ours, exact": ours("exact"), "ours, default": ours("auto")}
+
+
+def speeds(size: str, rounds: int) -> dict:
+    torch.manual_seed(0)
+    ai = aitextgen(config=GPT2Config(**SIZES[size]))
+    for run in PATHS.values():  # warm-up: the view is made, the kernels chosen
+        run(ai, 1, 4)
+    table = {}
+    for batch in (1, 8):
+        times = {name: [] for name in PATHS}
+        for _ in range(rounds):
+            for name, run in PATHS.items():  # alternating: the machine's noise falls on every path alike
+                start = time.perf_counter()
+                run(ai, batch, NEW)
+                times[name].append(time.perf_counter() - start)
+        first = {}
+        for name, run in PATHS.items():
+            start = time.perf_counter()
+            run(ai, batch, 1)
+            first[name] = time.perf_counter() - start
+        rates = {name: batch * NEW / statistics.median(t) for name, t in times.items()}
+        table[batch] = {name: {"tokens/s": round(rate, 1), "x fp32": round(rate / rates["transformers fp32"], 2),
+                               "first token s": round(first[name], 3)} for name, rate in rates.items()}
+    return table
+
+
+# VmHWM, this process's peak: ru_maxrss would also count the parent's size at the fork (Linux keeps it over exec)
+MEMORY_RUN = """
+import re, sys
+from lowmem_aitextgen import aitextgen
+ai = aitextgen(model_folder=sys.argv[1])
+ai.generate(n=1, prompt="The meaning of", max_length=36, min_length=36, return_as_list=True)
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024)
+"""
+
+
+def peak_memory(size: str) -> int:
+    """Peak RSS of a new process generating from a random model of `size` saved as train() saves (one
+    model.safetensors; save_pretrained would shard 1558M, which is read whole)."""
+    with tempfile.TemporaryDirectory() as folder:
+        made = aitextgen(config=GPT2Config(**SIZES[size]))
+        made.save(folder)
+        del made
+        result = subprocess.run([sys.executable, "-c", MEMORY_RUN, folder], capture_output=True, text=True,
+                                check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        return int(result.stdout.strip().splitlines()[-1])
+
+
+FIRST_CALL = """
+import sys, time
+from lowmem_aitextgen import aitextgen
+start = time.perf_counter()
+ai = aitextgen(model_folder=sys.argv[1])
+ai.generate(n=1, prompt="The meaning of", max_length=5, min_length=5, decoding=sys.argv[2], return_as_list=True)
+print(time.perf_counter() - start)
+"""
+
+
+def first_call(size: str, rounds: int) -> dict[str, float]:
+    """Seconds from aitextgen(model_folder=...) to a first token, in new processes, alternating: exact decoding
+    (today's path: the weights read in fp32 on first use) against the default (read straight into int8)."""
+    times: dict[str, list[float]] = {"exact": [], "auto": []}
+    with tempfile.TemporaryDirectory() as folder:
+        aitextgen(config=GPT2Config(**SIZES[size])).save(folder)
+        for _ in range(rounds):
+            for form in times:
+                result = subprocess.run([sys.executable, "-c", FIRST_CALL, folder, form], capture_output=True,
+                                        text=True, check=True)
+                times[form].append(float(result.stdout.strip().splitlines()[-1]))
+    return {f"decoding={form!r}": round(statistics.median(t), 2) for form, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sizes", nargs="*", default=["124M", "355M"])
+    parser.add_argument("--memory", nargs="*", default=[])
+    parser.add_argument("--first-call", nargs="*", default=[])
+    args = parser.parse_args()
+    report = {"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    for size in args.sizes:
+        report[size] = speeds(size, args.rounds)
+        print(json.dumps({size: report[size]}), flush=True)
+    for size in args.first_call:
+        report[f"{size} first call s"] = first_call(size, args.rounds)
+        print(json.dumps({size: report[f"{size} first call s"]}), flush=True)
+    for size in args.memory:
+        report[f"{size} peak RSS GiB"] = round(peak_memory(size) / 2**30, 2)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
