@@ -133,9 +133,9 @@ def test_generate_takes_a_file_of_prompts_and_streams_until_ctrl_c(tmp_path, tok
     import signal
     import time
 
-    from transformers import GPT2LMHeadModel
+    from lowmem_aitextgen import aitextgen
 
-    GPT2LMHeadModel(tiny_gpt2_config(n_positions=64)).save_pretrained(tmp_path / "model")
+    aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=64)).save(str(tmp_path / "model"))
     (tmp_path / "prompts.txt").write_text("def\n\nclass\n", encoding="utf-8")
     common = [f"--model_folder={tmp_path / 'model'}", f"--tokenizer_file={tokenizer_file}"]
     cli("generate", *common, f"--prompt_file={tmp_path / 'prompts.txt'}", "--n=2", "--max_length=12",
