@@ -43,7 +43,7 @@ from .adapters import base_fingerprint, is_adapter_model, write_adapter_model
 from .plan import CHECKPOINT_NAME, TrainPlan, new_run_id
 from .report import LOGS_SUBFOLDER, RunRecorder
 from .resume import discard_checkpoint, save_checkpoint
-from .saving import LOCK_NAME, atomic_save, atomic_write_bytes, check_finite
+from .saving import LOCK_NAME, NonFiniteWeights, atomic_save, atomic_write_bytes, check_finite
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -222,8 +222,17 @@ class RunFiles:
         return f"{self.plan.output_dir} keeps the model saved at step {self.saved_at:,}"
 
     def checkpoint(self, trainer: pl.Trainer) -> None:
-        """The resumable checkpoint; never one with NaN/inf weights over a good one."""
-        check_finite(trainer.lightning_module.model, "The weights to checkpoint")
+        """The resumable checkpoint; never one with NaN/inf weights over a good one.  Each process checks its
+        own shard and they decide together: one stopping alone would leave the others waiting in the save's
+        gather for ever."""
+        try:
+            check_finite(trainer.lightning_module.model, "The weights to checkpoint")
+            bad = None
+        except NonFiniteWeights as error:
+            bad = error
+        if not trainer.strategy.reduce_boolean_decision(bad is None, all=True):
+            raise bad or NonFiniteWeights("The weights to checkpoint are not finite (NaN/inf in another process's "
+                                          "shard).")
         save_checkpoint(trainer, self.checkpoint_path)
         if trainer.is_global_zero:
             self.manifest.wrote([CHECKPOINT_NAME])

@@ -344,17 +344,20 @@ def assert_holds(record: str, name: str, other: aitextgen) -> None:
         assert json.load(f)["text"] == other.generate_one(max_length=8, seed=3), name
 
 
-@pytest.mark.parametrize("ending", ["finished", "Ctrl-C", "weights went bad after a save"])
+@pytest.mark.parametrize("ending", ["finished", "Ctrl-C", "weights went bad after a save",
+                                    "weights went bad before any save"])
 def test_after_a_sharded_run_the_object_holds_what_a_new_object_loads_and_trains_on_as_it_does(
         ending, corpus_file, tokenizer_file, realistic_base, tmp_path):
     """Issue 46's matrix (test_aitextgen.py) for the sharded kind of run: after the ending, rank 0's object holds
-    what aitextgen(model_folder=output_dir) loads, ai.save() writes it, and training it again (both ranks, into
-    another folder) ends as training the new object does."""
+    what aitextgen(model_folder=...) loads from the folder holding its model (output_dir, or where the run
+    started when nothing good was saved), ai.save() writes it, and training it again (both ranks, into another
+    folder) ends as training the new object does."""
     out, record = str(tmp_path / "out"), str(tmp_path / "record")
     endings_script(corpus_file, tokenizer_file, realistic_base, out, str(tmp_path / "next"), record, ending)
-    for folder in (out, os.path.join(record, "saved")):
+    holding = realistic_base if ending == "weights went bad before any save" else out
+    for folder in (holding, os.path.join(record, "saved")):
         assert_holds(record, "object", aitextgen(model_folder=folder, tokenizer_file=tokenizer_file))
     reference = str(tmp_path / "reference")
-    endings_script(corpus_file, tokenizer_file, out, "unused", str(tmp_path / "next new"), reference, "none")
+    endings_script(corpus_file, tokenizer_file, holding, "unused", str(tmp_path / "next new"), reference, "none")
     assert_holds(record, "next", aitextgen(model_folder=str(tmp_path / "next new"), tokenizer_file=tokenizer_file))
     assert_holds(reference, "next", aitextgen(model_folder=str(tmp_path / "next"), tokenizer_file=tokenizer_file))

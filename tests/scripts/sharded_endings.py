@@ -6,7 +6,8 @@ next run is made (the reference the test compares with).
 Run as a script: Lightning starts rank 1 by running this file again.
 usage: sharded_endings.py DATA TOKENIZER BASE_FOLDER OUTPUT_DIR NEXT_DIR RECORD_DIR ENDING
 ENDING: none, finished, Ctrl-C (SIGINT to every rank after step 2, as a terminal's Ctrl-C reaches the whole
-process group), weights went bad after a save (a NaN in rank 0's shard after step 3)
+process group), weights went bad after a save (a NaN in rank 0's shard after step 3), weights went bad before any
+save (after step 1)
 """
 
 import json
@@ -34,7 +35,8 @@ class Ending(pl.Callback):
         if self.ending == "Ctrl-C" and trainer.global_step == 2:
             self.ending = "done"
             os.kill(os.getpid(), signal.SIGINT)
-        elif self.ending == "weights went bad after a save" and trainer.global_step == 3 and trainer.is_global_zero:
+        elif self.ending.startswith("weights went bad") and trainer.is_global_zero and trainer.global_step == (
+                3 if self.ending.endswith("after a save") else 1):
             self.ending = "done"
             with torch.no_grad():
                 next(p for p in pl_module.model.parameters() if p.is_floating_point()).to_local().view(-1)[0] = \
@@ -57,7 +59,7 @@ if __name__ == "__main__":
         try:
             ai.train(data, output_dir=output_dir, num_steps=4, save_every=2, callbacks=[Ending(ending)], **COMMON)
         except TrainingDiverged:
-            assert ending == "weights went bad after a save"
+            assert ending.startswith("weights went bad")
         if rank == 0:
             record(ai, record_dir, "object")
             ai.save(os.path.join(record_dir, "saved"))
