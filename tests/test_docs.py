@@ -11,9 +11,10 @@ import pytest
 from lowmem_aitextgen import cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCUMENTS = [ROOT / "README.md", ROOT / "MIGRATING.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [ROOT / "README.md", ROOT / "MIGRATING.md", *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "benchmarks" / "RESULTS.md"]
 # where a bare file name (`plan.py`) may live
-HOMES = ("", "lowmem_aitextgen", "tests", "benchmarks", "samples", "docs")
+HOMES = ("", "lowmem_aitextgen", "tests", "benchmarks", "benchmarks/results", "samples", "docs")
 # names the documents use for the user's own files, not this tree's
 USERS_FILES = {"your_script.py", "data.txt", "input.txt", "train.py"}
 PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:py|md|sh|jsonl|cfg|ini|toml))(?![\w/])")
