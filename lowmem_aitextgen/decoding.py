@@ -169,6 +169,7 @@ class DecodingView:
     def __init__(self) -> None:
         self._views: dict[str, tuple[tuple, nn.Module]] = {}
         self.plan: DecodePlan | None = None
+        self.tokens = 0  # asked of the views so far: where compiling pays
 
     def model_for(self, model: nn.Module, plan: DecodePlan) -> nn.Module:
         key = (id(model), plan.device, tuple(p._version for p in model.parameters()),
@@ -195,8 +196,6 @@ class DecodingView:
     def forget(self) -> None:
         """Drop the views (the object's model changed; train() frees their memory before training)."""
         self._views, self.plan, self.tokens = {}, None, 0
-
-    tokens = 0  # asked of the views so far: where compiling pays
 
     def settings(self, asked_tokens: int) -> dict[str, Any]:
         """generate()'s extra settings for the next call, which asks for `asked_tokens`: a static cache (which
