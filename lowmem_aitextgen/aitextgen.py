@@ -25,7 +25,7 @@ from .adapters import base_matches, check_adapter_fits, is_adapter_model, loaded
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
-from .decoding import DecodingView
+from .decoding import DecodePlan, DecodingView
 from .decoding import plan_decoding as decoding_plan
 from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
@@ -164,10 +164,9 @@ class aitextgen(_aitextgen):
             self._view = DecodingView()
         return self._view
 
-    def _decoding_model(self, asked: str) -> torch.nn.Module:
-        """The model generate() runs (decoding.py); an int8 one read straight from the folder where the
-        object's model is not read yet (the object's stays unread: 1558M decodes in 3 GB)."""
-        plan = decoding_plan(self.model_shape, asked)
+    def _decoding_model(self, plan: DecodePlan) -> torch.nn.Module:
+        """The model generate() runs in `plan` (decoding.py); an int8 one read straight from the folder where
+        the object's model is not read yet (the object's stays unread: 1558M decodes in 3 GB)."""
         if self._deferred is not None and plan.form == "int8":
             self._check_read_back()
             view = self._decoding.model_from_folder(self._deferred, plan)
@@ -267,8 +266,8 @@ class aitextgen(_aitextgen):
         args = arguments.from_call(self.generate, locals())
         self._check_tokenizer("generate()")
         generation.check_generate(self.model_shape, self.tokenizer, "generate()", args)
-        model = self._decoding_model(args.decoding)
-        prompts = 1 if isinstance(args.prompt, str) else len(args.prompt)
+        model = self._decoding_model(decoding_plan(self.model_shape, args.decoding))
+        prompts = len(generation.as_prompts(args.prompt))
         extra = self._decoding.settings(args.n * prompts * (args.max_length or generation.DEFAULT_MAX_LENGTH))
         return generation.generate(model, self.tokenizer, **{**extra, **{k: v for k, v in args.items()
                                                                           if k != "decoding"}})
@@ -299,7 +298,7 @@ class aitextgen(_aitextgen):
         generation.check_values({**given, "sample_delim": sample_delim}, to_file=True)
         plan = decoding_plan(self.model_shape, decoding)
         path, seed = generation.destination(destination_path, seed)
-        generation.generate_to_file(self._decoding_model(decoding), self.tokenizer, n,
+        generation.generate_to_file(self._decoding_model(plan), self.tokenizer, n,
                                     batch_size or min(n, plan.file_batch), path, sample_delim, seed, **kwargs)
         return path
 

@@ -36,6 +36,7 @@ import copy
 import gc
 import logging
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -235,23 +236,23 @@ def int8_view_from(deferred: Any) -> nn.Module | None:
     memory (GPT-2 1558M: 6.2 GB of fp32 for 1.6 GB of int8).  None where the file cannot be read so."""
     from .heap import release_freed_heap
 
-    left = {}
-    for name, _ in deferred.skeleton.named_parameters():
-        if name.startswith("transformer.h."):
-            index = int(name.split(".")[2])
-            left[index] = left.get(index, 0) + 1
+    left = Counter(_block_of(name) for name, _ in deferred.skeleton.named_parameters())
 
     def each(model: nn.Module, name: str, parameter: nn.Parameter) -> None:
-        if name.startswith("transformer.h."):
-            index = int(name.split(".")[2])
-            left[index] -= 1
-            if not left[index]:
-                quantize_block(model.transformer.h[index])
-                gc.collect(1)  # the quantizer leaves the float modules in young reference cycles: free them now
-                release_freed_heap()
+        index = _block_of(name)
+        left[index] -= 1
+        if index is not None and not left[index]:
+            quantize_block(model.transformer.h[index])
+            gc.collect(1)  # the quantizer leaves the float modules in young reference cycles: free them now
+            release_freed_heap()
 
     view = deferred.read(torch.float32, each)
     return None if view is None else with_int8_head(view)
+
+
+def _block_of(name: str) -> int | None:
+    """The index of the GPT-2 block a parameter's name is in, or None (embeddings, the final norm)."""
+    return int(name.split(".")[2]) if name.startswith("transformer.h.") else None
 
 
 def quantize_block(block: nn.Module) -> None:

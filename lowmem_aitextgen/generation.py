@@ -35,10 +35,29 @@ MAX_ATTEMPTS = 10  # sampled batches in a row that came out empty after clean-up
 DEFAULT_MAX_LENGTH = 256  # aitextgen's; lowered to the model's context where that is shorter
 SEPARATOR = "\n" + "=" * 10 + "\n"
 
+
+def prompt_problem(value: Any) -> str | None:
+    """A prompt: text, or a non-empty list of texts."""
+    if isinstance(value, str):
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
+        return None
+    if isinstance(value, (list, tuple)) and not value:
+        return "is an empty list; give at least one prompt, or prompt='' for none"
+    if isinstance(value, (list, tuple)):
+        return "must hold only text; e.g. prompt=['Once upon a time', 'It was']"
+    return "must be text or a list of texts, e.g. prompt='Once upon a time'"
+
+
+def as_prompts(prompt: str | list[str]) -> list[str]:
+    """generate()'s prompt= as a list: one text, or the texts given."""
+    return [prompt] if isinstance(prompt, str) else list(prompt)
+
+
 GENERATE_RULES = {
     "n": integer(1, "the number of texts, e.g. n=3"),
     "batch_size": optional(integer(1, "texts generated together, e.g. batch_size=5")),
-    "prompt": lambda v: prompt_problem(v),
+    "prompt": prompt_problem,
     "prepend_bos": optional(flag()),
     "min_length": optional(integer(0, "in tokens, e.g. min_length=20")),
     "max_length": optional(integer(1, "in tokens, e.g. max_length=256")),
@@ -55,26 +74,13 @@ NOT_STREAMED = {"n": "one text streams at a time; leave n out", "batch_size": "o
                 "schema": "a schema's fields are parsed once the text is whole; leave schema out"}
 
 
-def prompt_problem(value: Any) -> str | None:
-    """A prompt: text, or a non-empty list of texts."""
-    if isinstance(value, str):
-        return None
-    if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
-        return None
-    if isinstance(value, (list, tuple)) and not value:
-        return "is an empty list; give at least one prompt, or prompt='' for none"
-    if isinstance(value, (list, tuple)):
-        return "must hold only text; e.g. prompt=['Once upon a time', 'It was']"
-    return "must be text or a list of texts, e.g. prompt='Once upon a time'"
-
-
 def check_streaming(args: Mapping[str, Any]) -> None:
     """stream=True with what it cannot honour, refused naming the argument."""
     if not args.get("stream"):
         return
-    prompts = args.get("prompt", "")
-    if not isinstance(prompts, str) and len(prompts) > 1:
-        raise ValueError(f"stream=True with prompt={prompts!r}: one text streams at a time; give one prompt.")
+    if len(as_prompts(args.get("prompt", ""))) > 1:
+        raise ValueError(f"stream=True with prompt={args['prompt']!r}: one text streams at a time; give one "
+                         "prompt.")
     for name, why in NOT_STREAMED.items():
         value = args.get(name)
         if value not in (None, False, 1) or (name == "schema" and value):
@@ -109,12 +115,11 @@ def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments
     if len(tokenizer) > embeddings:
         raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
                          f"{embeddings:,}; construct aitextgen with the tokenizer the model was trained with.")
-    prompts = args.get("prompt") or ""
-    for prompt in [prompts] if isinstance(prompts, str) else prompts:
+    prompts, context = as_prompts(args.get("prompt") or ""), context_length(model)
+    for prompt in prompts:
         ids = tokenizer(prompt)["input_ids"] if prompt else []
-        context = context_length(model)
         if len(ids) >= context:
-            named = "The prompt" if isinstance(prompts, str) else f"The prompt {prompt[:40]!r}"
+            named = "The prompt" if isinstance(args.get("prompt"), str) else f"The prompt {prompt[:40]!r}"
             raise ValueError(f"{named} is {len(ids)} tokens, but the model's context is {context} tokens; shorten "
                              "the prompt.")
 
@@ -169,7 +174,7 @@ def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str | list
     iterator of the text's pieces as they are made."""
     from aitextgen.utils import reset_seed, set_seed
 
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    prompts = as_prompts(prompt)
     rows = [ids for p in prompts for ids in [_prompt_ids(model, tokenizer, p, prepend_bos)] * n]
     lengths = Lengths(target_length(model, max_length), min_length)
     if pad_token_id is None:
@@ -374,7 +379,7 @@ def generate_to_file(model: nn.Module, tokenizer: Any, n: int, batch_size: int, 
 
     from .saving import atomic_file
 
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    prompts = as_prompts(prompt)
     if seed is not None:
         set_seed(seed)
     logger.info(f"Generating {n * len(prompts):,} texts to {path}")

@@ -67,15 +67,19 @@ def _pieces(run: Callable[[], None], tokens: Tokens, failure: list[BaseException
     from aitextgen.utils import reset_seed
 
     thread = threading.Thread(target=run, name="lowmem_aitextgen generate(stream=True)", daemon=True)
-    shown = ""
+    # the text of ids[:start], decoded once: it ends a line, where decoding what follows apart gives the same
+    # text (transformers' TextStreamer resets there too), so each token decodes the current line, not the text
+    shown, done, start = "", "", 0
     thread.start()
     try:
         while True:
-            text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            text = done + tokenizer.decode(ids[start:], skip_special_tokens=skip_special_tokens)
             text = text.lstrip() if lstrip else text
             if not text.endswith("\ufffd") and len(text) > len(shown):
                 yield text[len(shown):]
                 shown = text
+                if shown.endswith("\n"):
+                    done, start = shown, len(ids)
             new = tokens.queue.get()
             if new is _DONE:
                 break

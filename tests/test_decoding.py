@@ -148,6 +148,9 @@ def test_stream_pieces_join_to_the_text_generate_returns(ai):
     assert len(pieces) > 5 and "".join(pieces) == ai.generate_one(**common)
     past_the_context = dict(common, max_length=150, decoding="exact")
     assert "".join(ai.generate(stream=True, **past_the_context)) == ai.generate_one(**past_the_context)
+    after_a_line = dict(common, prompt="def main():\n")  # the text so far ends a line: decoded apart after it
+    pieces = list(ai.generate(stream=True, **after_a_line))
+    assert pieces[0].endswith("\n") and "".join(pieces) == ai.generate_one(**after_a_line)
 
 
 def test_leaving_a_stream_stops_the_decoding_at_once(ai):
