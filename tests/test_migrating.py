@@ -360,6 +360,19 @@ def _(env):
     assert set(sizes) == {8, 2}  # the CPU plan's 8, and the rest
 
 
+@difference("generate-to-file-n")
+def _(env):
+    ai = env.ai()
+    word = ai.tokenizer.encode("a")[0]
+    space = ai.tokenizer.encode(" ")[0]
+    # a coin between a word and a space (stripped to nothing): about half the texts come out empty
+    ai.model.lm_head.register_forward_hook(
+        lambda m, a, logits: logits.index_fill(-1, torch.tensor([word, space]), 1e4))
+    path = ai.generate_to_file(n=16, batch_size=8, destination_path=str(env.tmp / "texts.txt"), max_length=2,
+                               decoding="exact", seed=1, sample_delim="@@\n")
+    assert open(path, encoding="utf-8").read().count("@@\n") == 16
+
+
 @difference("to-fp16-on-cpu")
 def _(env):
     ai = env.ai()
