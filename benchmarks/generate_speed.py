@@ -8,7 +8,10 @@ plan (decoding.py), for GPT-2 124M and 355M (random weights: speed only), 128 ne
 
 Reports tokens/s (the median of the rounds), time to first token (one new token, after a warm-up) and the
 ratios to transformers' fp32.  --memory: in a new process, aitextgen(model_folder=<a saved random model>)
-generating 32 tokens, its peak resident size (the whole run: reading, the decoding form, generating).
+generating 32 tokens with a seed (int8 at once; unseeded, a short first call decodes as held where fp32
+fits the memory: decoding.VIEW_PAYS_AFTER), its peak resident size (the whole run: reading, the decoding form,
+generating).  --first-call: seconds from the constructor to the end of a first call of 1 and of 128 new tokens,
+unseeded.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def ours(decoding: str):
     def run(ai: aitextgen, batch: int, new: int) -> None:
         length = len(ai.tokenizer(PROMPT)["input_ids"]) + new
         ai.generate(n=batch, prompt=PROMPT, max_length=length, min_length=length, decoding=decoding,
-                    return_as_list=True, nonempty_output=False)
+                    return_as_list=True, nonempty_output=False, seed=1)  # seeded: the view is made at the warm-up
     return run
 
 
@@ -79,7 +82,7 @@ MEMORY_RUN = """
 import re, sys
 from lowmem_aitextgen import aitextgen
 ai = aitextgen(model_folder=sys.argv[1])
-ai.generate(n=1, prompt="The meaning of", max_length=36, min_length=36, return_as_list=True)
+ai.generate(n=1, prompt="The meaning of", max_length=36, min_length=36, return_as_list=True, seed=1)
 print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024)
 """
 
@@ -101,23 +104,26 @@ import sys, time
 from lowmem_aitextgen import aitextgen
 start = time.perf_counter()
 ai = aitextgen(model_folder=sys.argv[1])
-ai.generate(n=1, prompt="The meaning of", max_length=5, min_length=5, decoding=sys.argv[2], return_as_list=True)
+length = 4 + int(sys.argv[3])  # the prompt's 4 tokens and the new ones
+ai.generate(n=1, prompt="The meaning of", max_length=length, min_length=length, decoding=sys.argv[2],
+            return_as_list=True)
 print(time.perf_counter() - start)
 """
 
 
 def first_call(size: str, rounds: int) -> dict[str, float]:
-    """Seconds from aitextgen(model_folder=...) to a first token, in new processes, alternating: exact decoding
-    (today's path: the weights read in fp32 on first use) against the default (read straight into int8)."""
-    times: dict[str, list[float]] = {"exact": [], "auto": []}
+    """Seconds from aitextgen(model_folder=...) to the end of a first call of 1 and of 128 new tokens, in new
+    processes, alternating: exact decoding (aitextgen's path: the weights read in fp32 on first use) against the
+    default (decoding.py)."""
+    times: dict[tuple[str, int], list[float]] = {(form, new): [] for new in (1, NEW) for form in ("exact", "auto")}
     with tempfile.TemporaryDirectory() as folder:
         aitextgen(config=GPT2Config(**SIZES[size])).save(folder)
         for _ in range(rounds):
-            for form in times:
-                result = subprocess.run([sys.executable, "-c", FIRST_CALL, folder, form], capture_output=True,
-                                        text=True, check=True)
-                times[form].append(float(result.stdout.strip().splitlines()[-1]))
-    return {f"decoding={form!r}": round(statistics.median(t), 2) for form, t in times.items()}
+            for form, new in times:
+                result = subprocess.run([sys.executable, "-c", FIRST_CALL, folder, form, str(new)],
+                                        capture_output=True, text=True, check=True)
+                times[form, new].append(float(result.stdout.strip().splitlines()[-1]))
+    return {f"decoding={form!r}, {new} tokens": round(statistics.median(t), 2) for (form, new), t in times.items()}
 
 
 def main() -> None:

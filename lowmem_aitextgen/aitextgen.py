@@ -164,9 +164,15 @@ class aitextgen(_aitextgen):
             self._view = DecodingView()
         return self._view
 
-    def _decoding_model(self, plan: DecodePlan) -> torch.nn.Module:
-        """The model generate() runs in `plan` (decoding.py); an int8 one read straight from the folder where
-        the object's model is not read yet (the object's stays unread: 1558M decodes in 3 GB)."""
+    def _plan_decoding(self, decoding: str, length: int) -> DecodePlan:
+        return decoding_plan(self.model_shape, decoding, length=length, read=self._deferred is None)
+
+    def _decoding_model(self, plan: DecodePlan, asked: int, repeatable: bool) -> torch.nn.Module:
+        """The model generate() runs in `plan` (decoding.py) for a call asking `asked` tokens: the model as held
+        while the plan's view does not pay yet for a call that cannot be repeated; an int8 one read straight
+        from the folder where the object's model is not read yet (it stays unread: 1558M decodes in 3 GB)."""
+        if not repeatable and self._decoding.waits(plan, asked):
+            return self.model
         if self._deferred is not None and plan.form == "int8":
             self._check_read_back()
             view = self._decoding.model_from_folder(self._deferred, plan)
@@ -266,11 +272,14 @@ class aitextgen(_aitextgen):
         args = arguments.from_call(self.generate, locals())
         self._check_tokenizer("generate()")
         generation.check_generate(self.model_shape, self.tokenizer, "generate()", args)
-        model = self._decoding_model(decoding_plan(self.model_shape, args.decoding))
-        prompts = len(generation.as_prompts(args.prompt))
-        extra = self._decoding.settings(args.n * prompts * (args.max_length or generation.DEFAULT_MAX_LENGTH))
-        return generation.generate(model, self.tokenizer, **{**extra, **{k: v for k, v in args.items()
-                                                                          if k != "decoding"}})
+        length = generation.row_length(self.model_shape, args.max_length)
+        plan = self._plan_decoding(args.decoding, length)
+        rows = args.n * len(generation.as_prompts(args.prompt))
+        model = self._decoding_model(plan, 0 if args.stream else rows * length, generation.repeatable(args))
+        call = {**self._decoding.settings(rows * length), **{k: v for k, v in args.items() if k != "decoding"}}
+        if call["batch_size"] is None and plan.max_rows is not None and rows > plan.max_rows:
+            call["batch_size"] = plan.max_rows  # what fits the memory at once (decoding.DecodingMemory)
+        return generation.generate(model, self.tokenizer, **call)
 
     def generate_one(self, **kwargs: Any) -> str:
         """One text, returned as a string."""
@@ -296,10 +305,13 @@ class aitextgen(_aitextgen):
                                     {})
         generation.check_generate(self.model_shape, self.tokenizer, "generate_to_file()", given)
         generation.check_values({**given, "sample_delim": sample_delim}, to_file=True)
-        plan = decoding_plan(self.model_shape, decoding)
+        length = generation.row_length(self.model_shape, kwargs.get("max_length"))
+        plan = self._plan_decoding(decoding, length)
         path, seed = generation.destination(destination_path, seed)
-        generation.generate_to_file(self._decoding_model(plan), self.tokenizer, n,
-                                    batch_size or min(n, plan.file_batch), path, sample_delim, seed, **kwargs)
+        texts = n * len(generation.as_prompts(kwargs.get("prompt", "")))
+        model = self._decoding_model(plan, texts * length, generation.repeatable({**kwargs, "seed": seed}))
+        generation.generate_to_file(model, self.tokenizer, n, batch_size or min(n, plan.file_batch), path,
+                                    sample_delim, seed, **kwargs)
         return path
 
     # --- training -------------------------------------------------------------

@@ -107,7 +107,12 @@ def device_budget(accelerator: str, resident: int, processes: int = 1) -> Budget
         return gpu_budget(card, resident) if card is not None else None
     gc.collect()  # what earlier runs in this process freed is this run's too: give it back to the OS first
     release_freed_heap()
-    machine = hardware.cpu()
+    return cpu_budget(hardware.cpu(), processes)
+
+
+def cpu_budget(machine: hardware.CPU, processes: int = 1) -> Budget | None:
+    """What this process may hold on `machine`: its resident size and the available memory, less the margin
+    (None where either cannot be read)."""
     if machine.available is None or machine.resident is None:
         return None
     margin = int(max(CPU_MARGIN_MIN, CPU_MARGIN_FRACTION * machine.available))

