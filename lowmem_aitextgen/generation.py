@@ -186,7 +186,7 @@ def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str | list
     from aitextgen.utils import reset_seed, set_seed
 
     prompts = as_prompts(prompt)
-    rows = [ids for p in prompts for ids in [_prompt_ids(model, tokenizer, p, prepend_bos)] * n]
+    rows = [ids for p in prompts for ids in [prompt_ids(model, tokenizer, p, prepend_bos)] * n]
     lengths = Lengths(target_length(model, max_length), min_length)
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None)
@@ -301,7 +301,7 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _prompt_ids(model: nn.Module, tokenizer: Any, prompt: str, prepend_bos: bool | None) -> torch.Tensor:
+def prompt_ids(model: nn.Module, tokenizer: Any, prompt: str, prepend_bos: bool | None) -> torch.Tensor:
     """The prompt's ids (1-D, on the CPU), after bos when asked (default: for an empty prompt, which
     transformers 5 no longer starts from bos itself, and for models trained line by line, as aitextgen did)."""
     ids = tokenizer(text=prompt, return_tensors="pt")["input_ids"][0]

@@ -163,7 +163,8 @@ def decode_together(model: torch.nn.Module, tokenizer: object, rows: list[Row]) 
 
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else (eos or 0)
-    longest = max(len(row.prompt) + row.settings.max_new for row in rows)
+    # every row takes one step a token: the batch needs the most any row asks (each stops itself at its own)
+    longest = min(len(row.prompt) for row in rows) + max(row.settings.max_new for row in rows)
     settings = dict(do_sample=False, pad_token_id=pad, use_cache=True,
                     logits_processor=[RowSampler(rows, tokenizer, eos, pad)])
     decode_rows(model, [row.prompt for row in rows], Lengths(longest), settings, streamer=RowsDone(rows))

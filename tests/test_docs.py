@@ -19,7 +19,7 @@ HOMES = ("", "lowmem_aitextgen", "tests", "benchmarks", "benchmarks/results", "s
 USERS_FILES = {"your_script.py", "data.txt", "input.txt", "train.py"}
 PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:py|md|sh|jsonl|cfg|ini|toml))(?![\w/])")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-COMMAND = re.compile(r"lowmem_aitextgen ((?:encode|train_tokenizer|train|generate|estimate)(?![\w/])[^`\n]*)")
+COMMAND = re.compile(r"lowmem_aitextgen ((?:encode|train_tokenizer|train|generate|estimate|serve)(?![\w/])[^`\n]*)")
 
 
 def test_the_front_door_is_one_page_and_the_manual_is_in_docs():

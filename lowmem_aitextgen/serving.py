@@ -1,0 +1,312 @@
+"""`lowmem_aitextgen serve`: a trained model behind OpenAI's completions API and a page, on Starlette and
+uvicorn (the optional extra `serve`).
+
+| route                | what                                                                        |
+|----------------------|-----------------------------------------------------------------------------|
+| POST /v1/completions | completions.py's fields; batched (batching.py), streamed as server-sent events |
+| GET /v1/models       | the served model, with its decoding plan                                    |
+| GET /health          | up, and what is queued, decoding, cancelled so far                          |
+| GET /                | the page (page.html): a prompt box, the usual settings, the text as it comes |
+
+Bounded: a body over MAX_BODY bytes, malformed JSON and every wrong field answer 400 naming the field; a full
+queue 429 with Retry-After at once; a request past --timeout 504, its rows stopped; a client gone mid-stream
+stops its rows.  With --api-key every /v1 request needs `Authorization: Bearer KEY` (compared in constant
+time).  Nothing a request sends names a file: the model is chosen when the server starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from . import completions, hardware
+from .batching import Batcher, Job
+from .completions import ApiError, Completion, Limits
+from .sampling import Row, RowSettings, decode_together
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+INSTALL_SERVE = 'pip install "lowmem_aitextgen[serve]" (Starlette and uvicorn)'
+MAX_BODY = 1 << 20  # bytes: a request is a prompt and a few settings
+RETRY_AFTER_SECONDS = 1
+POLL_SECONDS = 0.1  # how often a waiting request looks whether its client is still there
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """serve's flags, checked before the model is read (check)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_tokens: int = 256
+    max_batch: int = 8
+    queue: int = 64
+    timeout: float = 60.0
+
+    def check(self) -> None:
+        for name, low in (("max_tokens", 1), ("max_batch", 1), ("queue", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"--{name}={value!r}: must be a whole number of at least {low}.")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port={self.port!r}: must be a port number from 1 to 65535 (0: any free port).")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError(f"--timeout={self.timeout!r}: must be a number of seconds above 0.")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"--host={self.host!r}: must be an address to bind, e.g. 127.0.0.1.")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError("--api_key: must be a non-empty text; leave it out to serve without one.")
+        for package in ("starlette", "uvicorn"):
+            if not hardware.importable(package):
+                raise ValueError(f"serve needs {package}, which is not installed: {INSTALL_SERVE}.")
+
+
+class Server:
+    """What the routes share: the model in its serving form, the tokenizer, the limits and the queue."""
+
+    def __init__(self, ai: Any, model_id: str, settings: ServeSettings) -> None:
+        self.model, self.plan = ai.serving_model()
+        self.tokenizer, self.settings = ai.tokenizer, settings
+        context = self.model.config.n_positions
+        rows = min(settings.max_batch, self.plan.max_rows or settings.max_batch)
+        self.limits = Limits(model_id, context, min(settings.max_tokens, context), rows)
+        self.batcher = Batcher(lambda batch: decode_together(self.model, self.tokenizer, batch), rows,
+                               settings.queue, fits=self._within_context)
+        self.cancelled_rows = {"client left": 0, "timed out": 0}
+        self.created = int(time.time())
+
+    def rows(self, request: Completion, on_text: Any) -> tuple[list[Row], int]:
+        """The request's rows (choice k: prompt k // n), and its prompts' tokens; a prompt the context cannot
+        take with max_tokens refused (400)."""
+        from .generation import prompt_ids
+
+        rows, prompt_tokens = [], 0
+        for p, prompt in enumerate(request.prompts):
+            ids = prompt_ids(self.model, self.tokenizer, prompt, request.prepend_bos or None)
+            prompt_tokens += len(ids)
+            if len(ids) + request.max_tokens > self.limits.context:
+                raise ApiError(400, f"The prompt is {len(ids)} tokens and max_tokens={request.max_tokens}: more than "
+                                    f"the model's context of {self.limits.context}; lower max_tokens to "
+                                    f"{max(0, self.limits.context - len(ids))} or shorten the prompt.", "max_tokens")
+            for j in range(request.n):
+                k = p * request.n + j
+                rows.append(Row(ids, self._settings(request, len(ids), k), lambda piece, k=k: on_text(k, piece)))
+        return rows, prompt_tokens
+
+    def _within_context(self, rows: list[Row]) -> bool:
+        """Rows left-padded to the longest prompt that each reach their length within the context (past it the
+        window would slide, and a text would differ from the one decoded alone)."""
+        return max(len(r.prompt) for r in rows) + max(r.settings.max_new for r in rows) <= self.limits.context
+
+    @staticmethod
+    def _settings(request: Completion, prompt_length: int, k: int) -> RowSettings:
+        return RowSettings(max_new=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                           top_k=request.top_k, repetition_penalty=request.repetition_penalty,
+                           min_new=max(0, request.min_length - prompt_length),
+                           seed=None if request.seed is None else request.seed + k, stop=request.stop)
+
+    def authorized(self, header: str | None) -> bool:
+        if self.settings.api_key is None:
+            return True
+        expected = f"Bearer {self.settings.api_key}".encode()
+        return hmac.compare_digest((header or "").encode(), expected)
+
+
+# --- the app -------------------------------------------------------------------------------
+
+
+def make_app(server: Server) -> Any:
+    """The Starlette app over `server`: its routes, errors in OpenAI's shape, the queue's thread with it."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse, JSONResponse
+    from starlette.routing import Route
+
+    async def api_error(request: Any, error: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def page(request: Any) -> HTMLResponse:
+        return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"))
+
+    async def health(request: Any) -> JSONResponse:
+        batcher = server.batcher
+        return JSONResponse({"status": "ok", "queued": batcher.waiting, "decoding_rows": batcher.running_rows,
+                             "decoded_rows": batcher.decoded_rows, "cancelled_rows": server.cancelled_rows})
+
+    async def models(request: Any) -> JSONResponse:
+        _check_key(server, request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": server.limits.model_id, "object": "model", "created": server.created,
+            "owned_by": "lowmem_aitextgen", "plan": server.plan.describe()}]})
+
+    async def complete(request: Any) -> Any:
+        _check_key(server, request)
+        return await _completion(server, request)
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        server.batcher.start()
+        yield
+        server.batcher.stop()
+
+    return Starlette(routes=[Route("/", page), Route("/health", health), Route("/v1/models", models),
+                             Route("/v1/completions", complete, methods=["POST"])],
+                     exception_handlers={ApiError: api_error}, lifespan=lifespan)
+
+
+def _check_key(server: Server, request: Any) -> None:
+    if not server.authorized(request.headers.get("authorization")):
+        raise ApiError(401, "A valid API key is needed: send the header 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+
+
+async def _body(request: Any) -> bytes:
+    """The body, refused (400) past MAX_BODY bytes without reading more of it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY):
+        raise ApiError(400, f"The body is larger than {MAX_BODY:,} bytes; send a shorter prompt.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(400, f"The body is larger than {MAX_BODY:,} bytes; send a shorter prompt.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _Flow:
+    """One request's rows as the event loop sees them: their text pieces and their end, handed over from the
+    decoding thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.pieces: asyncio.Queue = asyncio.Queue()
+        self.done = asyncio.Event()
+        self.moved = asyncio.Event()  # a first piece, or the end
+        self.error: BaseException | None = None
+
+    def on_text(self, k: int, piece: str) -> None:
+        def arrived() -> None:
+            self.pieces.put_nowait((k, piece))
+            self.moved.set()
+        self.loop.call_soon_threadsafe(arrived)
+
+    def on_done(self, error: BaseException | None) -> None:
+        def finished() -> None:
+            self.error = error
+            self.done.set()
+            self.moved.set()
+        self.loop.call_soon_threadsafe(finished)
+
+
+async def _completion(server: Server, request: Any) -> Any:
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    asked = completions.parse(await _body(request), server.limits)
+    flow = _Flow()
+    rows, prompt_tokens = server.rows(asked, flow.on_text)
+    job = Job(rows, flow.on_done)
+    if not server.batcher.submit(job):
+        raise ApiError(429, f"The queue is full ({server.settings.queue} requests wait); retry in a moment.",
+                       kind="rate_limit_error")
+    deadline = time.monotonic() + server.settings.timeout
+    if asked.stream:
+        await _until(server, request, job, deadline, flow.moved)
+        return StreamingResponse(_events(server, request, asked, job, flow, rows, prompt_tokens, deadline),
+                                 media_type="text/event-stream")
+    await _until(server, request, job, deadline, flow.done)
+    _raise_failure(flow)
+    choices = [completions.choice(k, row.text, row.finish) for k, row in enumerate(rows)]
+    used = completions.usage(prompt_tokens, sum(len(row.tokens) for row in rows))
+    return JSONResponse(completions.answer(asked, server.limits.model_id, choices, used))
+
+
+async def _until(server: Server, request: Any, job: Job, deadline: float, ready: asyncio.Event) -> None:
+    """Waits until `ready` is set, the client leaves (its rows stopped) or the deadline (504, its rows
+    stopped)."""
+    while not ready.is_set():
+        if time.monotonic() > deadline:
+            _cancel(server, job, "timed out")
+            raise ApiError(504, f"The request took longer than --timeout={server.settings.timeout:g} s; ask for "
+                                "fewer tokens, or retry when the server is less busy.", kind="timeout_error")
+        if await request.is_disconnected():
+            _cancel(server, job, "client left")
+            raise ApiError(499, "The client left.")
+        try:
+            await asyncio.wait_for(ready.wait(), timeout=POLL_SECONDS)
+        except asyncio.TimeoutError:
+            continue
+
+
+def _cancel(server: Server, job: Job, why: str) -> None:
+    if job.state in ("queued", "running"):
+        server.cancelled_rows[why] += len(job.rows)
+        server.batcher.cancel(job)
+
+
+def _raise_failure(flow: _Flow) -> None:
+    if flow.error is not None:
+        raise ApiError(500, f"Decoding failed: {type(flow.error).__name__}: {flow.error}", kind="server_error")
+
+
+async def _events(server: Server, request: Any, asked: Completion, job: Job, flow: _Flow, rows: list[Row],
+                  prompt_tokens: int, deadline: float) -> Any:
+    """The stream: a chunk per piece of text, then each choice's finish, the usage where asked, [DONE]; a
+    client that leaves (the generator closed) or the deadline stops the rows."""
+    model_id = server.limits.model_id
+    try:
+        while not (flow.done.is_set() and flow.pieces.empty()):
+            try:
+                k, piece = await asyncio.wait_for(flow.pieces.get(), timeout=POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if time.monotonic() > deadline:
+                    _cancel(server, job, "timed out")
+                    yield completions.event(ApiError(504, "The request took longer than --timeout.",
+                                                     kind="timeout_error").body())
+                    return
+                continue
+            yield completions.event(completions.answer(asked, model_id, [completions.choice(k, piece, None)], None))
+        if flow.error is not None:
+            yield completions.event(ApiError(500, f"Decoding failed: {flow.error}", kind="server_error").body())
+            return
+        for k, row in enumerate(rows):
+            yield completions.event(completions.answer(asked, model_id, [completions.choice(k, "", row.finish)],
+                                                       None))
+        if asked.include_usage:
+            used = completions.usage(prompt_tokens, sum(len(row.tokens) for row in rows))
+            yield completions.event(completions.answer(asked, model_id, [], used))
+        yield completions.event("[DONE]")
+    finally:
+        _cancel(server, job, "client left")  # the generator closed mid-stream (nothing where the job is over)
+
+
+# --- running it ----------------------------------------------------------------------------
+
+
+def serve(ai: Any, model_id: str, settings: ServeSettings) -> None:
+    """Serves until Ctrl-C or SIGTERM (uvicorn's handling: requests in flight are finished first)."""
+    import uvicorn
+
+    server = Server(ai, model_id, settings)
+    logger.info(server.plan.describe())
+    config = uvicorn.Config(make_app(server), host=settings.host, port=settings.port, log_level="warning",
+                            access_log=False)
+    runner = uvicorn.Server(config)
+    original_startup = runner.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await original_startup(sockets)
+        bound = runner.servers[0].sockets[0].getsockname() if runner.servers else (settings.host, settings.port)
+        print(f"Serving {model_id} at http://{bound[0]}:{bound[1]}/ (the page) and /v1 (OpenAI's completions "
+              f"API); Ctrl-C stops.", flush=True)
+
+    runner.startup = startup
+    runner.run()

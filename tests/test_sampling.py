@@ -1,0 +1,88 @@
+"""Rows decoded side by side (sampling.py): each the text it would be alone, with its own settings, stops and
+stream; tiny GPT-2s on the CPU."""
+
+import threading
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from conftest import realistic, tiny_gpt2_config
+from lowmem_aitextgen import aitextgen, decoding
+from lowmem_aitextgen.batching import Batcher, Job
+from lowmem_aitextgen.sampling import Row, RowSettings, decode_together
+
+# tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
+NOT_AT_THE_EDGES = "the rows' own sampling; what it calls of transformers' generate is test_generation's"
+
+
+@pytest.fixture(scope="module")
+def ai(tmp_path_factory, tokenizer_file):
+    folder = tmp_path_factory.mktemp("sampling") / "model"
+    torch.manual_seed(0)
+    realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=96))).save_pretrained(folder)
+    return aitextgen(model_folder=str(folder), tokenizer_file=tokenizer_file)
+
+
+SETTINGS = [RowSettings(max_new=20, temperature=1.0, seed=1),
+            RowSettings(max_new=12, temperature=0.7, top_p=0.8, seed=2),
+            RowSettings(max_new=25, temperature=1.2, top_k=20, repetition_penalty=1.3, seed=3),
+            RowSettings(max_new=15, temperature=0, min_new=15)]
+PROMPTS = ["def main", "x", "import os, sys and then", "class Foo(Bar):"]
+
+
+def rows(ai, on_text=None) -> list[Row]:
+    return [Row(ai.tokenizer(text=p, return_tensors="pt")["input_ids"][0], s, on_text)
+            for p, s in zip(PROMPTS, SETTINGS)]
+
+
+@pytest.mark.parametrize("form", ["exact", "int8, each token alone"])
+def test_each_row_in_a_batch_is_the_row_decoded_alone(ai, form):
+    model = ai.model if form == "exact" else decoding.decoding_model(ai.model, "int8", tokenwise=True)
+    together = rows(ai)
+    decode_together(model, ai.tokenizer, together)
+    for i, row in enumerate(together):
+        alone = rows(ai)[i]
+        decode_together(model, ai.tokenizer, [alone])
+        assert (row.tokens, row.text, row.finish) == (alone.tokens, alone.text, alone.finish), i
+    assert [len(r.tokens) for r in together][3] == 15 and together[3].finish == "length"  # min_new: no early end
+    assert all(len(r.tokens) <= s.max_new for r, s in zip(together, SETTINGS))
+
+
+def test_a_stop_string_ends_the_text_before_it_and_no_piece_shows_any_of_it(ai):
+    free = Row(ai.tokenizer(text="def", return_tensors="pt")["input_ids"][0], RowSettings(max_new=40, seed=9))
+    decode_together(ai.model, ai.tokenizer, [free])
+    assert len(free.text) > 10, free.text
+    stop = free.text[6:9]
+    pieces: list[str] = []
+    stopped = Row(free.prompt, RowSettings(max_new=40, seed=9, stop=(stop,)), pieces.append)
+    decode_together(ai.model, ai.tokenizer, [stopped])
+    assert stopped.text == free.text[:free.text.find(stop)] == "".join(pieces) and stopped.finish == "stop"
+
+
+def test_a_cancelled_row_stops_and_the_others_go_on(ai):
+    batch = rows(ai)
+    batch[2].on_text = lambda piece: batch[2].cancelled.set()  # its client leaves at its first piece
+    decode_together(ai.model, ai.tokenizer, batch)
+    assert batch[2].finish == "cancelled" and len(batch[2].tokens) <= 2
+    assert batch[0].finish in ("length", "stop") and batch[0].tokens
+
+
+def test_the_batcher_decodes_what_arrives_together_in_one_round_and_refuses_past_its_queue(ai):
+    rounds: list[int] = []
+    gate = threading.Event()
+
+    def decode(batch: list[Row]) -> None:
+        gate.wait(timeout=30)
+        rounds.append(len(batch))
+
+    batcher = Batcher(decode, max_rows=4, limit=3)
+    done = threading.Semaphore(0)
+    jobs = [Job(rows(ai)[:1], lambda error: done.release()) for _ in range(4)]
+    assert all(batcher.submit(job) for job in jobs[:3]) and not batcher.submit(jobs[3])  # the queue holds 3
+    batcher.start()
+    gate.set()
+    for _ in range(3):
+        assert done.acquire(timeout=30)
+    batcher.stop()
+    assert rounds == [3]  # waiting together: one round

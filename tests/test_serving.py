@@ -1,0 +1,294 @@
+"""`lowmem_aitextgen serve`, as users run it: the real server (the CLI, on a free port, in its own process),
+the real `openai` client, the page in headless Chromium; tiny models on the CPU."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from conftest import realistic, tiny_gpt2_config
+
+# tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
+NOT_AT_THE_EDGES = ("the server's own behaviour; what it calls of transformers' generate is test_generation's "
+                    "and test_decoding's")
+
+KEY = "test-key"
+STARTS_WITHIN = 120  # seconds: importing torch and transformers, reading the model
+
+
+class Served:
+    """A server process and how to reach it."""
+
+    def __init__(self, folder: str, process: subprocess.Popen, url: str) -> None:
+        self.folder, self.process, self.url = folder, process, url
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def post(self, body, key: str = KEY, **kwargs) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(f"{self.url}/v1/completions", content=content, timeout=60,
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, **kwargs)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def complete(self, **kwargs) -> dict:
+        response = self.post({"model": self.folder, **kwargs})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def start_server(folder: str, tokenizer_file: str, *flags: str) -> Served:
+    """`lowmem_aitextgen serve FOLDER --port=0 ...` started for real; its address read from its first line."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, f"--tokenizer_file={tokenizer_file}",
+         "--port=0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + STARTS_WITHIN
+    while time.monotonic() < deadline and process.poll() is None:
+        found = next((re.search(r"http://[\d.]+:\d+", line) for line in lines if "Serving" in line), None)
+        if found:
+            return Served(folder, process, found.group(0))
+        time.sleep(0.1)
+    stop_server(process)
+    raise AssertionError(f"the server did not start: {process.stderr.read()[-2000:]}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGINT (Ctrl-C), as a user stops it; killed if it does not end. No process is left behind."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def model_folder(path, **config) -> str:
+    torch.manual_seed(0)
+    realistic(GPT2LMHeadModel(tiny_gpt2_config(**config))).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer_file):
+    folder = model_folder(tmp_path_factory.mktemp("served") / "model", n_positions=128)
+    server = start_server(folder, tokenizer_file, f"--api_key={KEY}", "--max_tokens=100", "--max_batch=8",
+                          "--queue=64")
+    yield server
+    stop_server(server.process)
+    assert server.process.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory, tokenizer_file):
+    """One text at a time, one request waiting, a second of time: the queue, the timeout and the disconnect."""
+    folder = model_folder(tmp_path_factory.mktemp("busy") / "model", n_positions=2048, n_layer=4)
+    server = start_server(folder, tokenizer_file, "--max_tokens=2000", "--max_batch=1", "--queue=1", "--timeout=1")
+    yield server
+    stop_server(server.process)
+
+
+# --- the API, through the real client -------------------------------------------------------
+
+
+def test_a_completion_through_the_openai_client_counts_its_usage(served, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    made = served.client().completions.create(model=served.folder, prompt="def main", max_tokens=12, seed=1)
+    choice = made.choices[0]
+    assert made.object == "text_completion" and made.model == served.folder and isinstance(choice.text, str)
+    assert choice.finish_reason in ("stop", "length") and 1 <= made.usage.completion_tokens <= 12
+    assert made.usage.prompt_tokens == len(Tokenizer.from_file(tokenizer_file).encode("def main").ids)
+    assert made.usage.total_tokens == made.usage.prompt_tokens + made.usage.completion_tokens
+    again = served.client().completions.create(model=served.folder, prompt="def main", max_tokens=12, seed=1)
+    assert again.choices[0].text == choice.text  # a seed repeats
+
+
+def test_a_list_of_prompts_with_n_gives_each_choice_as_its_own_request_would(served):
+    made = served.client().completions.create(model=served.folder, prompt=["def", "class Foo"], n=2, seed=5,
+                                              max_tokens=16, temperature=1.0, top_p=0.9)
+    assert [c.index for c in made.choices] == [0, 1, 2, 3]
+    for choice in made.choices:  # choice k: prompt k // n, drawing from seed + k
+        alone = served.complete(prompt=["def", "class Foo"][choice.index // 2], seed=5 + choice.index,
+                                max_tokens=16, temperature=1.0, top_p=0.9)
+        assert alone["choices"][0]["text"] == choice.text
+
+
+def test_stop_ends_the_text_before_the_stop_string(served):
+    full = served.complete(prompt="import", max_tokens=60, seed=3, temperature=1.0)["choices"][0]["text"]
+    assert len(full) > 12, full
+    stop = full[8:11]
+    made = served.complete(prompt="import", max_tokens=60, seed=3, temperature=1.0, stop=[stop, "\x00never"])
+    assert made["choices"][0] == {"index": 0, "text": full[:full.find(stop)], "logprobs": None,
+                                  "finish_reason": "stop"}
+
+
+def test_streamed_pieces_join_to_the_text_of_the_same_request_unstreamed(served):
+    common = dict(model=served.folder, prompt="for x in", max_tokens=30, seed=11, temperature=1.0)
+    whole = served.client().completions.create(**common)
+    chunks = list(served.client().completions.create(stream=True, stream_options={"include_usage": True},
+                                                     **common))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and len([c for c in chunks if c.choices]) > 2
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_models_lists_the_served_model_with_its_plan_and_health_answers(served):
+    listed = served.client().models.list().data
+    assert [m.id for m in listed] == [served.folder] and "Decoding in int8, each token alone" in listed[0].plan
+    assert served.health()["status"] == "ok"
+
+
+def test_thirty_two_concurrent_requests_each_get_their_solo_answer(served):
+    solo = {seed: served.complete(prompt="x =", max_tokens=10, seed=seed, temperature=1.0)["choices"][0]["text"]
+            for seed in range(32)}
+    answers: dict[int, str] = {}
+
+    def ask(seed: int) -> None:
+        answers[seed] = served.complete(prompt="x =", max_tokens=10, seed=seed, temperature=1.0)["choices"][0][
+            "text"]
+
+    threads = [threading.Thread(target=ask, args=(seed,)) for seed in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert answers == solo
+    assert len(set(solo.values())) > 1  # the seeds drew different texts: each row kept its own stream
+
+
+# --- refused, and the server goes on ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, status, says", [
+    (b"x" * (2 << 20), 400, "larger than"),
+    (b"{\"model\": ", 400, "not valid JSON"),
+    ({"max_tokens": "ten"}, 400, "max_tokens='ten'"),
+    ({"max_tokens": 101}, 400, "max_tokens=101"),
+    ({"prompt": "word " * 200, "max_tokens": 50}, 400, "context of 128"),
+    ({"logprobs": 3}, 400, "logprobs is not supported"),
+    ({"echo": True}, 400, "echo is not supported"),
+    ({"temperature": 3}, 400, "temperature=3"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    ({"prompt": [1, 2, 3]}, 400, "token ids"),
+    ({"n": 9}, 400, "n=9"),
+    ({"seed": -1}, 400, "seed=-1"),
+    ({"files": "/etc/passwd"}, 400, "Unknown field 'files'"),
+    ({"model": "gpt-4"}, 404, "serves"),
+])
+def test_bad_requests_are_refused_naming_the_field_and_the_server_goes_on(served, body, status, says):
+    if isinstance(body, dict):
+        body = {"model": served.folder, "prompt": "a", **body}
+    response = served.post(body)
+    assert response.status_code == status and says in response.json()["error"]["message"], response.text
+    assert served.complete(prompt="a", max_tokens=3)["choices"]
+
+
+def test_a_wrong_or_missing_key_is_refused_and_nothing_is_decoded(served):
+    before = served.health()["decoded_rows"]
+    with pytest.raises(openai.AuthenticationError):
+        served.client("wrong").completions.create(model=served.folder, prompt="a", max_tokens=3)
+    response = httpx.post(f"{served.url}/v1/completions", json={"model": served.folder, "prompt": "a"}, timeout=10)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert served.health()["decoded_rows"] == before
+
+
+def test_a_full_queue_is_answered_429_at_once_with_retry_after(busy):
+    long = threading.Thread(target=lambda: busy.post({"model": busy.folder, "prompt": "a", "max_tokens": 1900}))
+    long.start()
+    wait_until(lambda: busy.health()["decoding_rows"] == 1)
+    waiting = threading.Thread(target=lambda: busy.post({"model": busy.folder, "prompt": "b", "max_tokens": 5}))
+    waiting.start()
+    wait_until(lambda: busy.health()["queued"] == 1)
+    refused = busy.post({"model": busy.folder, "prompt": "c", "max_tokens": 5})
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    long.join(timeout=60)
+    waiting.join(timeout=60)
+
+
+def test_a_request_past_the_timeout_answers_504_and_frees_its_place(busy):
+    before = busy.health()["cancelled_rows"]["timed out"]
+    response = busy.post({"model": busy.folder, "prompt": "a", "max_tokens": 1900})
+    assert response.status_code == 504 and "--timeout=1" in response.json()["error"]["message"]
+    assert busy.health()["cancelled_rows"]["timed out"] == before + 1
+    wait_until(lambda: busy.health()["decoding_rows"] == 0)
+    assert busy.complete(prompt="a", max_tokens=3)["choices"]
+
+
+def test_a_client_leaving_mid_stream_stops_its_decoding(busy):
+    before = busy.health()["cancelled_rows"]["client left"]
+    body = {"model": busy.folder, "prompt": "a", "max_tokens": 1900, "stream": True}
+    with httpx.stream("POST", f"{busy.url}/v1/completions", json=body, timeout=30) as response:
+        next(response.iter_lines())  # the first piece: decoding
+    wait_until(lambda: busy.health()["cancelled_rows"]["client left"] == before + 1)
+    wait_until(lambda: busy.health()["decoding_rows"] == 0)
+    assert busy.complete(prompt="a", max_tokens=3)["choices"]
+
+
+def wait_until(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.02)
+
+
+# --- the page, in a real browser -----------------------------------------------------------------
+
+
+def test_the_page_streams_a_text_in_headless_chromium(served):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"  # Debian's chromium and chromium-driver (.ci/run installs them)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
+    try:
+        browser.get(served.url + "/")
+        browser.find_element(By.ID, "key").send_keys(KEY)
+        browser.find_element(By.ID, "prompt").send_keys("def main")
+        seed = browser.find_element(By.ID, "seed")
+        seed.send_keys("7")
+        browser.find_element(By.ID, "generate").click()
+        WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "generate").is_enabled()
+                                         and b.find_element(By.ID, "text").text)
+        shown = browser.find_element(By.ID, "text").get_attribute("textContent")
+        assert browser.find_element(By.ID, "model").text == served.folder
+        assert "Decoding in int8" in browser.find_element(By.ID, "plan").text
+        expected = served.complete(prompt="def main", max_tokens=64, temperature=0.7, top_p=0.9, seed=7)
+        assert shown == expected["choices"][0]["text"] and browser.find_element(By.ID, "status").text == ""
+    finally:
+        browser.quit()
+
+
+# --- the CLI's checks -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--port=70000", "--port=70000"), ("--max_batch=0", "--max_batch=0"), ("--timeout=-1", "--timeout=-1"),
+    ("--max_tokenz=5", "unknown flag --max_tokenz"),
+])
+def test_serve_refuses_bad_flags_before_reading_the_model(flag, says, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", str(tmp_path / "missing"), flag],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
