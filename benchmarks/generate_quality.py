@@ -6,7 +6,8 @@ channels of every projection that reads a layer norm made `--scale` times larger
 
 The model is benchmarks/quality_tiers.py's (4 blocks, 128 wide, bytes of Python's documentation topics),
 teacher-forced over held-out blocks.  int8 is reported with the smoothing decoding.py applies and without it
-(per-tensor activation scales, as torch's dynamic quantization alone has them).  The rule: a form more than
+(per-tensor activation scales, as torch's dynamic quantization alone has them), and in the server's form, each
+token's activations quantized alone (decoding.TokenwiseInt8Linear).  The rule: a form more than
 decoding.QUALITY_BOUND (1%) above fp32 on either model is not a default.
 """
 
@@ -27,6 +28,7 @@ CHANNELS = [3, 17, 60, 101]  # of 128
 
 def form_losses(model, held, forms) -> dict[str, float]:
     losses = {form: held_out_loss(decoding.decoding_model(model, form), held) for form in forms}
+    losses["int8, each token alone"] = held_out_loss(decoding.decoding_model(model, "int8", tokenwise=True), held)
     with mock.patch.object(decoding, "smooth", lambda norm, linear: (norm, linear)):  # the study's control
         losses["int8 without smoothing"] = held_out_loss(decoding.decoding_model(model, "int8"), held)
     return losses

@@ -254,14 +254,14 @@ def test_int8_without_the_smoothing_misses_the_bound_where_outliers_are_large_an
         assert decoding.plan_decoding(ai.model, quality=missed).form == "bf16"
 
 
-@pytest.mark.parametrize("form", ["int8", "bf16"])
-def test_each_default_form_is_within_the_quality_bound_on_both_models(form, study):
+@pytest.mark.parametrize("form, tokenwise", [("int8", False), ("int8", True), ("bf16", False)])
+def test_each_default_form_is_within_the_quality_bound_on_both_models(form, tokenwise, study):
     trained, outliers, held_out = study
     exact = held_out_loss(trained, held_out)
     for model in (trained, outliers):
-        loss = held_out_loss(decoding.decoding_model(model, form), held_out)
+        loss = held_out_loss(decoding.decoding_model(model, form, tokenwise), held_out)
         assert loss <= exact * (1 + decoding.QUALITY_BOUND), (form, loss, exact)
-        assert decoding.MEASURED_QUALITY[form] <= decoding.QUALITY_BOUND
+        assert decoding.MEASURED_QUALITY[decoding.view_name(form, tokenwise)] <= decoding.QUALITY_BOUND
 
 
 def test_a_model_not_read_yet_decodes_in_int8_read_straight_from_its_folder(folder, tokenizer_file):
