@@ -45,7 +45,7 @@ PLANS = [
     ("k=0 m=1 bf16 8-bit", dict(optimizer="adamw8bit")),
     ("k=0 m=1 bf16 LoRA", dict(adapter=AdapterSettings.lora())),
     ("k=all m=1 bf16 LoRA", dict(adapter=AdapterSettings.lora(), checkpointed_blocks=ALL)),
-    ("k=0 m=1 bf16 held heap", dict(hold_freed_heap=True)),  # CPU only: cpu.ReleaseFreedHeap
+    ("k=0 m=1 bf16 held heap", dict(hold_freed_heap=True)),  # CPU only: heap_callbacks.ReleaseFreedHeap
     ("k=all m=1 bf16 held heap", dict(hold_freed_heap=True, checkpointed_blocks=ALL)),
 ]
 

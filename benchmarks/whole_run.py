@@ -112,7 +112,7 @@ def main() -> None:
               "from_folder": args.from_folder, "train_call_s": round(train_seconds, 2),
               "plan": {"precision": plan.precision, "checkpointed_blocks": plan.checkpointed_blocks,
                        "optimizer": plan.optimizer, "batch": f"{plan.micro_batch_size}x{plan.accumulation}",
-                       "upcast_bf16_weights": plan.upcasts_bf16_weights},
+                       "upcast_bf16_weights": plan.bf16_weights_computed_in_fp32},
               "estimate_bytes": estimate.total, **{f"{k}_peak_bytes": v for k, v in marks.items()},
               "whole_run_peak_bytes": max(marks.values()),
               "step_in_backward": plan.step_in_backward, "four_bit_base": plan.four_bit_base,

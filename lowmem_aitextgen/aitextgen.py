@@ -20,7 +20,7 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
-from . import arguments, four_bit, generation, loading, outputs, saving, validation
+from . import arguments, evaluation, four_bit, generation, loading, outputs, saving
 from .adapters import base_matches, check_adapter_fits, is_adapter_model, loaded_adapter
 from .budget import fit_to_budget
 from .callbacks import TrainingDiverged
@@ -542,7 +542,7 @@ class aitextgen(_aitextgen):
         args = args.replace(output_dir=saving.check_folder_name("output_dir", args.output_dir))
         saving.check_output_dir(args.output_dir)
         check_train_data(args.train_data, args)
-        validation.check_arguments(args)
+        evaluation.check_arguments(args)
         if any(isinstance(args.get(name), (str, os.PathLike)) for name in ("train_data", "val_data")):
             self._check_tokenizer("train()")  # the text would be encoded past the model's embeddings
         check_optimizer(args.optimizer or "adamw")
@@ -570,7 +570,7 @@ class aitextgen(_aitextgen):
                                    special_tokens=dict(bos_token=self.bos_token, eos_token=self.eos_token,
                                                        unk_token=self.unk_token),
                                    reserved=plan.adapter.positions_taken if plan.adapter is not None else 0)
-        dataset, val_dataset = validation.validation_datasets(encode(args.train_data), args, encode)
+        dataset, val_dataset = evaluation.validation_datasets(encode(args.train_data), args, encode)
         settings = run_settings(args)
         if resumed is not None:  # what the checkpoint holds the run to is said before any planner's refusal
             check_resumable(resume_from, resumed, plan, settings, model)

@@ -423,7 +423,7 @@ def explain(plan: TrainPlan, needs: int, budget: Budget, needed: str, faster: li
     def short(p: TrainPlan) -> str:
         return (f"checkpointing {describe_checkpointing(p.checkpointed_blocks, p.n_layer)}, micro-batch "
                 f"{p.micro_batch_size}x{p.accumulation}, {p.precision}"
-                + ((" with a bf16 LoRA base" if p.trains_lora else " with a bf16 base" if p.trains_adapter else " with bf16 weights") if p.upcasts_bf16_weights else "")
+                + ((" with a bf16 LoRA base" if p.trains_lora else " with a bf16 base" if p.trains_adapter else " with bf16 weights") if p.bf16_weights_computed_in_fp32 else "")
                 + (", the base's block matrices in 4-bit NF4" if p.four_bit_base else "")
                 + (", heap released every block" if p.hold_freed_heap else "")
                 + (f", gathered whole for a {p.gathered_for}" if p.shards > 1 else ""))

@@ -104,7 +104,7 @@ class SaveAndSample(OptimizerStepCallback):
                  write: Callable[[str], None], save_models: bool = True) -> None:
         super().__init__()
         self.schedule = schedule
-        self.save_models = save_models  # False: only checkpoints (validation.BestModel saves the model)
+        self.save_models = save_models  # False: only checkpoints (evaluation.BestModel saves the model)
         self.checkpoint_after_validation = False
         self.files = files
         self.samples = samples

@@ -76,7 +76,7 @@ def describe(plan: TrainPlan, estimate: MemoryEstimate) -> str:
     """A table cell: the plan in a few words and its estimate."""
     precision = {"16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16 weights", "32-true": "fp32"}
     words = [precision.get(plan.precision, plan.precision)]
-    if plan.upcasts_bf16_weights:
+    if plan.bf16_weights_computed_in_fp32:
         words = ["bf16 base, fp32 math" if plan.trains_adapter else "bf16 weights, fp32 math"]
     if plan.four_bit_base:
         words[0] = "4-bit base, " + words[0].removeprefix("bf16 base, ")

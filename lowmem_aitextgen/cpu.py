@@ -1,8 +1,7 @@
 """CPU training: what makes a step faster or leaner on CPU, in place for the length of train() only.
 
-Callbacks, one concern each, install these at train start and undo them when training ends or fails:
-`CpuSpeedups` (the swaps), `GlibcHeap` (glibc's settings the plan names, on every device) and
-`ReleaseFreedHeap` (with the heap held, its release at every block).
+A callback, `CpuSpeedups`, installs these at train start and undoes them when training ends or fails.
+glibc's heap settings, which hold on every device (the host's heap), are heap_callbacks.py's.
 
 | change                            | saves                                  | costs / differs by         |
 |-----------------------------------|----------------------------------------|----------------------------|
@@ -12,8 +11,6 @@ Callbacks, one concern each, install these at train start and undo them when tra
 | gelu_new -> one-kernel tanh GELU  | five elementwise ops and their backward| float rounding only        |
 | peft's adapter input upcast, off  | two casts of every adapter input       | nothing (autocast is bf16) |
 |   (only under autocast)           |                                        |                            |
-| ReleaseFreedHeap (glibc, heap.py) | heap fragmentation, page faults: freed | freed memory resident till |
-|                                   | memory reused within a block           | the block ends, refaulted  |
 
 Dropout. torch draws a CPU dropout mask one float at a time from its Mersenne Twister
 (``bernoulli_``), the largest single cost of a CPU LoRA step with checkpointing (GPT-2's
@@ -27,18 +24,13 @@ bits each).  What that changes, and why it is the same training:
 - GPT-2's attention is transformers' eager math while dropout is on: SDPA draws its dropout
   internally, and with dropout its CPU path is that math.
 
-glibc.  GlibcHeap puts the plan's settings in force for the whole of training; with the heap held,
-ReleaseFreedHeap releases it at each block's edges and before the optimizer step (a full fine-tune's
-peak).  The settings themselves, and why, are heap.py's.  Measurements: benchmarks/RESULTS.md.
-
-On other devices (CUDA's dropout is one fused kernel, its allocator caches) only glibc's settings apply (the host's heap).
+On other devices (CUDA's dropout is one fused kernel, its allocator caches) none of this applies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 from torch import nn
@@ -48,9 +40,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from .callbacks import WhileTraining
-from .heap import glibc_heap_available, release_freed_heap, training_settings
-from .heap import use as use_heap_settings
-from .memory import transformer_blocks
 from .plan import TrainPlan
 
 MASK_LEVELS = 2**16  # one 16-bit lane per element
@@ -195,58 +184,6 @@ def use_cpu_speedups(model: nn.Module) -> Callable[[], None]:
 # --- the callbacks ---------------------------------------------------------------------
 
 
-class GlibcHeap(WhileTraining):
-    """glibc's settings for the length of training: those the plan names (heap.training_settings), put in
-    force when training starts, whatever ran before it (the planner's probes, an earlier run), and set back
-    when it ends.  Nothing between the steps changes them (heap.py's rules)."""
-
-    def __init__(self, hold: bool) -> None:
-        super().__init__(self._use)
-        self.settings = training_settings(hold)
-
-    def _use(self, model: nn.Module) -> Callable[[], None]:
-        return use_heap_settings(self.settings) or (lambda: None)
-
-
-class ReleaseFreedHeap(WhileTraining):
-    """With the heap held (heap.HELD, GlibcHeap): smaller freed memory is kept for reuse within a transformer
-    block and given back at each block's start in forward and end in backward, before each optimizer step
-    and when training ends.
-
-    Why at every block: each block leaves a few long-lived tensors (a checkpointed block's input, the
-    autograd graph's) above the memory its temporaries freed, so the next block's temporaries do not fit
-    the holes and glibc grows the heap: left alone, a checkpointed 355M LoRA step at block 512 kept about
-    1.2 GB of freed heap resident (benchmarks/RESULTS.md)."""
-
-    def __init__(self, release: Callable[[], object] = release_freed_heap) -> None:
-        super().__init__(self._hold)
-        self.release = release
-
-    def _hold(self, model: nn.Module) -> Callable[[], None]:
-        hooks = [block.register_forward_pre_hook(self._at_block) for block in transformer_blocks(model)]
-        self.release()
-
-        def stop_holding() -> None:
-            for hook in hooks:
-                hook.remove()
-            self.release()
-
-        return stop_holding
-
-    def _at_block(self, block: nn.Module, args: tuple) -> None:
-        """Release now, and once more when backward has passed this block (its input's gradient is made)."""
-        self.release()
-        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if hidden is not None and hidden.requires_grad and torch.is_grad_enabled():
-            hidden.register_hook(self._after_block_backward)
-
-    def _after_block_backward(self, grad: torch.Tensor) -> None:
-        self.release()
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        self.release()
-
-
 class CpuSpeedups(WhileTraining):
     """The swaps above (cheap dropout masks, one-kernel GELU, no adapter upcast) while training; the
     model is back as it was after training."""
@@ -256,10 +193,5 @@ class CpuSpeedups(WhileTraining):
 
 
 def cpu_callbacks(plan: TrainPlan) -> list[Callback]:
-    """The CPU callbacks a plan asks for (plan.cpu_speedups; glibc's settings, plan.hold_freed_heap)."""
-    callbacks: list[Callback] = [CpuSpeedups()] if plan.cpu_speedups else []
-    if glibc_heap_available():
-        callbacks.append(GlibcHeap(plan.hold_freed_heap))
-        if plan.hold_freed_heap:
-            callbacks.append(ReleaseFreedHeap())
-    return callbacks
+    """The CPU callbacks a plan asks for (plan.cpu_speedups); glibc's are heap_callbacks.py's."""
+    return [CpuSpeedups()] if plan.cpu_speedups else []

@@ -460,10 +460,10 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
         recompute = block(tokens)
     chunk = min(plan.loss_chunk_tokens or tokens, tokens) * (batch_size if not plan.loss_chunk_tokens else 1)
     logits_transient = chunk * config.vocab_size * 4 * 2  # fp32 logits of one chunk and their gradient
-    if plan.upcasts_bf16_weights:  # the LM head's fp32 copy while the loss is made (storage16.py)
+    if plan.bf16_weights_computed_in_fp32:  # the LM head's fp32 copy while the loss is made (storage16.py)
         logits_transient += config.vocab_size * shape(config)[1] * 4
     # a 4-bit matrix dequantized for its matmul: its bf16 values, then (under fp32 math) their fp32 copy
-    logits_transient += dequantized * (2 + (4 if plan.upcasts_bf16_weights else 0))
+    logits_transient += dequantized * (2 + (4 if plan.bf16_weights_computed_in_fp32 else 0))
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,
@@ -479,7 +479,7 @@ def estimate_plan(config: object, plan: TrainPlan, block_size: int,
               "lora": plan.trains_lora, "optimizer": plan.optimizer,
               **({"step_in_backward": True} if plan.step_in_backward else {}),
               **({"adapter": plan.adapter.settings} if plan.adapter is not None else {}),
-              **({"upcast_bf16_weights": True} if plan.upcasts_bf16_weights else {}),
+              **({"upcast_bf16_weights": True} if plan.bf16_weights_computed_in_fp32 else {}),
               **({"four_bit_base": True} if plan.four_bit_base else {}),
               "chunked_loss": plan.loss_chunk_tokens is not None, "device": device,
               **({"shards": plan.shards, "gathered_for": plan.gathered_for} if plan.shards > 1 else {}),

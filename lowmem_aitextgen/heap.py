@@ -7,7 +7,7 @@ and frees come from the heap from the second step on.  The first mallopt of M_MM
 M_TRIM_THRESHOLD, M_TOP_PAD or M_MMAP_MAX turns that off for the rest of the process, and no call turns it
 back on.  Hence two rules:
 - glibc's settings are the training run's, chosen once by the plan (TrainPlan.hold_freed_heap) and put in
-  force by `use` for the length of training (cpu.GlibcHeap).  Nothing else here calls mallopt.
+  force by `use` for the length of training (heap_callbacks.GlibcHeap).  Nothing else here calls mallopt.
 - A phase before or between steps that makes and frees big tensors (the planner's probes, a save, a LoRA
   merge) gives its freed memory back with malloc_trim (`freed_memory_returned`), which changes no setting.
 

@@ -47,7 +47,7 @@ def apply_memory_plan(model: nn.Module, plan: TrainPlan,
         if plan.four_bit_base:
             four_bit.hold_base_in_four_bits(model, rounding)
     else:
-        if plan.upcasts_bf16_weights:
+        if plan.bf16_weights_computed_in_fp32:
             storage16.hold_every_weight_in_bf16(model)
         if plan.freeze_layers:
             frozen = layers_to_freeze(model, plan.num_layers_freeze)

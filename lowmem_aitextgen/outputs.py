@@ -86,7 +86,7 @@ def run_of(folder: str) -> str | None:
 
 
 class History(Protocol):
-    """What a summary takes from the validation history (validation.ValidationHistory)."""
+    """What a summary takes from the validation history (evaluation.ValidationHistory)."""
 
     def summary_fields(self) -> dict[str, Any]: ...
 

@@ -63,7 +63,7 @@ def default_chunk_tokens(device: str) -> int:
 @dataclass(frozen=True)
 class Schedule:
     """When a run evaluates, saves and samples, in optimizer steps: decided here once, asked by the
-    callbacks (callbacks.SaveAndSample, validation.EvaluateLastStep) and Lightning's validation loop."""
+    callbacks (callbacks.SaveAndSample, evaluation.EvaluateLastStep) and Lightning's validation loop."""
 
     num_steps: int
     save_every: int = 0
@@ -264,14 +264,14 @@ class TrainPlan:
     def weights_dtype(self) -> torch.dtype | None:
         """The 16-bit dtype every weight of the model is held in while training (LoRA's frozen base under
         mixed precision, or 16-bit "-true" precision), or None where the trained weights stay fp32."""
-        if self.upcasts_bf16_weights:
+        if self.bf16_weights_computed_in_fp32:
             return STORAGE_DTYPE
         if self.trains_adapter or self.precision.endswith("-true"):
             return self.half_dtype
         return None
 
     @property
-    def upcasts_bf16_weights(self) -> bool:
+    def bf16_weights_computed_in_fp32(self) -> bool:
         """The weights (LoRA's frozen base, or all of them with 8-bit AdamW's stochastic rounding) held in bf16
         and upcast layer by layer to compute in fp32 (storage16.py)."""
         return self.upcast_bf16_weights and self.half_dtype is None
@@ -283,18 +283,18 @@ class TrainPlan:
         adapter = self.adapter.settings_json if self.adapter is not None else None
         return (f"precision={self.precision}, batch={self.micro_batch_size}x{self.accumulation}, optimizer="
                 f"{self.optimizer}, in backward={self.step_in_backward}, adapter={adapter}, bf16 weights="
-                f"{self.upcasts_bf16_weights}, 4-bit base={self.four_bit_base}, "
+                f"{self.bf16_weights_computed_in_fp32}, 4-bit base={self.four_bit_base}, "
                 f"offload={self.offload}, gathered for={self.gathered_for if self.sharded else None}")
 
     def describe(self, trainable: int, total: int, state_bytes: int) -> str:
         """The one-line summary logged when training starts (state_bytes: weights, gradients, AdamW)."""
-        stored = " (base stored in bf16, computed in fp32)" if self.upcasts_bf16_weights and self.trains_adapter else ""
+        stored = " (base stored in bf16, computed in fp32)" if self.bf16_weights_computed_in_fp32 and self.trains_adapter else ""
         if self.four_bit_base:
             stored = f" (base's block matrices in 4-bit NF4, the rest in {str(self.weights_dtype).removeprefix('torch.')})"
         lora = f"{self.adapter.describe()}{stored}" if self.trains_lora else "off"
         adapter = f"adapter={self.adapter.describe()}{stored}, " if self.trains_adapter and not self.trains_lora else ""
         precision = self.precision
-        if self.upcasts_bf16_weights and not self.trains_adapter:
+        if self.bf16_weights_computed_in_fp32 and not self.trains_adapter:
             precision += " (weights stored in bf16)"
         scale_out = self.strategy != "auto" or self.num_nodes > 1 or self.devices not in (1, "auto")
         return (

@@ -159,7 +159,7 @@ class RunRecorder(OptimizerStepCallback):
                 "blocks": plan.n_layer,
                 "lora": plan.adapter.lora_fields() if plan.adapter is not None else None,
                 "adapter": plan.adapter.settings if plan.adapter is not None else None,
-                "upcast_bf16_weights": plan.upcasts_bf16_weights,  # stored in bf16, computed in fp32 (storage16.py)
+                "upcast_bf16_weights": plan.bf16_weights_computed_in_fp32,  # stored in bf16, computed in fp32 (storage16.py)
                 # the adapter's base in NF4 (four_bit.py); the merged model then differs from the adapter on the
                 # original base by the base's rounding: relative_distance = |W_nf4 - W| / |W| over its matrices
                 "four_bit_base": ({"relative_distance": self.base_rounding.relative,
@@ -235,7 +235,7 @@ class StepProgressBar(ProgressBar):
             self.bar.set_description(self.description(record, trainer.progress_bar_metrics.get("val_loss")))
 
     def description(self, record: Any, val_loss: float | None = None) -> str:
-        """The bar's text; val_loss is the latest evaluation's (logged by validation.ValidatedModule)."""
+        """The bar's text; val_loss is the latest evaluation's (logged by evaluation.ValidatedModule)."""
         memory = "GPU peak" if self.accelerator == "gpu" else "RSS peak"
         avg = float("nan") if record.avg_loss is None else record.avg_loss
         val = "" if val_loss is None else f" — Val: {float(val_loss):.3f}"

@@ -29,17 +29,7 @@ from .callbacks import NonFiniteGuard, SaveAndSample
 from .compiling import Compiled
 from .cpu import cpu_callbacks
 from .data import training_loader
-from .generation import Samples
-from .heap import freed_memory_returned
-from .lightning_module import CausalLMModule
-from .oom import OutOfMemoryRecovery, cheaper_plan
-from .outputs import RunFiles
-from .plan import RunSettings, TrainPlan
-from .report import RunRecorder, StepProgressBar, describe_summary
-from .resume import DiskCheckpointIO, StopOnSignal
-from .saving import NonFiniteWeights, OutputDirLock, prepare_output_dir
-from .sharding import full_model, is_sharded, lightning_strategy
-from .validation import (
+from .evaluation import (
     EARLY_STOPPING,
     BestModel,
     EvaluateLastStep,
@@ -48,6 +38,17 @@ from .validation import (
     keep_best_in_memory,
     validation_loader,
 )
+from .generation import Samples
+from .heap import freed_memory_returned
+from .heap_callbacks import heap_callbacks
+from .lightning_module import CausalLMModule
+from .oom import OutOfMemoryRecovery, cheaper_plan
+from .outputs import RunFiles
+from .plan import RunSettings, TrainPlan
+from .report import RunRecorder, StepProgressBar, describe_summary
+from .resume import DiskCheckpointIO, StopOnSignal
+from .saving import NonFiniteWeights, OutputDirLock, prepare_output_dir
+from .sharding import full_model, is_sharded, lightning_strategy
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -235,7 +236,7 @@ class TrainingRun:
         # the recorder first (the progress bar shows what it recorded); the callbacks that stop
         # training before the one that saves
         callbacks = [self.recorder, progress, self.guard, self.signals, *validating, saves, data_order,
-                     self.recovery, *cpu_callbacks(plan),
+                     self.recovery, *cpu_callbacks(plan), *heap_callbacks(plan),
                      *([Compiled(plan.torch_compile)] if plan.torch_compile else []), *self.extra_callbacks]
         return pl.Trainer(
             accelerator=plan.accelerator, devices=list(plan.devices) if isinstance(plan.devices, tuple)

@@ -138,10 +138,10 @@ def upcast_seconds(plan: TrainPlan, n_layer: int, width: int, vocab: int) -> flo
     """A micro-batch's upcasts of a bf16 base computed in fp32, or dequantizations of a 4-bit one: every block
     weight in forward and backward, a checkpointed block's once more (and the bf16 LM head's upcasts)."""
     uses = (2 * n_layer + plan.checkpointed_blocks) * 12 * width * width
-    head = 2 * vocab * width * UPCAST_S_PER_PARAMETER[plan.accelerator] if plan.upcasts_bf16_weights else 0.0
+    head = 2 * vocab * width * UPCAST_S_PER_PARAMETER[plan.accelerator] if plan.bf16_weights_computed_in_fp32 else 0.0
     if plan.four_bit_base:
         return uses * DEQUANTIZE_S_PER_PARAMETER[plan.accelerator] + head
-    return uses * UPCAST_S_PER_PARAMETER[plan.accelerator] + head if plan.upcasts_bf16_weights else 0.0
+    return uses * UPCAST_S_PER_PARAMETER[plan.accelerator] + head if plan.bf16_weights_computed_in_fp32 else 0.0
 
 
 def throughput(plan: TrainPlan, width: int, bf16_native: bool) -> float:

@@ -170,7 +170,7 @@ def hold_base_before_adapters(model: nn.Module, plan: TrainPlan) -> None:
 def hold_frozen_base(model: nn.Module, plan: TrainPlan) -> None:
     """LoRA's frozen base in 16 bits: in bf16 computed in fp32 where the plan upcasts, else in the dtype
     autocast computes in (nothing under fp32)."""
-    if plan.upcasts_bf16_weights:
+    if plan.bf16_weights_computed_in_fp32:
         store_frozen_weights(model)
     elif plan.half_dtype is not None:
         cast_frozen_weights(model, plan.half_dtype)

@@ -25,8 +25,8 @@ from transformers import GPT2LMHeadModel
 from conftest import CtrlC, corpus_text, realistic, snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, estimate, memory
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
+from lowmem_aitextgen.evaluation import ValidationHistory, keep_best_in_memory
 from lowmem_aitextgen.plan import AdapterSettings, TrainPlan
-from lowmem_aitextgen.validation import ValidationHistory, keep_best_in_memory
 
 CONTEXT = 64
 PREFIX_TOKENS = 20  # adapter="prefix"'s

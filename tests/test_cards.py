@@ -46,10 +46,10 @@ def test_each_plan_fits_its_budget_keeps_the_batch_and_computes_in_what_the_devi
             assert plan.accelerator == "gpu" and estimate.total <= plan.budget.bytes
             if not device.bf16:  # T4, V100, GTX 16xx: fp16 with loss scaling, or fp32 math on bf16-held weights
                 # (or offloaded, in fp32: fp16's loss scaling is not used on offloaded gradients)
-                fp32 = plan.upcasts_bf16_weights or plan.offload
+                fp32 = plan.bf16_weights_computed_in_fp32 or plan.offload
                 assert plan.precision == ("32-true" if fp32 else "16-mixed"), (lora, plan)
             else:
-                assert plan.precision.startswith("bf16") or plan.upcasts_bf16_weights, (lora, plan)
+                assert plan.precision.startswith("bf16") or plan.bf16_weights_computed_in_fp32, (lora, plan)
         else:
             assert plan.accelerator == "cpu"
             if not device.bf16_native:  # emulated bf16 is 20x slower: fp32 math, bf16 at most for storage

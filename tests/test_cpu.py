@@ -17,13 +17,13 @@ from lowmem_aitextgen.adapters import add_adapter
 from lowmem_aitextgen.cpu import (
     ATTENTION,
     CpuDropout,
-    ReleaseFreedHeap,
     UpcastOutsideAutocast,
     fast_dropout,
     gpt2_attention,
     keep_mask,
     use_cpu_speedups,
 )
+from lowmem_aitextgen.heap_callbacks import ReleaseFreedHeap
 
 pytestmark = pytest.mark.edges  # the CPU swaps replace transformers' GPT-2 modules' forwards
 

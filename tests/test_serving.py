@@ -292,3 +292,13 @@ def test_serve_refuses_bad_flags_before_reading_the_model(flag, says, tmp_path):
     result = subprocess.run([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", str(tmp_path / "missing"), flag],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_without_its_extra_names_the_install_line(monkeypatch):
+    from lowmem_aitextgen import hardware
+    from lowmem_aitextgen.serving import INSTALL_SERVE, ServeSettings
+
+    monkeypatch.setattr(hardware, "importable", lambda module: module != "uvicorn")  # as where it is missing
+    with pytest.raises(ValueError, match="serve needs uvicorn, which is not installed") as refused:
+        ServeSettings().check()
+    assert INSTALL_SERVE in str(refused.value) and 'lowmem_aitextgen[serve]' in INSTALL_SERVE

@@ -152,7 +152,7 @@ def test_the_planner_stores_the_base_in_bf16_only_where_an_fp32_base_does_not_fi
     roomy, _ = fit_plan(WIDE, lora_plan(), 64, 2**40)
     assert not roomy.upcast_bf16_weights  # the upcasts cost time
     tight, estimate = fit_plan(WIDE, lora_plan(), 64, (fp32 + upcast) // 2)
-    assert tight.upcasts_bf16_weights and tight.precision == "32-true"  # faster than emulated bf16 autocast
+    assert tight.bf16_weights_computed_in_fp32 and tight.precision == "32-true"  # faster than emulated bf16 autocast
     assert budgeted_bytes(tight, estimate) <= (fp32 + upcast) // 2
     assert "base stored in bf16" in tight.describe(1, 2, 3)
 
@@ -167,7 +167,7 @@ def test_fp16_true_where_16_bit_math_is_emulated_may_still_store_the_base_in_bf1
         chosen, _ = fit_plan(WIDE, asked, 64, (fp32 + upcast) // 2, PlannerInputs(fp32_asked=not fp16))
     except MemoryError:  # fp32 weights asked for, and no other choice fits
         chosen = None
-    assert (chosen is not None and chosen.upcasts_bf16_weights) == stored
+    assert (chosen is not None and chosen.bf16_weights_computed_in_fp32) == stored
     assert chosen is None or chosen.precision == "32-true"
 
 
@@ -225,13 +225,13 @@ def test_a_full_fine_tune_is_held_in_bf16_only_where_8_bit_adamw_in_fp32_does_no
     roomy, _ = fit_plan(WIDE, full_plan(), 64, eight_bit)
     assert not roomy.upcast_bf16_weights
     tight, estimate = fit_plan(WIDE, full_plan(), 64, (eight_bit + upcast) // 2)
-    assert (tight.upcasts_bf16_weights, tight.precision, tight.optimizer) == (True, "32-true", "adamw8bit")
+    assert (tight.bf16_weights_computed_in_fp32, tight.precision, tight.optimizer) == (True, "32-true", "adamw8bit")
     assert "16-bit weights with 8-bit AdamW" in tight.chosen_because and "with bf16 weights" in tight.chosen_because
     assert budgeted_bytes(tight, estimate) <= (eight_bit + upcast) // 2
     assert "weights stored in bf16" in tight.describe(1, 2, 3)
     resumed = full_plan(optimizer="adamw8bit", fixed=frozenset({"optimizer"}))  # a resumed run's optimizer
     again, _ = fit_plan(WIDE, resumed, 64, (eight_bit + upcast) // 2)
-    assert again.upcasts_bf16_weights and again.checkpointed_blocks == tight.checkpointed_blocks  # resumable
+    assert again.bf16_weights_computed_in_fp32 and again.checkpointed_blocks == tight.checkpointed_blocks  # resumable
     fixed = dataclasses.replace(full_plan(), fixed=frozenset({"precision"}))  # fp32 asked for
     with pytest.raises(Exception, match="max_memory"):
         fit_plan(WIDE, fixed, 64, (eight_bit + upcast) // 2)
