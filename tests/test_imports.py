@@ -3,11 +3,36 @@ Read from the source (every import, at module level or inside a function), nothi
 
 import ast
 import pathlib
+import re
 
 import lowmem_aitextgen
 
 PACKAGE = pathlib.Path(lowmem_aitextgen.__file__).parent
-TECHNIQUES = {"storage16", "memory", "lora", "cpu", "chunked_loss", "optimizers", "compiling"}
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+# Every module's floor, lowest first: a module imports only from its own floor or below (docs/architecture.md
+# lists them).  A new module fails test_every_module_has_a_floor until it is given one.
+FLOORS = {
+    "facts": {"_compat", "hardware", "heap", "adapter_settings", "arguments", "saving", "completions", "streaming"},
+    "data and plan": {"plan", "TokenDataset", "tokenizers", "data"},
+    "techniques": {"storage16", "chunked_loss", "optimizers", "four_bit", "lora", "adapters", "in_backward",
+                   "memory", "sharding", "callbacks", "cpu", "heap_callbacks", "compiling"},
+    "planner": {"step_time", "estimate", "budget", "oom"},
+    "generation": {"decoding", "generation", "sampling", "batching"},
+    "run": {"resume", "report", "outputs", "loading", "lightning_module", "evaluation", "run"},
+    "serving": {"serving"},
+    "faces": {"aitextgen", "cards", "cli", "__init__", "colab", "train", "utils"},
+}
+TECHNIQUES = FLOORS["techniques"]
+
+
+def floor_of(module: str) -> int:
+    return next(i for i, modules in enumerate(FLOORS.values()) if module in modules)
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that climbs: 'module -> imported'."""
+    return [f"{module} -> {imported}" for module, imports in sorted(graph.items()) for imported in sorted(imports)
+            if floor_of(imported) > floor_of(module)]
 
 
 def package_imports() -> dict[str, set[str]]:
@@ -64,3 +89,24 @@ def test_decisions_import_no_technique_and_saving_no_training_code():
     assert not graph["budget"] & TECHNIQUES, graph["budget"]
     assert graph["saving"] <= {"_compat", "heap", "hardware"}, graph["saving"]
     assert graph["hardware"] == set() and graph["heap"] == set()
+
+
+def test_every_module_has_a_floor_and_one_only():
+    modules = set(package_imports())
+    placed = [module for floor in FLOORS.values() for module in floor]
+    assert len(placed) == len(set(placed)), "a module is on two floors"
+    assert modules == set(placed), (sorted(modules - set(placed)), sorted(set(placed) - modules))
+
+
+def test_imports_only_go_down_or_stay_on_their_floor():
+    assert upward({"plan": {"memory"}, "memory": {"plan"}}) == ["plan -> memory"]  # the reader sees a climb
+    assert not upward(package_imports())
+
+
+def test_the_architecture_page_lists_the_floors_as_the_test_holds_them():
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    for name, modules in FLOORS.items():
+        line = next((row for row in text.splitlines() if row.startswith(f"| {name} |")), None)
+        assert line is not None, f"docs/architecture.md has no row for the floor {name!r}"
+        listed = set(re.findall(r"`([\w]+)\.py`", line))
+        assert listed == modules, (name, sorted(listed ^ modules))
