@@ -31,6 +31,7 @@ from aitextgen.TokenDataset import TokenDataset as _AitextgenTokenDataset
 from aitextgen.TokenDataset import get_dtype, get_lines_in_file, get_lines_in_file_csv  # noqa: F401  (work as they are)
 
 from . import _compat
+from .saving import read_json
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -65,8 +66,7 @@ def _file_sha256(path: str) -> str:
 def read_cache_record(cache: str) -> dict[str, Any] | None:
     """The record save() wrote beside `cache`, if it describes this very file (else None)."""
     try:
-        with open(os.fspath(cache) + RECORD_SUFFIX, encoding="utf-8") as f:
-            record = json.load(f)
+        record = read_json(os.fspath(cache) + RECORD_SUFFIX)
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("cache_sha256") != _file_sha256(cache):

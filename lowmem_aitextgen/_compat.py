@@ -75,10 +75,9 @@ def _convert_tf_checkpoint(*args: Any, **kwargs: Any) -> None:
 
 
 def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):
-        return True
+    from .hardware import importable
+
+    return not importable(module)
 
 
 @contextlib.contextmanager

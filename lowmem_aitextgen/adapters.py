@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat, four_bit, lora
+from . import _compat, four_bit, lora, saving
 from .adapter_settings import ADAPTER_SUBFOLDER, AdapterSettings
 from .heap import release_freed_heap
 from .saving import WeightSource, model_weights, save_model_files
@@ -225,8 +225,7 @@ def prompt_learning_beside(folder: str) -> str | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            settings = AdapterSettings.of(json.load(f))
+        settings = AdapterSettings.of(saving.read_json(path))
         return None if settings.mergeable else os.path.join(folder, ADAPTER_SUBFOLDER)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} cannot be read as a peft adapter config ({error}); restore it from the run's "
@@ -274,10 +273,9 @@ def read_base_record(adapter_folder: str) -> dict[str, Any] | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
+        record = saving.read_json(path)
     except (OSError, ValueError) as error:
-        raise ValueError(f"{path} cannot be read ({error}); it records which weights the adapter was trained on. "
+        raise ValueError(f"{error}; it records which weights the adapter was trained on. "
                          "Restore it from the run's output_dir, or delete it to load the adapter unchecked.") from error
     if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
         raise ValueError(f"{path} is not a lowmem_aitextgen base record; restore it, or delete it to load the "

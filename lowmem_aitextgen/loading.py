@@ -79,11 +79,9 @@ def check_model_folder(model_folder: str) -> None:
 
 def read_json(path: str, argument: str) -> Any:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return saving.read_json(path)
     except (ValueError, OSError) as error:
-        raise ValueError(f"{argument}: {path} is not readable JSON ({error}); restore the file or save the "
-                         "model again.") from error
+        raise ValueError(f"{argument}: {error}; restore the file or save the model again.") from error
 
 
 def from_folder(model_folder: str, what: str, **kwargs: Any) -> nn.Module:
@@ -373,8 +371,7 @@ def adapter_onto(base: nn.Module, adapter_folder: str, what: str) -> nn.Module:
     from peft import PeftModel
 
     try:
-        with open(os.path.join(adapter_folder, ADAPTER_CONFIG), encoding="utf-8") as f:
-            mergeable = AdapterSettings.of(json.load(f)).mergeable
+        mergeable = AdapterSettings.of(saving.read_json(os.path.join(adapter_folder, ADAPTER_CONFIG))).mergeable
         with _compat.without_warning(_compat.PEFT_IS_GRADIENT_CHECKPOINTING, FutureWarning):
             model = PeftModel.from_pretrained(base, adapter_folder, is_trainable=mergeable)
         if not mergeable:

