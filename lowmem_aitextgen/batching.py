@@ -3,7 +3,9 @@ batch (sampling.decode_together), so that concurrent clients share each forward 
 
 | choice                 | why                                                                             |
 |------------------------|---------------------------------------------------------------------------------|
-| one decoding thread    | the model is one; torch uses every core for each forward pass already           |
+| one decoding thread    | the model is one; torch uses every core for each forward pass already; serve   |
+|                        | decodes on the main thread (`run`): torch's int8 kernels measured 2.5x slower   |
+|                        | called from any other (RESULTS.md)                                              |
 | a batch per round      | rows join when a round starts, none mid-round: a round's rows share one padded   |
 |                        | prompt; the next round takes what came meanwhile                                |
 | GATHER_SECONDS         | a round waits that long for more requests before it starts (a burst of clients   |
@@ -27,6 +29,10 @@ logger = logging.getLogger("lowmem_aitextgen")
 
 GATHER_SECONDS = 0.02
 STOP = object()  # put in the queue by Batcher.stop
+
+
+class Stopping(RuntimeError):
+    """What a job still waiting or decoding is answered with when the server stops."""
 
 
 class Job:
@@ -76,15 +82,18 @@ class Batcher:
         self.decoded_rows = 0  # in every round so far
         self._lock = threading.Lock()
         self._held: object = None  # taken from the queue but not fitting the round: first in the next
-        self._thread = threading.Thread(target=self._run, name="lowmem_aitextgen decoding", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Decoding on a thread of its own (`run` decodes on the caller's)."""
+        self._thread = threading.Thread(target=self.run, name="lowmem_aitextgen decoding", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """The thread ends once its round is over (the jobs still queued are not decoded)."""
+        """`run` returns once its round is over; the jobs still queued are answered with an error."""
         self._queue.put(STOP)
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     def submit(self, job: Job) -> bool:
         """Queued, or False where `limit` jobs already wait."""
@@ -108,13 +117,25 @@ class Batcher:
         with self._lock:
             self._waiting -= 1
 
-    def _run(self) -> None:
-        while True:
-            first, self._held = self._held or self._queue.get(), None
-            if first is STOP:
-                return
-            time.sleep(GATHER_SECONDS)
-            self._round(self._gather(first))
+    def run(self) -> None:
+        """Rounds until `stop`; then every job still waiting is answered with an error."""
+        try:
+            while True:
+                first, self._held = self._held or self._queue.get(), None
+                if first is STOP:
+                    return
+                time.sleep(GATHER_SECONDS)
+                self._round(self._gather(first))
+        finally:
+            self._turn_away()
+
+    def _turn_away(self) -> None:
+        waiting = [self._held] if isinstance(self._held, Job) else []
+        while not self._queue.empty():
+            waiting.append(self._queue.get_nowait())
+        for job in waiting:
+            if isinstance(job, Job) and job.start():
+                job.finish(Stopping("the server is stopping"))
 
     def _gather(self, first: Job) -> list[Job]:
         """`first` and the jobs waiting behind it, as many as fit in one round (the one that does not fit, or
@@ -146,6 +167,10 @@ class Batcher:
         except Exception as failure:  # answered to each client (500), the server goes on
             logger.exception("Decoding a batch failed")
             error = failure
+        except BaseException:  # Ctrl-C: each client answered (503), then it goes on up
+            for job in started:
+                job.finish(Stopping("the server is stopping"))
+            raise
         self.running_rows = 0
         for job in started:
             job.finish(error)

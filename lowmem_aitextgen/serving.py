@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from . import completions, hardware
-from .batching import Batcher, Job
+from .batching import Batcher, Job, Stopping
 from .completions import ApiError, Completion, Limits
 from .sampling import Row, RowSettings, decode_together
 
@@ -65,6 +67,21 @@ class ServeSettings:
         for package in ("starlette", "uvicorn"):
             if not hardware.importable(package):
                 raise ValueError(f"serve needs {package}, which is not installed: {INSTALL_SERVE}.")
+        self._check_bindable()
+
+    def _check_bindable(self) -> None:
+        """The address can be listened on (before the model is read, not after)."""
+        import socket
+
+        try:
+            family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                probe.bind((self.host, self.port))
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise ValueError(f"--host={self.host!r} --port={self.port}: cannot listen there ({reason}); choose "
+                             "another port, or stop what listens on it.") from None
 
 
 class Server:
@@ -153,9 +170,8 @@ def make_app(server: Server) -> Any:
 
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
-        server.batcher.start()
         yield
-        server.batcher.stop()
+        server.batcher.stop()  # the decoding loop (serve: the main thread's) ends
 
     return Starlette(routes=[Route("/", page), Route("/health", health), Route("/v1/models", models),
                              Route("/v1/completions", complete, methods=["POST"])],
@@ -253,6 +269,8 @@ def _cancel(server: Server, job: Job, why: str) -> None:
 
 
 def _raise_failure(flow: _Flow) -> None:
+    if isinstance(flow.error, Stopping):
+        raise ApiError(503, "The server is stopping; retry on another, or once it is back.", kind="server_error")
     if flow.error is not None:
         raise ApiError(500, f"Decoding failed: {type(flow.error).__name__}: {flow.error}", kind="server_error")
 
@@ -292,21 +310,46 @@ async def _events(server: Server, request: Any, asked: Completion, job: Job, flo
 
 
 def serve(ai: Any, model_id: str, settings: ServeSettings) -> None:
-    """Serves until Ctrl-C or SIGTERM (uvicorn's handling: requests in flight are finished first)."""
+    """Serves until Ctrl-C or SIGTERM: uvicorn on a thread of its own, the decoding on this one (the main
+    thread: torch's int8 kernels measured 2.5x slower from any other, batching.py)."""
     import uvicorn
 
     server = Server(ai, model_id, settings)
     logger.info(server.plan.describe())
-    config = uvicorn.Config(make_app(server), host=settings.host, port=settings.port, log_level="warning",
-                            access_log=False)
-    runner = uvicorn.Server(config)
-    original_startup = runner.startup
+    runner = uvicorn.Server(uvicorn.Config(make_app(server), host=settings.host, port=settings.port,
+                                           log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    _say_where_once_bound(runner, model_id)
+    def run_http() -> None:
+        try:
+            runner.run()
+        finally:
+            server.batcher.stop()  # uvicorn ended (or never started): so does the decoding loop
 
-    async def startup(sockets: Any = None) -> None:
-        await original_startup(sockets)
-        bound = runner.servers[0].sockets[0].getsockname() if runner.servers else (settings.host, settings.port)
-        print(f"Serving {model_id} at http://{bound[0]}:{bound[1]}/ (the page) and /v1 (OpenAI's completions "
-              f"API); Ctrl-C stops.", flush=True)
+    serving = threading.Thread(target=run_http, name="lowmem_aitextgen http", daemon=True)
+    serving.start()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.batcher.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        runner.should_exit = True
+        serving.join(timeout=30)
 
-    runner.startup = startup
-    runner.run()
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _say_where_once_bound(runner: Any, model_id: str) -> None:
+    """One line with the address, printed once uvicorn has bound its socket (--port=0: the port it got)."""
+    startup = runner.startup
+
+    async def started(sockets: Any = None) -> None:
+        await startup(sockets)
+        host, port = runner.servers[0].sockets[0].getsockname()[:2]
+        print(f"Serving {model_id} at http://{host}:{port}/ (the page) and /v1 (OpenAI's completions API); "
+              "Ctrl-C stops.", flush=True)
+
+    runner.startup = started

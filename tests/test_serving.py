@@ -286,11 +286,17 @@ def test_the_page_streams_a_text_in_headless_chromium(served):
 
 @pytest.mark.parametrize("flag, says", [
     ("--port=70000", "--port=70000"), ("--max_batch=0", "--max_batch=0"), ("--timeout=-1", "--timeout=-1"),
-    ("--max_tokenz=5", "unknown flag --max_tokenz"),
+    ("--max_tokenz=5", "unknown flag --max_tokenz"), ("--port=TAKEN", "cannot listen there"),
 ])
 def test_serve_refuses_bad_flags_before_reading_the_model(flag, says, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", str(tmp_path / "missing"), flag],
-                            capture_output=True, text=True, timeout=120)
+    import socket
+
+    with socket.socket() as taken:  # a port something else listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        flag = flag.replace("TAKEN", str(taken.getsockname()[1]))
+        result = subprocess.run([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", str(tmp_path / "missing"),
+                                 flag], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
 
 
