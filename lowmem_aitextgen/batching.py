@@ -8,8 +8,8 @@ batch (sampling.decode_together), so that concurrent clients share each forward 
 |                        | called from any other (RESULTS.md)                                              |
 | a batch per round      | rows join when a round starts, none mid-round: a round's rows share one padded   |
 |                        | prompt; the next round takes what came meanwhile                                |
-| GATHER_SECONDS         | a round waits that long for more requests before it starts (a burst of clients   |
-|                        | arriving together is decoded together); a fraction of one token's time           |
+| GATHER_QUIET, _LONGEST | a round starts once no request has come for GATHER_QUIET seconds (clients that   |
+|                        | arrive together are decoded together), GATHER_LONGEST at most, or when full      |
 | a bounded queue        | a full queue is refused at once (serving.py: 429), never grows memory           |
 | cancel                 | a job gone before its round is skipped and frees its place at once; one gone     |
 |                        | during its round stops its rows at the next token                               |
@@ -27,7 +27,7 @@ from .sampling import Row
 
 logger = logging.getLogger("lowmem_aitextgen")
 
-GATHER_SECONDS = 0.02
+GATHER_QUIET, GATHER_LONGEST = 0.01, 0.1  # seconds; a 355M token takes 0.03 (batch 1) to 0.05 (batch 8)
 STOP = object()  # put in the queue by Batcher.stop
 
 
@@ -124,7 +124,6 @@ class Batcher:
                 first, self._held = self._held or self._queue.get(), None
                 if first is STOP:
                     return
-                time.sleep(GATHER_SECONDS)
                 self._round(self._gather(first))
         finally:
             self._turn_away()
@@ -138,19 +137,21 @@ class Batcher:
                 job.finish(Stopping("the server is stopping"))
 
     def _gather(self, first: Job) -> list[Job]:
-        """`first` and the jobs waiting behind it, as many as fit in one round (the one that does not fit, or
-        the stop, is held for the next)."""
+        """`first` and the jobs that come with it, as many as fit in one round: until none has come for
+        GATHER_QUIET (GATHER_LONGEST at most); the one that does not fit, or the stop, is held for the next."""
         jobs, rows = [first], list(first.rows)
-        while True:
+        deadline = time.monotonic() + GATHER_LONGEST
+        while len(rows) < self.max_rows and time.monotonic() < deadline:
             try:
-                job = self._queue.get_nowait()
+                job = self._queue.get(timeout=min(GATHER_QUIET, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
-                return jobs
+                break
             if job is STOP or len(rows) + len(job.rows) > self.max_rows or not self.fits(rows + job.rows):
                 self._held = job
-                return jobs
+                break
             jobs.append(job)
             rows += job.rows
+        return jobs
 
     def _round(self, jobs: list[Job]) -> None:
         started = []

@@ -99,8 +99,8 @@ class Server:
         self.created = int(time.time())
 
     def rows(self, request: Completion, on_text: Any) -> tuple[list[Row], int]:
-        """The request's rows (choice k: prompt k // n), and its prompts' tokens; a prompt the context cannot
-        take with max_tokens refused (400)."""
+        """The request's rows (choice k: prompt k // n; on_text(k, piece) as each is made, where given), and its
+        prompts' tokens; a prompt the context cannot take with max_tokens refused (400)."""
         from .generation import prompt_ids
 
         rows, prompt_tokens = [], 0
@@ -113,7 +113,8 @@ class Server:
                                     f"{max(0, self.limits.context - len(ids))} or shorten the prompt.", "max_tokens")
             for j in range(request.n):
                 k = p * request.n + j
-                rows.append(Row(ids, self._settings(request, len(ids), k), lambda piece, k=k: on_text(k, piece)))
+                told = None if on_text is None else lambda piece, k=k: on_text(k, piece)
+                rows.append(Row(ids, self._settings(request, len(ids), k), told))
         return rows, prompt_tokens
 
     def _within_context(self, rows: list[Row]) -> bool:
@@ -228,7 +229,8 @@ async def _completion(server: Server, request: Any) -> Any:
 
     asked = completions.parse(await _body(request), server.limits)
     flow = _Flow()
-    rows, prompt_tokens = server.rows(asked, flow.on_text)
+    # only a stream is told each piece: each telling wakes the event loop, which takes the GIL from decoding
+    rows, prompt_tokens = server.rows(asked, flow.on_text if asked.stream else None)
     job = Job(rows, flow.on_done)
     if not server.batcher.submit(job):
         raise ApiError(429, f"The queue is full ({server.settings.queue} requests wait); retry in a moment.",

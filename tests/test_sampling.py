@@ -86,3 +86,13 @@ def test_the_batcher_decodes_what_arrives_together_in_one_round_and_refuses_past
         assert done.acquire(timeout=30)
     batcher.stop()
     assert rounds == [3]  # waiting together: one round
+
+
+def test_a_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
+    from lowmem_aitextgen.sampling import _draw
+
+    probabilities = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.0, 0.4])
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.bincount(torch.tensor([_draw(probabilities, generator) for _ in range(20_000)]), minlength=6)
+    assert counts[1] == counts[4] == 0
+    assert torch.allclose(counts / 20_000, probabilities, atol=0.015)

@@ -97,9 +97,11 @@ def served(tmp_path_factory, tokenizer_file):
 
 @pytest.fixture(scope="module")
 def busy(tmp_path_factory, tokenizer_file):
-    """One text at a time, one request waiting, a second of time: the queue, the timeout and the disconnect."""
-    folder = model_folder(tmp_path_factory.mktemp("busy") / "model", n_positions=2048, n_layer=4)
-    server = start_server(folder, tokenizer_file, "--max_tokens=2000", "--max_batch=1", "--queue=1", "--timeout=1")
+    """One text at a time, one request waiting, three seconds a request (a text of 1,900 tokens takes longer:
+    eight blocks 512 wide, a step of milliseconds): the queue, the timeout and the disconnect."""
+    folder = model_folder(tmp_path_factory.mktemp("busy") / "model", n_positions=2048, n_layer=8, n_embd=512,
+                          n_head=8)
+    server = start_server(folder, tokenizer_file, "--max_tokens=2000", "--max_batch=1", "--queue=1", "--timeout=3")
     yield server
     stop_server(server.process)
 
@@ -226,7 +228,7 @@ def test_a_full_queue_is_answered_429_at_once_with_retry_after(busy):
 def test_a_request_past_the_timeout_answers_504_and_frees_its_place(busy):
     before = busy.health()["cancelled_rows"]["timed out"]
     response = busy.post({"model": busy.folder, "prompt": "a", "max_tokens": 1900})
-    assert response.status_code == 504 and "--timeout=1" in response.json()["error"]["message"]
+    assert response.status_code == 504 and "--timeout=3" in response.json()["error"]["message"]
     assert busy.health()["cancelled_rows"]["timed out"] == before + 1
     wait_until(lambda: busy.health()["decoding_rows"] == 0)
     assert busy.complete(prompt="a", max_tokens=3)["choices"]
