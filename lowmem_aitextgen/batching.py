@@ -27,7 +27,7 @@ from .sampling import Row
 
 logger = logging.getLogger("lowmem_aitextgen")
 
-GATHER_QUIET, GATHER_LONGEST = 0.01, 0.1  # seconds; a 355M token takes 0.03 (batch 1) to 0.05 (batch 8)
+GATHER_QUIET, GATHER_LONGEST = 0.03, 0.1  # seconds; a 355M token takes 0.03 (batch 1) to 0.05 (batch 8)
 STOP = object()  # put in the queue by Batcher.stop
 
 

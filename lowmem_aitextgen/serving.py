@@ -36,7 +36,9 @@ logger = logging.getLogger("lowmem_aitextgen")
 INSTALL_SERVE = 'pip install "lowmem_aitextgen[serve]" (Starlette and uvicorn)'
 MAX_BODY = 1 << 20  # bytes: a request is a prompt and a few settings
 RETRY_AFTER_SECONDS = 1
-POLL_SECONDS = 0.1  # how often a waiting request looks whether its client is still there
+# How often a waiting request looks whether its client is still there: each look takes the GIL from the
+# decoding for a moment, and at 0.1 s eight waiting clients slowed a round by a third (RESULTS.md).
+POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ async def _until(server: Server, request: Any, job: Job, deadline: float, ready:
             _cancel(server, job, "client left")
             raise ApiError(499, "The client left.")
         try:
-            await asyncio.wait_for(ready.wait(), timeout=POLL_SECONDS)
+            await asyncio.wait_for(ready.wait(), timeout=max(0.01, min(POLL_SECONDS, deadline - time.monotonic())))
         except asyncio.TimeoutError:
             continue
 
@@ -285,7 +287,8 @@ async def _events(server: Server, request: Any, asked: Completion, job: Job, flo
     try:
         while not (flow.done.is_set() and flow.pieces.empty()):
             try:
-                k, piece = await asyncio.wait_for(flow.pieces.get(), timeout=POLL_SECONDS)
+                k, piece = await asyncio.wait_for(flow.pieces.get(), timeout=max(0.01, min(
+                    POLL_SECONDS, deadline - time.monotonic())))
             except asyncio.TimeoutError:
                 if time.monotonic() > deadline:
                     _cancel(server, job, "timed out")
