@@ -142,7 +142,7 @@ class Server:
 
 
 def make_app(server: Server) -> Any:
-    """The Starlette app over `server`: its routes, errors in OpenAI's shape, the queue's thread with it."""
+    """The Starlette app over `server`: its routes, errors in OpenAI's shape; its shutdown ends the decoding loop."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
