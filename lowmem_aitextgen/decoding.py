@@ -242,8 +242,8 @@ class DecodingMemory:
         parameters = sum(p.numel() for p in self.model.parameters())
         if form == _as_held(self.model):
             return 0 if self.read else parameters * held_dtype(self.model).itemsize
-        if form in ("bf16", "fp16"):
-            return 2 * parameters
+        if form in ("bf16", "fp16"):  # a copy of the model as held, which is read first where it is not yet
+            return 2 * parameters + (0 if self.read else parameters * held_dtype(self.model).itemsize)
         head = self.model.get_input_embeddings().weight.numel()  # the int8 LM head, a copy of the tied embedding
         embeddings = head + sum(p.numel() for name, p in self.model.named_parameters() if name.endswith("wpe.weight"))
         return parameters - embeddings + head + (0 if self.read else 4 * embeddings)  # embeddings fp32, shared
