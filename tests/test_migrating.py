@@ -473,3 +473,47 @@ def _(env):
 @pytest.mark.parametrize("name", sorted(CHECKS), ids=str)  # after every @difference above
 def test_each_difference_is_what_the_code_does(name, env):
     CHECKS[name](env)
+
+
+# --- docs/arguments.md: every added argument has a row, and each default it states is the signature's ---------
+
+ARGUMENTS_PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "arguments.md")
+
+
+def page_rows() -> list[tuple[str, str]]:
+    """(the row's `where` column, the rest of the row) of docs/arguments.md's table."""
+    with open(ARGUMENTS_PAGE, encoding="utf-8") as f:
+        rows = [line.split("|")[1:] for line in f if line.startswith("| `")]
+    return [(where, "|".join(rest)) for where, *rest in rows]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_new_argument_has_a_row_on_the_arguments_page(method):
+    name = "aitextgen()" if method == "__init__" else f"{method}()"
+    listed = {arg for where, rest in page_rows() if f"`{name}`" in where
+              for arg in re.findall(r"`(\w+)`", rest.split("|")[0])}
+    new = set(parameters(aitextgen, method)) - set(parameters(original, method))
+    assert not new - listed, f"docs/arguments.md has no {name} row for {sorted(new - listed)}"
+
+
+def test_each_default_the_arguments_page_states_is_the_signatures():
+    """`name` (value), "default (`value`)" and "`value` (default)" in a row are the default of the argument the
+    row is about."""
+    import ast
+
+    checked = 0
+    for where, rest in page_rows():
+        methods = [m for m in METHODS if f"`{'aitextgen' if m == '__init__' else m}()`" in where]
+        arguments, meaning = rest.split("|")[0], rest.split("|")[1]
+        stated = dict(re.findall(r"`(\w+)` \(([^)`]+)\)", arguments))
+        names = re.findall(r"`(\w+)`", arguments)
+        found = re.search(r"default \(`([^`]+)`", meaning) or re.search(r"`([^`]+)` \(default\)", meaning)
+        if len(names) == 1 and found:
+            stated[names[0]] = found.group(1)
+        for argument, value in stated.items():
+            for method in methods:
+                signature = inspect.signature(getattr(aitextgen, method)).parameters
+                if argument in signature:
+                    assert signature[argument].default == ast.literal_eval(value), (method, argument, value)
+                    checked += 1
+    assert checked >= 6  # lora_r, lora_alpha, lora_dropout, gradient_checkpointing, optimizer, decoding, ...
