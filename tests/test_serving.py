@@ -95,6 +95,10 @@ def served(tmp_path_factory, tokenizer_file):
     assert server.process.poll() is not None
 
 
+# a text that takes longer than the busy server's timeout: 1,900 tokens, no early end-of-text (min_length)
+LONG = {"prompt": "a", "max_tokens": 1900, "min_length": 2000}
+
+
 @pytest.fixture(scope="module")
 def busy(tmp_path_factory, tokenizer_file):
     """One text at a time, one request waiting, three seconds a request (a text of 1,900 tokens takes longer:
@@ -213,7 +217,7 @@ def test_a_wrong_or_missing_key_is_refused_and_nothing_is_decoded(served):
 
 
 def test_a_full_queue_is_answered_429_at_once_with_retry_after(busy):
-    long = threading.Thread(target=lambda: busy.post({"model": busy.folder, "prompt": "a", "max_tokens": 1900}))
+    long = threading.Thread(target=lambda: busy.post({**LONG, "model": busy.folder}))
     long.start()
     wait_until(lambda: busy.health()["decoding_rows"] == 1)
     waiting = threading.Thread(target=lambda: busy.post({"model": busy.folder, "prompt": "b", "max_tokens": 5}))
@@ -227,7 +231,7 @@ def test_a_full_queue_is_answered_429_at_once_with_retry_after(busy):
 
 def test_a_request_past_the_timeout_answers_504_and_frees_its_place(busy):
     before = busy.health()["cancelled_rows"]["timed out"]
-    response = busy.post({"model": busy.folder, "prompt": "a", "max_tokens": 1900})
+    response = busy.post({**LONG, "model": busy.folder})
     assert response.status_code == 504 and "--timeout=3" in response.json()["error"]["message"]
     assert busy.health()["cancelled_rows"]["timed out"] == before + 1
     wait_until(lambda: busy.health()["decoding_rows"] == 0)
@@ -236,7 +240,7 @@ def test_a_request_past_the_timeout_answers_504_and_frees_its_place(busy):
 
 def test_a_client_leaving_mid_stream_stops_its_decoding(busy):
     before = busy.health()["cancelled_rows"]["client left"]
-    body = {"model": busy.folder, "prompt": "a", "max_tokens": 1900, "stream": True}
+    body = {**LONG, "model": busy.folder, "stream": True}
     with httpx.stream("POST", f"{busy.url}/v1/completions", json=body, timeout=30) as response:
         next(response.iter_lines())  # the first piece: decoding
     wait_until(lambda: busy.health()["cancelled_rows"]["client left"] == before + 1)
