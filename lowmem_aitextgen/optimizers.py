@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from .hardware import INSTALL_TORCHAO, eight_bit_available
-from .plan import OPTIMIZERS
 
 # torchao's AdamW8bit quantizes a state tensor in blocks of 256 values with one fp32 scale each and
 # a 256-entry fp32 code book, and only tensors of at least 4096 values whose size is a multiple of
@@ -33,6 +32,10 @@ EIGHT_BIT_CODE_BOOK_BYTES = 256 * 4
 # torchao 0.18's single_param_adam, as _adamw8bit_compiled_once calls it
 TORCHAO_UPDATE_ARGUMENTS = ("p", "grad", "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "lr", "beta1", "beta2",
                             "weight_decay", "eps", "IS_ADAMW", "BF16_STOCHASTIC_ROUND")
+
+# the optimizers a plan can name (built here), and how plans, the planner and the card table name them
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW", "adafactor": "Adafactor"}
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

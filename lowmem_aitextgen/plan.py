@@ -31,9 +31,6 @@ logger = logging.getLogger("lowmem_aitextgen")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 HALF_DTYPES = {"bf16": torch.bfloat16, "16-": torch.float16}
-# the optimizers a plan can name (optimizers.py builds them), and how plans and tables name them
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
-OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW", "adafactor": "Adafactor"}
 
 CHECKPOINT_NAME = "last.ckpt"  # in output_dir, for train(resume=True)
 # what a sharded process holds whole (TrainPlan.gathered_for), from the least memory to the fewest collectives

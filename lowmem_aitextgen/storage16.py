@@ -33,6 +33,8 @@ dtype the layer computes in, autocast's where it runs (bf16, or fp16 on GPUs wit
 
 from __future__ import annotations
 
+import functools
+import json
 import types
 from collections.abc import Callable
 
@@ -139,6 +141,20 @@ def _holds_parameters(module: nn.Module) -> bool:
 def supported(model: nn.Module) -> bool:
     """Whether every layer holding weights is one this file computes for (GPT-2's are)."""
     return all(type(m) in FORWARDS for m in model.modules() if _holds_parameters(m))
+
+
+def supported_config(config: object) -> bool:
+    """Whether every layer of a model of `config` computes here (`supported` on the model built on the meta
+    device, nothing allocated): the planner offers bf16 storage with fp32 math only then."""
+    return _supported_config(config.to_json_string())
+
+
+@functools.lru_cache(maxsize=16)
+def _supported_config(config_json: str) -> bool:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return supported(AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config_json))))
 
 
 def compute_in_fp32(model: nn.Module) -> None:

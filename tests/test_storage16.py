@@ -16,7 +16,7 @@ from lowmem_aitextgen import aitextgen, budget, hardware, storage16
 from lowmem_aitextgen.adapter_settings import AdapterSettings
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
-from lowmem_aitextgen.estimate import estimate_plan, memory_plan, storage16_supported
+from lowmem_aitextgen.estimate import estimate_plan, memory_plan
 from lowmem_aitextgen.memory import apply_memory_plan
 from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
 
@@ -115,7 +115,7 @@ def test_the_forwards_are_the_layers_own_for_fp32_weights_and_after_the_undo():
 def test_only_models_whose_layers_it_computes_for_are_offered_it():
     llama = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=4)
-    assert storage16_supported(CONFIG) and not storage16_supported(llama)
+    assert storage16.supported_config(CONFIG) and not storage16.supported_config(llama)
     lora = memory_plan("32-true", True, AdapterSettings.lora(), 1, "adamw", True, n_layer=1)
     assert any(p.upcast_bf16_weights for p in budget.open_choices(lora, CONFIG))
     assert not any(p.upcast_bf16_weights for p in budget.open_choices(lora, llama))
