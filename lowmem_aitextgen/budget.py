@@ -40,7 +40,7 @@ that LoRA on a 4-bit base.  The 16-bit tiers need torchao (the 8bit
 extra), whose 8-bit AdamW comes first.
 pin_micro_batch=True keeps the micro-batch and accumulation exactly as given.
 
-`ladder` is the older, fixed order of cheaper plans; out-of-memory recovery (oom.py) steps down it.
+Out-of-memory recovery, which can change less (a resumed checkpoint must load), keeps its own rungs in oom.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import logging
 from collections.abc import Iterable, Iterator
 
 from . import hardware, storage16
-from .adapter_settings import AdapterSettings
 from .estimate import MemoryEstimate, config_jsons, estimate_plan
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
@@ -452,49 +451,3 @@ def fit_to_budget(plan: TrainPlan, asked: PlannerInputs, config: object, block_s
     with freed_memory_returned():
         fitted, _ = fit_plan(config, plan, block_size, budget, asked)
     return fitted
-
-
-# --- the fixed ladder, for out-of-memory recovery ------------------------------------------------
-
-
-def smaller_micro_batch(plan: TrainPlan) -> TrainPlan | None:
-    """The next smaller micro-batch that divides the effective batch, with accumulation to match."""
-    effective = plan.effective_batch_size
-    smaller = max((d for d in range(1, plan.micro_batch_size) if effective % d == 0), default=None)
-    if smaller is None:
-        return None
-    return dataclasses.replace(plan, micro_batch_size=smaller, accumulation=effective // smaller)
-
-
-def ladder(plan: TrainPlan, allow_lora: bool, in_backward: bool = False) -> Iterator[tuple[str, TrainPlan]]:
-    """(what changed, plan) for each rung, cumulative, starting with the plan as given; the choices in
-    plan.fixed (the user's) are never changed; `in_backward`: the user left the optimizer open, so a full
-    fine-tune at one micro-batch a step may update inside backward (its optimizer state is the same)."""
-    explicit = plan.fixed
-    yield "the plan as given", plan
-    if plan.gathered_for != "block":
-        plan = dataclasses.replace(plan, gathered_for="block")
-        yield "each block's weights gathered only while it computes", plan
-    if "gradient_checkpointing" not in explicit and plan.n_layer and not plan.checkpoints_every_block:
-        plan = plan.checkpointing_all()
-        yield "gradient checkpointing", plan
-    mixed = mixed_precision(plan.accelerator)
-    if not explicit & {"fp16", "precision"} and plan.half_dtype is None and mixed:
-        plan = dataclasses.replace(plan, precision=mixed)
-        yield "mixed precision", plan
-    if "chunked_loss" not in explicit and not plan.loss_chunk_tokens:
-        plan = dataclasses.replace(plan, loss_chunk_tokens=default_chunk_tokens(plan.accelerator))
-        yield "chunked loss", plan
-    if "optimizer" not in explicit and plan.optimizer == "adamw" and eight_bit_available():
-        plan = dataclasses.replace(plan, optimizer="adamw8bit")
-        yield "8-bit AdamW", plan
-    while (smaller := smaller_micro_batch(plan)) is not None:  # batch_size is part of the effective batch
-        plan = smaller
-        yield f"micro-batch {plan.micro_batch_size} x {plan.accumulation} accumulation", plan
-    if in_backward and not (plan.trains_adapter or plan.step_in_backward) and can_step_in_backward(
-            plan.accumulation, plan.sharded, plan.precision):
-        plan = dataclasses.replace(plan, step_in_backward=True)
-        yield "updates inside backward (no gradient copy)", plan
-    if allow_lora and not plan.trains_adapter:
-        plan = dataclasses.replace(plan, adapter=AdapterSettings.lora())
-        yield "LoRA", plan

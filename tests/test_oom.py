@@ -9,10 +9,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from conftest import CtrlC
+from conftest import CtrlC, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, hardware
-from lowmem_aitextgen.estimate import memory_plan
-from lowmem_aitextgen.oom import cheaper_plan, is_out_of_memory
+from lowmem_aitextgen.estimate import estimate_plan, memory_plan
+from lowmem_aitextgen.oom import cheaper_plan, is_out_of_memory, rungs
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("out-of-memory recovery is ours; Lightning's loop under it is test_run's")
@@ -105,6 +105,31 @@ def test_cheaper_plan_order(cpu):
     assert plan.optimizer == "adamw" and not plan.trains_adapter  # never a change the checkpoint cannot follow
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+@pytest.mark.parametrize("cpu", hardware.CPUS)
+def test_every_rung_recovery_steps_down_is_cheaper_keeps_the_effective_batch_and_is_reached(cpu):
+    """From micro-batch 4 x 2 accumulation and the optimizer left open: every rung oom.rungs has is taken, in
+    order, each estimated below the one before, the effective batch kept."""
+    config = tiny_gpt2_config(n_layer=8, n_positions=256, dropout=0.1)  # activations dominate: every rung counts
+    plan = dataclasses.replace(memory_plan("32-true", False, None, 4, "adamw", chunked_loss=False, n_layer=8),
+                               accumulation=2)
+    plans, changes = [plan], []
+    with hardware.presenting(hardware.Hardware(hardware.CPUS[cpu])):
+        while (step := cheaper_plan(plans[-1])) is not None:
+            changes.append(step[0])
+            plans.append(step[1])
+        pinned = dataclasses.replace(plans[2], accumulation=1, micro_batch_size=1)
+    native = hardware.CPUS[cpu].bf16_native
+    assert changes == ["micro-batch 2 x 4 accumulation", "micro-batch 1 x 8 accumulation", "gradient checkpointing",
+                       *(["mixed precision"] if native else []), "chunked loss"]
+    totals = [estimate_plan(config, p, 256).total for p in plans]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)
+    assert all(p.effective_batch_size == 8 for p in plans)
+    # the last rung: where a step is one sequence, updating inside backward (the same optimizer state)
+    assert [change for change, _ in rungs(pinned)][-1] == "updates inside backward (no gradient copy)"
+    last = list(rungs(pinned))[-1][1]
+    assert estimate_plan(config, last, 256).total < estimate_plan(config, list(rungs(pinned))[-2][1], 256).total
 
 
 @pytest.mark.parametrize("pinned", [False, True])
