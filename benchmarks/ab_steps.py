@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from memory_speed import build_model, dataset, reset_peak_rss, vm_hwm_bytes  # noqa: E402
 
 from lowmem_aitextgen import cpu, heap  # noqa: E402
-from lowmem_aitextgen.memory import transformer_blocks  # noqa: E402
+from lowmem_aitextgen.checkpointing import transformer_blocks  # noqa: E402
 
 EAGER_IN_AUTOCAST = "ab_eager_in_autocast"
 

@@ -20,9 +20,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lowmem_aitextgen.adapter_settings import AdapterSettings
+from lowmem_aitextgen.counting import unique_tensor_bytes
 from lowmem_aitextgen.estimate import GPT2_SIZES
-from lowmem_aitextgen.memory import apply_memory_plan, unique_tensor_bytes
 from lowmem_aitextgen.plan import TrainPlan
+from lowmem_aitextgen.techniques import apply_memory_plan
 
 
 def prepared(config: GPT2Config, four_bit: bool) -> torch.nn.Module:

@@ -20,8 +20,8 @@ from quality_tiers import FULL_TIERS, tier_step
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lowmem_aitextgen.estimate import GPT2_SIZES
-from lowmem_aitextgen.memory import apply_memory_plan
 from lowmem_aitextgen.plan import TrainPlan
+from lowmem_aitextgen.techniques import apply_memory_plan
 
 TIERS = FULL_TIERS[2:]  # from "bf16 weights, 8-bit AdamW", the tier the two inside backward come below
 

@@ -30,8 +30,8 @@ from functools import partial
 from torch import nn
 
 from .callbacks import WhileTraining
+from .checkpointing import transformer_blocks
 from .chunked_loss import body_and_head
-from .memory import transformer_blocks
 
 BACKEND = "inductor"  # torch.compile's own default; tests use "aot_eager": the same tracing, no C++ build
 

@@ -38,12 +38,14 @@ from transformers import AutoConfig
 from . import four_bit, in_backward
 from .adapter_settings import SHORT_FORMS, AdapterSettings
 from .arguments import check_block_size, check_estimate
+from .checkpointing import transformer_blocks
 from .chunked_loss import body_and_head, chunked_lm_loss, final_hidden
+from .counting import unique_tensor_bytes
 from .hardware import format_bytes
-from .memory import apply_memory_plan, transformer_blocks, unique_tensor_bytes
 from .optimizers import check_optimizer_name, optimizer_state_bytes
 from .plan import PRECISIONS, TrainPlan, default_chunk_tokens
 from .step_time import shape
+from .techniques import apply_memory_plan
 
 # OpenAI's four GPT-2 checkpoints (the hub's gpt2 ... gpt2-xl); all have 50,257 tokens and 1,024 positions.
 GPT2_SIZES = {

@@ -21,9 +21,9 @@ from pytorch_lightning.callbacks import Callback
 from torch import nn
 
 from .callbacks import WhileTraining
+from .checkpointing import transformer_blocks
 from .heap import glibc_heap_available, release_freed_heap, training_settings
 from .heap import use as use_heap_settings
-from .memory import transformer_blocks
 from .plan import TrainPlan
 
 

@@ -23,7 +23,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import nn
 
-from . import _compat, four_bit, memory, storage16
+from . import _compat, checkpointing, counting, four_bit, storage16, techniques
 from .adapters import base_fingerprint, is_adapter_model, is_mergeable, merge_in_place
 from .callbacks import NonFiniteGuard, SaveAndSample
 from .compiling import Compiled
@@ -125,10 +125,10 @@ class TrainingRun:
         plan, seed = self.plan, self.settings.seed
         if seed is not None:
             set_seed(seed)  # before LoRA's adapters are initialised: a seeded run repeats exactly
-        model, frozen = memory.apply_memory_plan(self.model, plan, self.recorder.base_rounding)
-        trainable, total = memory.trainable_parameters(model)
+        model, frozen = techniques.apply_memory_plan(self.model, plan, self.recorder.base_rounding)
+        trainable, total = counting.trainable_parameters(model)
         if rank_zero_only.rank == 0:
-            logger.info(plan.describe(trainable, total, memory.parameter_state_bytes(model)))
+            logger.info(plan.describe(trainable, total, counting.parameter_state_bytes(model)))
         outcome = Outcome(model=model, plan=plan, steps=0)
         try:
             model = self._fit(model, outcome)
@@ -142,7 +142,7 @@ class TrainingRun:
                 self._save_final(model, outcome)  # from the trained model, before it is merged in place
             self._share_what_rank_zero_saved()
         finally:
-            memory.set_requires_grad(frozen, True)
+            techniques.set_requires_grad(frozen, True)
             if plan.four_bit_base and is_mergeable(model) and self._output_dir_holds_the_result(outcome):
                 # merged in memory it would be the 16-bit model the budget needed a 4-bit base to avoid
                 self.read_back_from, outcome.model = plan.output_dir, None
@@ -219,7 +219,7 @@ class TrainingRun:
                 self.recorder.plan = self.plan
                 logger.warning(f"Out of memory in step {outcome.out_of_memory_at}: continuing from the step before "
                                f"with {change} (the same effective batch and data).")
-                model, _ = memory.apply_memory_plan(model, self.plan)
+                model, _ = techniques.apply_memory_plan(model, self.plan)
                 resume_from = self.files.checkpoint_path
 
     def _trainer(self, plan: TrainPlan, data_order: pl.Callback) -> pl.Trainer:
@@ -319,7 +319,7 @@ def finished_model(model: nn.Module, saved_dtype: torch.dtype) -> nn.Module:
     stays on its base, the base back in `saved_dtype`.  A base training held in 16 bits is upcast exactly (one
     held in 4 bits dequantized), and every layer computes with its own forward again, so that this object and
     aitextgen(model_folder=output_dir) compute alike (they generate the same text)."""
-    memory.disable_gradient_checkpointing(model)
+    checkpointing.disable_gradient_checkpointing(model)
     four_bit.dequantize(model, saved_dtype)  # before any cast: nn.Module.to keeps the 4-bit type (four_bit.py)
     if is_mergeable(model):
         with freed_memory_returned():

@@ -109,7 +109,7 @@ def shard(model: nn.Module, mesh: Any, plan: TrainPlan) -> None:
     backward); plan.offload: their shards kept in host memory."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    from .memory import transformer_blocks
+    from .checkpointing import transformer_blocks
 
     policy = CPUOffloadPolicy() if plan.offload else OffloadPolicy()
     for block in transformer_blocks(model):

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, corpus_text, realistic, snapshot, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, estimate, memory
+from lowmem_aitextgen import aitextgen, counting, estimate
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.evaluation import ValidationHistory, keep_best_in_memory
 from lowmem_aitextgen.plan import AdapterSettings, TrainPlan
@@ -72,7 +72,7 @@ def test_prefix_tuning_trains_saves_and_reloads_in_a_new_process(text, base64, t
 
     class Look(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            seen["trainable"], _ = memory.trainable_parameters(pl_module.model)
+            seen["trainable"], _ = counting.trainable_parameters(pl_module.model)
             seen["base_dtype"] = pl_module.model.get_base_model().transformer.h[0].mlp.c_fc.weight.dtype
             seen["checkpointing"] = pl_module.plan.checkpointed_blocks
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import AtBatchStart, snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, compiling
-from lowmem_aitextgen.memory import transformer_blocks
+from lowmem_aitextgen.checkpointing import transformer_blocks
 
 
 @pytest.fixture

@@ -327,7 +327,7 @@ def test_the_held_heap_is_released_at_every_block_in_forward_and_backward_until_
     355M step's freed heap resident: benchmarks/RESULTS.md)."""
     from transformers import AutoModelForCausalLM
 
-    from lowmem_aitextgen.memory import enable_gradient_checkpointing
+    from lowmem_aitextgen.checkpointing import enable_gradient_checkpointing
 
     model = AutoModelForCausalLM.from_config(tiny_gpt2_config(n_layer=3)).train()
     enable_gradient_checkpointing(model)

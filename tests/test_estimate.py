@@ -18,11 +18,11 @@ from lowmem_aitextgen.adapter_settings import AdapterSettings
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.estimate import memory_plan, model_config
 from lowmem_aitextgen.hardware import format_bytes
-from lowmem_aitextgen.memory import apply_memory_plan
 from lowmem_aitextgen.optimizers import build_optimizer
+from lowmem_aitextgen.techniques import apply_memory_plan
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
-NOT_AT_THE_EDGES = ("builds configs for the estimate; the models its probes run are test_memory's")
+NOT_AT_THE_EDGES = ("builds configs for the estimate; the models its probes run are test_checkpointing's")
 
 SMALL = tiny_gpt2_config(n_layer=4, n_positions=512, dropout=0.1, n_embd=128)
 MEDIUM = tiny_gpt2_config(vocab_size=50257, n_layer=6, n_positions=1024, dropout=0.1, n_embd=256, n_head=8)

@@ -17,9 +17,10 @@ from conftest import CtrlC, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, budget, four_bit, storage16
 from lowmem_aitextgen.adapter_settings import AdapterSettings
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
+from lowmem_aitextgen.counting import unique_tensor_bytes
 from lowmem_aitextgen.estimate import estimate_plan
-from lowmem_aitextgen.memory import apply_memory_plan, unique_tensor_bytes
 from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
+from lowmem_aitextgen.techniques import apply_memory_plan
 
 CONFIG = tiny_gpt2_config(n_layer=2, n_positions=64, n_embd=128)
 BLOCK = 64

@@ -8,7 +8,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, memory
+from lowmem_aitextgen import aitextgen, counting
 
 pytestmark = pytest.mark.edges  # peft's LoRA, its merge and its loaders
 
@@ -24,7 +24,7 @@ def test_lora_trains_only_adapters_and_saves_adapter_and_merged(tokenizer_file, 
 
     class Count(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            counts["trainable"], _ = memory.trainable_parameters(pl_module.model)
+            counts["trainable"], _ = counting.trainable_parameters(pl_module.model)
             counts["adapter"] = sum(p.numel() for n, p in pl_module.model.named_parameters() if "lora_" in n)
             counts["base_dtype"] = pl_module.model.get_base_model().transformer.h[0].mlp.c_fc.base_layer.weight.dtype
 

@@ -179,7 +179,7 @@ def _(env):
 @difference("gradient-checkpointing-real")
 def _(env):
     from conftest import AtBatchStart
-    from lowmem_aitextgen.memory import is_checkpointing
+    from lowmem_aitextgen.checkpointing import is_checkpointing
 
     seen = AtBatchStart(is_checkpointing)
     env.train(aitextgen(tokenizer_file=env.tokenizer_file, config=tiny_gpt2_config(), gradient_checkpointing=True),
@@ -240,7 +240,7 @@ def _(env):
 
 @difference("freeze-layers-block-0")
 def _(env):
-    from lowmem_aitextgen.memory import layers_to_freeze
+    from lowmem_aitextgen.techniques import layers_to_freeze
 
     model = env.ai().model
     frozen = {id(p) for p in layers_to_freeze(model, 1)}

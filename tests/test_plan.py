@@ -7,7 +7,7 @@ import pytest
 from lowmem_aitextgen import hardware, plan
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
-NOT_AT_THE_EDGES = ("plan decisions on presented hardware; the models they build are test_memory's and test_run's")
+NOT_AT_THE_EDGES = ("plan decisions on presented hardware; the models they build are test_checkpointing's and test_run's")
 
 T4, H100 = hardware.CARDS["T4"], hardware.CARDS["80 GiB"]
 OLD_GPU = hardware.card("GeForce GTX 970", 4, (5, 2))  # Maxwell: no native half math

@@ -17,8 +17,8 @@ from lowmem_aitextgen.adapter_settings import AdapterSettings
 from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
 from lowmem_aitextgen.chunked_loss import causal_lm_loss
 from lowmem_aitextgen.estimate import estimate_plan, memory_plan
-from lowmem_aitextgen.memory import apply_memory_plan
 from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
+from lowmem_aitextgen.techniques import apply_memory_plan
 
 pytestmark = pytest.mark.edges  # forwards of transformers' Conv1D, Linear, LayerNorm and Embedding
 

@@ -1,11 +1,11 @@
-"""memory: checkpointing (its saved bytes, its gradients, on in training and off after)."""
+"""checkpointing: gradient checkpointing (its saved bytes, its gradients, on in training and off after)."""
 
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import AtBatchStart, saved_bytes, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, memory
+from lowmem_aitextgen import aitextgen, checkpointing
 
 pytestmark = pytest.mark.edges  # checkpointing through transformers' GPT-2 blocks
 
@@ -24,7 +24,7 @@ def test_checkpointing_cuts_saved_activations_and_keeps_gradients():
     plain_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    memory.enable_gradient_checkpointing(model)
+    checkpointing.enable_gradient_checkpointing(model)
     ckpt_bytes, ckpt_loss = saved_tensor_bytes(model, batch)
     ckpt_loss.backward()
     assert ckpt_bytes <= 0.4 * plain_bytes, (ckpt_bytes, plain_bytes)
@@ -32,16 +32,16 @@ def test_checkpointing_cuts_saved_activations_and_keeps_gradients():
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, plain_grads[name], msg=name)
 
-    memory.disable_gradient_checkpointing(model)
-    assert not memory.is_checkpointing(model) and model.config.use_cache
+    checkpointing.disable_gradient_checkpointing(model)
+    assert not checkpointing.is_checkpointing(model) and model.config.use_cache
 
 
 def test_checkpointing_is_on_during_training_and_off_after(tokenizer_file, corpus_file):
-    spy = AtBatchStart(memory.is_checkpointing)
+    spy = AtBatchStart(checkpointing.is_checkpointing)
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(), gradient_checkpointing=True)
     ai.train(corpus_file, num_steps=2, save_every=0, generate_every=0, callbacks=[spy])
     assert spy.seen == [True, True]
-    assert not memory.is_checkpointing(ai.model)
+    assert not checkpointing.is_checkpointing(ai.model)
     assert ai.model.config._attn_implementation == "sdpa"
 
 
@@ -74,9 +74,9 @@ def test_checkpointing_some_blocks_saves_the_estimated_bytes_with_the_same_loss_
     batch = torch.randint(0, 1000, (1, 128))
     results = {}
     for k in (0, 3, 8):
-        memory.disable_gradient_checkpointing(model)
+        checkpointing.disable_gradient_checkpointing(model)
         if k:
-            memory.enable_gradient_checkpointing(model, k)
+            checkpointing.enable_gradient_checkpointing(model, k)
         model.zero_grad()
         kept, loss = saved_activation_bytes(model, batch)
         loss.backward()
