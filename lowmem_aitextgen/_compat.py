@@ -74,13 +74,13 @@ def _convert_tf_checkpoint(*args: Any, **kwargs: Any) -> None:
     )
 
 
-def _missing(module: str) -> bool:
-    # hardware.importable's check, written again: this module is loaded before any other of the package (and
-    # alone by its tests), so it imports nothing of it
+def importable(module: str) -> bool:
+    """Whether an optional package is installed (found, not imported: importing some takes seconds).  Here, the
+    package's lowest module, because this one is loaded before any other and imports nothing of it."""
     try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):
-        return True
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        return False
 
 
 @contextlib.contextmanager
@@ -120,14 +120,14 @@ def _import_shims() -> tuple[dict[str, types.ModuleType], list[tuple[Any, str, A
     # aitextgen.py and TokenDataset.py: `from pkg_resources import resource_filename`.
     # pkg_resources shipped with setuptools, which venvs no longer include
     # (Python 3.12) and which dropped pkg_resources altogether in setuptools 81.
-    if _missing("pkg_resources"):
+    if not importable("pkg_resources"):
         shim = types.ModuleType("pkg_resources")
         shim.resource_filename = _resource_filename  # type: ignore[attr-defined]
         modules["pkg_resources"] = shim
 
     # aitextgen.utils: `import requests`, an undeclared dependency used only to
     # download TensorFlow checkpoints, which we replace by hub downloads.
-    if _missing("requests"):
+    if not importable("requests"):
         modules["requests"] = _unavailable_module(
             "requests", "aitextgen's TensorFlow download is replaced by hub downloads"
         )
@@ -136,7 +136,7 @@ def _import_shims() -> tuple[dict[str, types.ModuleType], list[tuple[Any, str, A
     # import convert_gpt2_checkpoint_to_pytorch`; the module was removed in transformers 5
     # together with TensorFlow support.
     converter = "transformers.models.gpt2.convert_gpt2_original_tf_checkpoint_to_pytorch"
-    if _missing(converter):
+    if not importable(converter):
         stub = types.ModuleType(converter)
         stub.convert_gpt2_checkpoint_to_pytorch = _convert_tf_checkpoint  # type: ignore[attr-defined]
         modules[converter] = stub

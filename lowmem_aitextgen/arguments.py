@@ -265,7 +265,7 @@ LOGGER_NAMES = ("csv", "tensorboard")  # train(loggers=...)'s names (report.make
 def loggers(value: Any) -> str | None:
     from pytorch_lightning.loggers import Logger
 
-    from .hardware import importable
+    from ._compat import importable
 
     for item in value if isinstance(value, (list, tuple)) else [value]:
         if not isinstance(item, Logger) and item not in LOGGER_NAMES:
@@ -289,7 +289,7 @@ def strategy(value: Any) -> str | None:
     from pytorch_lightning.strategies import Strategy
 
     if isinstance(value, str) and value.startswith("deepspeed"):
-        from .hardware import importable
+        from ._compat import importable
 
         if not importable("deepspeed"):
             return "needs the deepspeed package (pip install deepspeed); or use strategy='ddp'"

@@ -22,27 +22,35 @@ from .plan import Schedule
 from .sharding import full_model
 
 
-class WhileTraining(Callback):
+class UndoneWhenTrainingEnds(Callback):
+    """The base of every change that lasts as long as training (the model's, the process's, a signal's
+    handler): `undo()` runs when training ends and when it fails, and must be safe to run twice."""
+
+    def undo(self) -> None:
+        raise NotImplementedError
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.undo()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.undo()
+
+
+class WhileTraining(UndoneWhenTrainingEnds):
     """Changes the model or the process for the length of training: `install(model)` makes the change
-    and returns its undo, which runs when training ends or fails."""
+    and returns its undo."""
 
     def __init__(self, install: Callable[[nn.Module], Callable[[], None]]) -> None:
         self.install = install
-        self.undo: Callable[[], None] | None = None
+        self._undo: Callable[[], None] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.undo = self.install(pl_module.model)
+        self._undo = self.install(pl_module.model)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        if self.undo is not None:
-            self.undo()
-            self.undo = None
+    def undo(self) -> None:
+        if self._undo is not None:
+            undo, self._undo = self._undo, None
+            undo()
 
 
 class OptimizerStepCallback(Callback):

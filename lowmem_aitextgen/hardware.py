@@ -169,16 +169,6 @@ def emulated_cost(accelerator: str) -> str:
     return "no faster than fp32"
 
 
-def importable(module: str) -> bool:
-    """Whether an optional package is installed (found, not imported: importing some takes seconds)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
-        return False
-
-
 INSTALL_TORCHAO = "pip install 'lowmem_aitextgen[8bit]' (torchao)"  # 8-bit AdamW, the 16-bit and 4-bit tiers
 
 

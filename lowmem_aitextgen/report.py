@@ -26,10 +26,11 @@ from pytorch_lightning.callbacks.progress import ProgressBar
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
 from tqdm.auto import tqdm
 
+from ._compat import importable
 from .callbacks import OptimizerStepCallback
 from .counting import peak_memory_bytes, trainable_parameters, unique_tensor_bytes
 from .four_bit import Rounding
-from .hardware import format_bytes, importable
+from .hardware import format_bytes
 from .in_backward import StepInBackward
 from .plan import TrainPlan, describe_checkpointing
 from .saving import atomic_write_bytes

@@ -27,7 +27,7 @@ from torch import nn
 
 from .adapter_settings import AdapterSettings, from_description
 from .adapters import base_matches, base_weights
-from .callbacks import OptimizerStepCallback
+from .callbacks import OptimizerStepCallback, UndoneWhenTrainingEnds
 from .plan import CHECKPOINT_NAME, RunSettings, TrainPlan
 from .saving import STAGING_PREFIX, apply_umask, write_error
 from .storage16 import is_quantized
@@ -311,7 +311,7 @@ def align_to_step(loops: dict, global_step: int, accumulation: int) -> None:
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
-class StopOnSignal(OptimizerStepCallback):
+class StopOnSignal(OptimizerStepCallback, UndoneWhenTrainingEnds):
     """Ctrl-C and SIGTERM stop training after the current optimizer step instead of killing it.
 
     The first signal asks to stop: the checkpoint and a loadable model are saved as at the end of
@@ -341,16 +341,11 @@ class StopOnSignal(OptimizerStepCallback):
             for signum in SIGNAL_NAMES:
                 self._previous[signum] = signal.signal(signum, self._handle)
 
-    def _restore(self) -> None:
+    def undo(self) -> None:
+        """The handlers in place before training, back."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore()
 
     @property
     def terminated(self) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from . import completions, hardware
+from . import _compat, completions
 from .batching import Batcher, Job, Stopping
 from .completions import ApiError, Completion, Limits
 from .decoding import context_length
@@ -68,7 +68,7 @@ class ServeSettings:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("--api_key: must be a non-empty text; leave it out to serve without one.")
         for package in ("starlette", "uvicorn"):
-            if not hardware.importable(package):
+            if not _compat.importable(package):
                 raise ValueError(f"serve needs {package}, which is not installed: {INSTALL_SERVE}.")
         self._check_bindable()
 

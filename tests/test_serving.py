@@ -307,10 +307,10 @@ def test_serve_refuses_bad_flags_before_reading_the_model(flag, says, tmp_path):
 
 
 def test_serve_without_its_extra_names_the_install_line(monkeypatch):
-    from lowmem_aitextgen import hardware
+    from lowmem_aitextgen import _compat
     from lowmem_aitextgen.serving import INSTALL_SERVE, ServeSettings
 
-    monkeypatch.setattr(hardware, "importable", lambda module: module != "uvicorn")  # as where it is missing
+    monkeypatch.setattr(_compat, "importable", lambda module: module != "uvicorn")  # as where it is missing
     with pytest.raises(ValueError, match="serve needs uvicorn, which is not installed") as refused:
         ServeSettings().check()
     assert INSTALL_SERVE in str(refused.value) and 'lowmem_aitextgen[serve]' in INSTALL_SERVE
