@@ -21,15 +21,15 @@ from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
 from . import arguments, evaluation, four_bit, generation, loading, outputs, saving
-from .adapters import base_matches, check_adapter_fits, is_adapter_model, loaded_adapter
-from .budget import fit_to_budget
+from .adapters import base_matches, check_adapter_fits, is_adapter_model
+from .budget import CallPlan
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
 from .decoding import DecodePlan, DecodingView
 from .decoding import plan_decoding as decoding_plan
 from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
-from .plan import RunSettings, TrainPlan, build_plan, planner_inputs, run_settings
+from .plan import RunSettings, TrainPlan, run_settings
 from .report import make_loggers, say_what_is_not_drawn
 from .resume import check_resumable, check_resumed_base, checkpoint_to_resume, read_run_description
 from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun, adapter_base_record
@@ -557,10 +557,10 @@ class aitextgen(_aitextgen):
         resume_from = checkpoint_to_resume(args.resume, args.output_dir)
         resumed = read_run_description(resume_from)
         model = self.model_shape
-        plan = build_plan(model, args, constructor_checkpointing=self.gradient_checkpointing,
-                          freeze_by_default=self.openai_tf_gpt2 == "1558M",  # as aitextgen, to fit 1.5B
-                          loaded_adapter=loaded_adapter(model), resume_from=resume_from, resumed=resumed)
-        asked = planner_inputs(args)
+        call = CallPlan.of(model, args, constructor_checkpointing=self.gradient_checkpointing,
+                           freeze_by_default=self.openai_tf_gpt2 == "1558M",  # as aitextgen, to fit 1.5B
+                           resume_from=resume_from, resumed=resumed)
+        plan, asked = call.built, call.asked
         adapter = plan.adapter or asked.lora_if_needed  # what trains, or what lora="auto" may train
         if adapter is not None and not is_adapter_model(model):
             chosen_by = next((name for name in ("peft_config", "adapter", "lora_target_modules") if args.get(name)),
@@ -574,7 +574,7 @@ class aitextgen(_aitextgen):
         settings = run_settings(args)
         if resumed is not None:  # what the checkpoint holds the run to is said before any planner's refusal
             check_resumable(resume_from, resumed, plan, settings, model)
-        plan = fit_to_budget(plan, asked, model.config, dataset.block_size, weights_on_gpu(model))
+        plan = call.fitted(dataset.block_size)
         if resumed is not None:  # and the plan fitted to the budget is one the checkpoint can continue in
             check_resumable(resume_from, resumed, plan, settings, model)
         return plan, settings, dataset, val_dataset, resumed
@@ -604,12 +604,6 @@ class aitextgen(_aitextgen):
         """Saves the model and tokenizer, atomically, ready for the hub."""
         folder = saving.check_folder_name("target_folder", target_folder)
         outputs.save_into(folder, self.model, self.tokenizer, self._origin)
-
-
-def weights_on_gpu(model: torch.nn.Module) -> int:
-    """What the model's weights already hold on a GPU (to_gpu=True): part of every estimate, and no
-    longer free there."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
 
 
 def _raise_for(outcome: Outcome) -> None:

@@ -51,7 +51,11 @@ import itertools
 import logging
 from collections.abc import Iterable, Iterator
 
+import torch
+
 from . import hardware, storage16
+from .adapters import loaded_adapter
+from .arguments import Arguments
 from .estimate import MemoryEstimate, config_jsons, estimate_plan
 from .hardware import eight_bit_available, format_bytes
 from .heap import freed_memory_returned, glibc_heap_available, release_freed_heap
@@ -62,9 +66,11 @@ from .plan import (
     Budget,
     PlannerInputs,
     TrainPlan,
+    build_plan,
     can_step_in_backward,
     default_chunk_tokens,
     mixed_precision,
+    planner_inputs,
     processes_here,
 )
 from .step_time import offload_seconds, step_seconds
@@ -451,3 +457,33 @@ def fit_to_budget(plan: TrainPlan, asked: PlannerInputs, config: object, block_s
     with freed_memory_returned():
         fitted, _ = fit_plan(config, plan, block_size, budget, asked)
     return fitted
+
+
+# --- a train() call planned: the one way, for train() and the card table ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """A train() call on its way to a plan, in train()'s two steps: built from the arguments and what the
+    object holds (plan.build_plan), then, once the data's block size is known, fitted to the memory budget.
+    train() and the card table (cards.py) both plan through it, so the table shows the plan train() makes."""
+
+    built: TrainPlan
+    asked: PlannerInputs
+    config: object
+    weights_on_gpu: int = 0  # what the model's weights already hold on a GPU (to_gpu=True): no longer free
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, args: Arguments, *, constructor_checkpointing: bool | None = None,
+           freeze_by_default: bool = False, resume_from: str | None = None,
+           resumed: dict | None = None) -> CallPlan:
+        """The call's plan as built; the defaults are a freshly constructed object's, starting a new run."""
+        plan = build_plan(model, args, constructor_checkpointing=constructor_checkpointing,
+                          freeze_by_default=freeze_by_default, loaded_adapter=loaded_adapter(model),
+                          resume_from=resume_from, resumed=resumed)
+        on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+        return cls(plan, planner_inputs(args), model.config, on_gpu)
+
+    def fitted(self, block_size: int) -> TrainPlan:
+        """The built plan fitted to the budget at `block_size` tokens (fit_to_budget)."""
+        return fit_to_budget(self.built, self.asked, self.config, block_size, self.weights_on_gpu)

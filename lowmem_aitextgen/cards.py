@@ -1,7 +1,7 @@
 """What fits which card: train()'s own planner, run on the cards users have (hardware.CARDS), presented.
 
-Nothing here decides anything: `planned` builds the plan of a train() call exactly as train() does
-(plan.build_plan, then budget.fit_to_budget) while hardware.py presents a card or a CPU, so docs/memory.md's
+Nothing here decides anything: `planned` plans a train() call through the function train() plans with
+(budget.CallPlan: built, then fitted to the budget) while hardware.py presents a card or a CPU, so docs/memory.md's
 table, `lowmem_aitextgen estimate 355M --table` and the tests' hardware matrix show the decisions a user
 on that card gets.  Everything is estimated; nothing is downloaded or trained.
 """
@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from . import hardware
 from .arguments import Arguments, of_call
-from .budget import fit_to_budget
+from .budget import CallPlan
 from .estimate import GPT2_SIZES, MemoryEstimate, estimate_plan, model_config
 from .hardware import format_bytes
 from .optimizers import OPTIMIZER_NAMES
-from .plan import TrainPlan, build_plan, planner_inputs
+from .plan import TrainPlan
 
 # The call the table shows: aitextgen's batch_size=1 with accumulation to an effective batch of 8, GPT-2's
 # whole context.
@@ -36,15 +36,13 @@ def train_call(**given: object) -> Arguments:
 
 
 def plan_of_call(model: torch.nn.Module, **given: object) -> TrainPlan:
-    """The plan build_plan makes for `ai.train("data.txt", **given)` on a freshly constructed model, before any
-    budget."""
+    """The plan `ai.train("data.txt", **given)` builds on a freshly constructed model, before any budget."""
     return plan_of(model, train_call(**given))
 
 
 def plan_of(model: torch.nn.Module, args: Arguments) -> TrainPlan:
-    """The plan build_plan makes for a train() call's arguments on a freshly constructed model."""
-    return build_plan(model, args, constructor_checkpointing=None, freeze_by_default=False,
-                      loaded_adapter=None, resume_from=None, resumed=None)
+    """The plan a train() call's arguments build on a freshly constructed model, before any budget."""
+    return CallPlan.of(model, args).built
 
 
 def hardware_named(card: str | None, cpu: str = "native bf16") -> hardware.Hardware:
@@ -67,7 +65,7 @@ def planned(size: str, card: str | None, lora: bool | str, cpu: str = "native bf
     with hardware.presenting(hardware_named(card, cpu)):
         args = train_call(**{**TABLE_CALL, "lora": lora, **call})
         try:
-            fitted = fit_to_budget(plan_of(model, args), planner_inputs(args), config, block)
+            fitted = CallPlan.of(model, args).fitted(block)
         except MemoryError as error:
             return error
     return fitted, estimate_plan(config, fitted, block)

@@ -7,11 +7,12 @@ import os
 import sys
 
 import pytest
+from transformers import GPT2LMHeadModel
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen import aitextgen, cards
 from lowmem_aitextgen.arguments import parse_bytes
-from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, open_choices
+from lowmem_aitextgen.budget import CallPlan, budgeted_bytes, fit_plan, open_choices
 from lowmem_aitextgen.estimate import estimate_plan, memory_plan
 from lowmem_aitextgen.plan import PlannerInputs
 
@@ -105,6 +106,12 @@ def test_train_with_max_memory_fits_and_keeps_the_effective_batch(corpus_file, t
     assert 0 < chosen["checkpointed_blocks"] < 8 and chosen["precision"] == "32-true"  # fp16=False was explicit
     assert (chosen["micro_batch_size"], chosen["gradient_accumulation_steps"]) == (4, 2)
     assert "fastest plan within" in chosen["chosen_because"] and chosen["budget_bytes"] == budget
+    # the card table plans a call through the function train() plans with: the same call, the same plan
+    call = cards.train_call(batch_size=4, fp16=False, gradient_accumulation_steps=2, max_memory=budget,
+                            pin_micro_batch=True)
+    tabled = CallPlan.of(GPT2LMHeadModel(CONFIG), call).fitted(BLOCK)
+    assert (tabled.checkpointed_blocks, tabled.precision, tabled.micro_batch_size, tabled.accumulation) == (
+        chosen["checkpointed_blocks"], chosen["precision"], 4, 2)
 
 
 def test_nothing_fits_fails_before_writing(corpus_file, tokenizer_file, tmp_path):
