@@ -108,3 +108,28 @@ def test_the_serve_pages_flag_defaults_are_the_commands_and_its_settings():
             assert settings[flag] == default, flag
             checked += 1
     assert checked == len(settings)
+
+
+def test_the_completions_tables_fields_and_defaults_are_what_the_parser_does():
+    """completions.py's table: its fields are the ones the parser knows, and a request giving a field at the
+    default the table states is read as one leaving it out."""
+    import dataclasses
+    import json
+
+    from lowmem_aitextgen import completions
+
+    rows = [line.split("|")[1:4] for line in completions.__doc__.splitlines()
+            if line.startswith("| ") and not line.startswith("| field")]
+    stated = {name.strip(): default.strip() for name, _, default in rows}
+    assert set(stated) == completions.KNOWN
+
+    def read(**fields) -> dict:
+        request = completions.parse(json.dumps({"model": "m", **fields}).encode(), completions.Limits("m", 1024))
+        return {k: v for k, v in dataclasses.asdict(request).items() if k not in ("id", "created")}
+
+    checked = 0
+    for name, default in stated.items():
+        if default != "-":  # the model has none: it is required
+            assert read(**{name: None if default == "none" else json.loads(default)}) == read(), (name, default)
+            checked += 1
+    assert checked == len(stated) - 1
