@@ -25,8 +25,10 @@ accumulation) and every argument given are kept.  What it may change, and the tr
 | LoRA's frozen base in fp32      | fp32                            | bf16, upcast per layer (storage16.py)|
 | plans (unless fp16/precision    |                                 |                                      |
 | was given)                      |                                 |                                      |
-| CPU heap (heap.py, cpu.py)      | glibc left alone                | held in a block, released at every   |
-|                                 |                                 | block: no allocator slack, the       |
+| what a sharded process holds    | the step's weights and          | a block's weights while it computes  |
+| gathered (strategy="fsdp")      | gradients: fewest collectives   |                                      |
+| CPU heap (heap.py,              | glibc left alone                | held in a block, released at every   |
+| heap_callbacks.py)              |                                 | block: no allocator slack, the       |
 |                                 |                                 | activations faulted in every block   |
 Only when no such plan fits, in turn: 8-bit AdamW (torchao installed; a quarter of AdamW's state,
 slower steps), then weights and gradients in bf16 with no fp32 copy (precision="bf16-true", or computed in fp32 by
@@ -91,9 +93,9 @@ GPU_FRAGMENTATION = 0.05
 NAMED_HOLDINGS = 256 * 2**20  # what else holds a card is named, when nothing fits, from this size up
 CPU_MARGIN_FRACTION, CPU_MARGIN_MIN = 0.10, 1024 * 2**20
 # CPU resident size beyond the tensors: torch, transformers and Lightning (measured 0.45 GiB), and glibc's
-# slack over the estimate, left alone or with the heap held and released at every block (cpu.py).  Left
-# alone, each checkpointed block also leaves about 0.45 of its activations' size in freed heap that
-# stays resident (355M at block 512, LoRA and full fine-tune: benchmarks/RESULTS.md).
+# slack over the estimate, left alone or with the heap held and released at every block
+# (heap_callbacks.py).  Left alone, each checkpointed block also leaves about 0.45 of its activations' size
+# in freed heap that stays resident (355M at block 512, LoRA and full fine-tune: benchmarks/RESULTS.md).
 CPU_LIBRARIES_BYTES = 480 * 2**20
 HEAP_SLACK = {False: 1.03, True: 1.0}
 FRAGMENTED_PER_CHECKPOINTED_BLOCK = 0.45

