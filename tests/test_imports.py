@@ -112,3 +112,6 @@ def test_the_architecture_page_lists_the_floors_as_the_test_holds_them():
         assert line is not None, f"docs/architecture.md has no row for the floor {name!r}"
         listed = set(re.findall(r"`([\w]+)\.py`", line))
         assert listed == modules, (name, sorted(listed ^ modules))
+    described = {module for line in text.split("| module | holds |", 1)[1].splitlines() if line.startswith("| `")
+                 for module in re.findall(r"`(\w+)\.py`", line.split("|")[1])}
+    assert described == set(package_imports()), sorted(described ^ set(package_imports()))  # a row for each module
