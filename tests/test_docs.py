@@ -133,3 +133,17 @@ def test_the_completions_tables_fields_and_defaults_are_what_the_parser_does():
             assert read(**{name: None if default == "none" else json.loads(default)}) == read(), (name, default)
             checked += 1
     assert checked == len(stated) - 1
+
+
+def test_the_results_page_opens_with_a_dated_current_table_for_each_kind_of_cpu():
+    """benchmarks/RESULTS.md: training and generation, each on a native-bf16 and an AVX2-only CPU, dated (or said
+    to be unmeasured), before the session log; nothing after the log's start calls itself current."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    current, log = text.split("\n# Session log\n", 1)
+    headings = re.findall(r"^## Current: (.*)$", current, flags=re.MULTILINE)
+    for work in ("training", "generation"):
+        for cpu in ("a CPU with native bf16", "an AVX2-only CPU"):
+            heading = next((h for h in headings if h.startswith(f"{work} on {cpu}")), None)
+            assert heading is not None, f"no current {work} table on {cpu}"
+            assert re.search(r"\d{4}-\d{2}-\d{2}", heading) or "not measured" in heading, heading
+    assert not re.search(r"^## Current", log, flags=re.MULTILINE)
