@@ -46,6 +46,8 @@ IN_BACKWARD = "stepped inside backward (no accumulation, no gradient copy, each 
 # What 16-bit storage (storage16.py) holds weights in: bf16, not fp16, for fp32's exponent range, so no
 # weight overflows.
 STORAGE_DTYPE = torch.bfloat16
+# The loss chunk's size is a plan decision (TrainPlan.loss_chunk_tokens), so it lives here, below chunked_loss.py,
+# which reads it.
 DEFAULT_CHUNK_TOKENS = 256  # chunked loss: 256 x 50,257 fp32 logits = 51 MB per chunk
 # Smaller on CPU, where the loss's backward sets a LoRA step's peak and matmuls gain little from size;
 # GPUs want fewer, larger matmuls (benchmarks/RESULTS.md has both measurements).
