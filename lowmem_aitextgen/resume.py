@@ -337,6 +337,7 @@ class StopOnSignal(OptimizerStepCallback, UndoneWhenTrainingEnds):
         print(f"\n{SIGNAL_NAMES[signum]}: stopping after this step and saving; {again} to stop at once.", flush=True)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # steps are counted from the step a resumed run starts at
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNAL_NAMES:
                 self._previous[signum] = signal.signal(signum, self._handle)

@@ -31,3 +31,26 @@ def test_save_every_writes_during_training(corpus_file, tokenizer_file, monkeypa
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
     ai.train(corpus_file, num_steps=6, save_every=2, generate_every=3, gradient_accumulation_steps=2)
     assert len(saved_at) == 3  # steps 2 and 4, then the final save
+
+
+def test_a_signal_in_a_resumed_runs_first_step_stops_at_that_steps_end_not_its_first_micro_batch():
+    """A resumed run starts at global_step N; StopOnSignal counted its steps from 0 there, so the end of the
+    first micro-batch looked like a step's and a Ctrl-C stopped the run in the middle of an accumulation."""
+    import signal
+    import types
+
+    from lowmem_aitextgen.resume import StopOnSignal
+
+    trainer = types.SimpleNamespace(global_step=5, should_stop=False, strategy=types.SimpleNamespace(
+        reduce_boolean_decision=lambda decision, all: decision))
+    stop = StopOnSignal()
+    stop.on_train_start(trainer, None)
+    try:
+        stop.received = signal.SIGINT  # Ctrl-C during the resumed run's first micro-batch of two
+        stop.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, 0)
+        assert not trainer.should_stop  # the step is not over: no optimizer step yet
+        trainer.global_step = 6  # the second micro-batch ended the step
+        stop.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, 1)
+        assert trainer.should_stop and "at step 6" in stop.reason
+    finally:
+        stop.undo()
