@@ -119,17 +119,17 @@ def test_every_rung_recovery_steps_down_is_cheaper_keeps_the_effective_batch_and
         while (step := cheaper_plan(plans[-1])) is not None:
             changes.append(step[0])
             plans.append(step[1])
-        pinned = dataclasses.replace(plans[2], accumulation=1, micro_batch_size=1)
+        # where a step is one sequence, the last rung updates inside backward (the same optimizer state)
+        one_sequence = list(rungs(dataclasses.replace(plans[2], accumulation=1, micro_batch_size=1)))
     native = hardware.CPUS[cpu].bf16_native
     assert changes == ["micro-batch 2 x 4 accumulation", "micro-batch 1 x 8 accumulation", "gradient checkpointing",
                        *(["mixed precision"] if native else []), "chunked loss"]
     totals = [estimate_plan(config, p, 256).total for p in plans]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)
     assert all(p.effective_batch_size == 8 for p in plans)
-    # the last rung: where a step is one sequence, updating inside backward (the same optimizer state)
-    assert [change for change, _ in rungs(pinned)][-1] == "updates inside backward (no gradient copy)"
-    last = list(rungs(pinned))[-1][1]
-    assert estimate_plan(config, last, 256).total < estimate_plan(config, list(rungs(pinned))[-2][1], 256).total
+    (_, before), (last, inside) = one_sequence[-2:]
+    assert last == "updates inside backward (no gradient copy)"
+    assert estimate_plan(config, inside, 256).total < estimate_plan(config, before, 256).total
 
 
 @pytest.mark.parametrize("pinned", [False, True])
