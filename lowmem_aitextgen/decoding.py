@@ -20,8 +20,8 @@ may differ from the one decoded alone by rounding where two tokens are near equa
 weights measured 30% slower a projection at batch 1).  Where a text must be the same in any batch (the
 server's seeded requests), `tokenwise` quantizes each token's activations alone (TokenwiseInt8Linear).
 GPT-2's projections are transformers' Conv1D, which torch's quantizer skips, so the view holds them as
-nn.Linear.  Per-tensor activation scales lose the small channels
-where a few channels are tens of times larger than the rest, as in the released GPT-2 (LLM.int8(),
+nn.Linear.  Per-tensor activation scales lose the small channels where a few channels are tens of times
+larger than the rest, as in the released GPT-2 (LLM.int8(),
 SmoothQuant): the view first moves the scale of the inputs of the projections that read a layer norm into
 their weights (SmoothQuant's migration, with the channel sizes read from the layer norm's weight and bias, no
 calibration data), which leaves the fp32 function unchanged.  A form is chosen by default only where the
@@ -120,7 +120,8 @@ def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, f
         form, because = asked, f"decoding={asked!r} asked for it"
     else:
         form, because = decide_form(model, device, asked == "exact", quality, tokenwise)
-    memory = DecodingMemory(model, device, min(length or context_length(model), context_length(model)), read)
+    context = context_length(model)
+    memory = DecodingMemory(model, device, min(length or context, context), read)
     form, because, rows = memory.fit(form, because, fall_back=asked == "auto")
     compile_after = COMPILE_PAYS_AFTER if device == "gpu" and form in ("bf16", "fp16") else None
     return DecodePlan(form=form, device=device, cache="static" if compile_after else "dynamic",

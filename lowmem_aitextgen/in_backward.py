@@ -53,7 +53,7 @@ SLICE_TEMPORARIES = 4
 
 # Bytes per value of a tensor that its step inside backward makes beside its gradient (measured on a 50257 x
 # 1600 bf16 tensor, benchmarks/in_backward_step.py): an fp32 copy as backward makes the gradient, and for
-# Adafactor, stepped through fp32 (in_backward.py), the fp32 weight and gradient and its own temporaries; a
+# Adafactor, stepped through fp32 (through_fp32), the fp32 weight and gradient and its own temporaries; a
 # matrix it steps in slices of rows makes the fp32 copy and a few fp32 slices.
 BACKWARD_FP32_COPY_BYTES = 4
 IN_BACKWARD_STEP_BYTES = {"adamw": BACKWARD_FP32_COPY_BYTES, "adamw8bit": BACKWARD_FP32_COPY_BYTES, "adafactor": 14}
@@ -65,7 +65,8 @@ def in_slices(shape: torch.Size) -> bool:
 
 
 def step_bytes(param: torch.Tensor, optimizer: str) -> int:
-    """One tensor's gradient and what its step inside backward makes beside it (py)."""
+    """One tensor's gradient and what its step inside backward makes beside it: what the estimate counts for a plan
+    that steps inside backward."""
     if optimizer == "adafactor" and in_slices(param.shape):
         slices = SLICE_TEMPORARIES * SLICE_VALUES * 4
         return param.numel() * (param.element_size() + BACKWARD_FP32_COPY_BYTES) + slices

@@ -12,9 +12,9 @@ from transformers import GPT2LMHeadModel
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, cards, hardware
 from lowmem_aitextgen.arguments import parse_bytes
-from lowmem_aitextgen.budget import CallPlan, budgeted_bytes, fit_plan, open_choices
+from lowmem_aitextgen.budget import CallPlan, budgeted_bytes, fit_plan, open_choices, tiers
 from lowmem_aitextgen.estimate import estimate_plan, memory_plan
-from lowmem_aitextgen.plan import PlannerInputs
+from lowmem_aitextgen.plan import IN_BACKWARD, PlannerInputs
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("planner decisions; a GPT-2 model is only the shape a call's plan is built from (the models "
@@ -158,26 +158,23 @@ TIER_WORDS = {
 def planner_tiers() -> list[str]:
     """The name of every tier budget.tiers weighs, for a full fine-tune with lora="auto" and for an adapter, on a
     presented card (where offloading is one)."""
-    from lowmem_aitextgen import budget
-    from lowmem_aitextgen.plan import IN_BACKWARD
-
     names = []
     with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"], gpu=hardware.CARDS["8 GiB"])):
         for lora in ("auto", True):
             call = CallPlan.of(GPT2LMHeadModel(CONFIG), cards.train_call(lora=lora, max_memory="1GiB"))
-            names += [name for name, _ in budget.tiers(call.built, CONFIG, call.asked) if name not in names]
+            names += [name for name, _ in tiers(call.built, CONFIG, call.asked) if name not in names]
     return [name.replace(f" {IN_BACKWARD}", " stepped inside backward") for name in names if name]
 
 
 def test_every_tier_of_the_planner_is_on_the_guides_max_memory_row_and_in_the_memory_page():
-    tiers = planner_tiers()
-    assert len(tiers) >= 7 and not set(tiers) - set(TIER_WORDS), sorted(set(tiers) - set(TIER_WORDS))
+    named = planner_tiers()
+    assert len(named) >= 7 and not set(named) - set(TIER_WORDS), sorted(set(named) - set(TIER_WORDS))
     root = os.path.join(os.path.dirname(__file__), os.pardir)
     with open(os.path.join(root, "MIGRATING.md"), encoding="utf-8") as f:
         row = next(line for line in f if line.startswith("| `max_memory` |"))
     with open(os.path.join(root, "docs", "memory.md"), encoding="utf-8") as f:
         page = f.read()
-    for tier in tiers:
+    for tier in named:
         for text, where in ((row, "MIGRATING.md's max_memory row"), (page, "docs/memory.md")):
             said = all(any(word in text for word in words.split("|")) for words in TIER_WORDS[tier])
             assert said, f"{where} does not name the tier {tier!r}"

