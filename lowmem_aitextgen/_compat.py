@@ -188,6 +188,20 @@ PEFT_IS_GRADIENT_CHECKPOINTING = r"`is_gradient_checkpointing` is deprecated"  #
 PEFT_PAST_KEY_VALUES = r"`past_key_values` is deprecated|Both `past_key_values` and `cache` are set"
 
 
+def cache_keyword(model: Any) -> str:
+    """The name a causal LM's forward takes its KV cache by: `cache` (transformers 5.x, where `past_key_values`
+    is deprecated, to be removed in 5.40), or `past_key_values` (5.0 and the releases before the rename)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(output: Any) -> Any:
+    """The KV cache a forward returned, under either name (cache_keyword)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def install() -> None:
     """Import aitextgen 0.6.0 on today's stack; idempotent."""
     global _installed

@@ -26,6 +26,7 @@ from .budget import CallPlan
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
 from .decoding import DecodePlan, DecodingView
+from .engine import Decoder
 from .decoding import plan_decoding as decoding_plan
 from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
@@ -168,13 +169,13 @@ class aitextgen(_aitextgen):
         return decoding_plan(self.model_shape, decoding, length=length, read=self._deferred is None,
                              tokenwise=tokenwise)
 
-    def serving_model(self) -> tuple[torch.nn.Module, DecodePlan]:
+    def serving_model(self) -> tuple[Decoder, DecodePlan]:
         """The model the server decodes with and its plan (serving.py): the default form, made at once, whole
         contexts, each text the same in any batch (decoding.TokenwiseInt8Linear)."""
         plan = self._plan_decoding("auto", None, tokenwise=True)
         return self._decoding_model(plan, 0, repeatable=True), plan
 
-    def _decoding_model(self, plan: DecodePlan, asked: int, repeatable: bool) -> torch.nn.Module:
+    def _decoding_model(self, plan: DecodePlan, asked: int, repeatable: bool) -> Decoder | torch.nn.Module:
         """The model generate() runs in `plan` (decoding.py) for a call asking `asked` tokens: the model as held
         while the plan's view does not pay yet for a call that cannot be repeated; an int8 one read straight
         from the folder where the object's model is not read yet (it stays unread: 1558M decodes in 3 GB)."""
@@ -280,11 +281,13 @@ class aitextgen(_aitextgen):
         self._check_tokenizer("generate()")
         generation.check_generate(self.model_shape, self.tokenizer, "generate()", args)
         length = generation.row_length(self.model_shape, args.max_length)
-        plan = self._plan_decoding(args.decoding, length)
+        repeatable = generation.repeatable(args)
+        plan = self._plan_decoding(args.decoding, length, tokenwise=repeatable)
         rows = args.n * len(generation.as_prompts(args.prompt))
-        model = self._decoding_model(plan, 0 if args.stream else rows * length, generation.repeatable(args))
-        call = {**self._decoding.settings(rows * length), **{k: v for k, v in args.items() if k != "decoding"}}
-        if call["batch_size"] is None and plan.max_rows is not None and rows > plan.max_rows:
+        model = self._decoding_model(plan, 0 if args.stream else rows * length, repeatable)
+        self._decoding.count(rows * length)
+        call = {k: v for k, v in args.items() if k != "decoding"}
+        if args.batch_size is None and plan.max_rows is not None and not args.stream:
             call["batch_size"] = plan.max_rows  # what fits the memory at once (decoding.DecodingMemory)
         return generation.generate(model, self.tokenizer, **call)
 
@@ -313,10 +316,11 @@ class aitextgen(_aitextgen):
         generation.check_generate(self.model_shape, self.tokenizer, "generate_to_file()", given)
         generation.check_values({**given, "sample_delim": sample_delim}, to_file=True)
         length = generation.row_length(self.model_shape, kwargs.get("max_length"))
-        plan = self._plan_decoding(decoding, length)
+        repeatable = generation.repeatable({**kwargs, "seed": seed})
+        plan = self._plan_decoding(decoding, length, tokenwise=repeatable)
         path, seed = generation.destination(destination_path, seed)
         texts = n * len(generation.as_prompts(kwargs.get("prompt", "")))
-        model = self._decoding_model(plan, texts * length, generation.repeatable({**kwargs, "seed": seed}))
+        model = self._decoding_model(plan, texts * length, repeatable)
         generation.generate_to_file(model, self.tokenizer, n, batch_size or min(n, plan.file_batch), path,
                                     sample_delim, seed, **kwargs)
         return path

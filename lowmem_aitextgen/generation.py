@@ -1,10 +1,13 @@
-"""Text generation: aitextgen 0.6.0's generate(), checked before it starts, in batches, never endless.
+"""Text generation: aitextgen 0.6.0's generate(), checked before it starts, decoded by the batch engine
+(engine.py), never endless.
 
 aitextgen's generate() looped until some text survived its clean-up (strip, drop empty texts); a
 deterministic model whose text is whitespace looped for ever.  Here sampling gets MAX_ATTEMPTS tries
-per batch and deterministic decoding one, then a clear error.  Everything else follows 0.6.0: the
-prompt, prepend_bos, schema parsing, lstrip and nonempty_output, seeding, printing or returning, and
-max_length clamped to the model's context.
+per text and deterministic decoding one, then a clear error.  Everything else follows 0.6.0: the
+prompt, prepend_bos, schema parsing, lstrip and nonempty_output, printing or returning.  Where it differs:
+max_length above the context generates past it (aitextgen clamped it silently), a seed gives each text its own
+random stream (sampling.row_seed) instead of seeding torch's global one, and transformers' generate()
+arguments are honoured or refused by name (generate_options.py).
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from . import _compat
+from . import generate_options
 from .arguments import Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown
 from .decoding import CHOICES as DECODING_CHOICES
 from .decoding import context_length
+from .engine import Decoder, Engine, as_decoder, window_kept
+from .sampling import Row, RowSettings, row_seed
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -98,23 +102,36 @@ def accepted_generate_kwargs(model: nn.Module) -> set[str]:
 
 
 def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments) -> None:
-    """Every generate() argument, before any text is made: unknown names, values, the prompt's length
-    and its token ids (a tokenizer larger than the model would fail deep in torch)."""
+    """Every generate() argument, before any text is made: unknown names, values, transformers' arguments
+    (generate_options.py), the prompt's length against the context and max_length, and its token ids (a
+    tokenizer larger than the model would fail deep in torch)."""
     ours = set(GENERATE_RULES) | {"pad_token_id", "schema", "destination_path", "sample_delim"}
     extra = {k: v for k, v in args.items() if k not in ours}
     reject_unknown(where, extra, accepted_generate_kwargs(model) | ours)
     check_values(args)
+    prompts, context = as_prompts(args.get("prompt") or ""), context_length(model)
+    n, returned = args.get("n", 1), extra.get("num_return_sequences")
+    if returned is not None and n != 1 and returned != n:
+        raise ValueError(f"num_return_sequences={returned!r} with n={n!r}: both say how many texts per prompt; "
+                         "give one of them.")
+    generate_options.check(extra, (returned or n) * len(prompts))
+    if args.get("stream") and (returned or 1) > 1:
+        raise ValueError(f"stream=True with num_return_sequences={returned}: one text streams at a time.")
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
                          f"{embeddings:,}; construct aitextgen with the tokenizer the model was trained with.")
-    prompts, context = as_prompts(args.get("prompt") or ""), context_length(model)
     for prompt in prompts:
-        ids = tokenizer(prompt)["input_ids"] if prompt else []
-        if len(ids) >= context:
-            named = "The prompt" if isinstance(args.get("prompt"), str) else f"The prompt {prompt[:40]!r}"
-            raise ValueError(f"{named} is {len(ids)} tokens, but the model's context is {context} tokens; shorten "
+        length = len(prompt_ids(model, tokenizer, prompt, args.get("prepend_bos")))
+        named = "The prompt" if isinstance(args.get("prompt"), str) else f"The prompt {prompt[:40]!r}"
+        if length >= context:
+            raise ValueError(f"{named} is {length} tokens, but the model's context is {context} tokens; shorten "
                              "the prompt.")
+        max_length = args.get("max_length")
+        if extra.get("max_new_tokens") is None and max_length is not None and max_length <= length:
+            raise ValueError(f"max_length={max_length} is not above the prompt's length: {named.lower()[4:]} is "
+                             f"{length} tokens (max_length counts them too); use max_length={length + 50} or more, "
+                             "or max_new_tokens= for the new tokens alone.")
 
 
 def check_values(args: Mapping[str, Any], to_file: bool = False) -> None:
@@ -159,56 +176,56 @@ def target_length(model: nn.Module, max_length: int | None) -> int:
     return max_length
 
 
-def window_kept(context: int) -> int:
-    """Tokens a slide keeps: three quarters of the context.  GPT-2's positions are absolute, so a slide
-    encodes the kept window again (one forward pass of it); keeping less would slide more often, more
-    would re-encode for fewer new tokens.  Text past the context sees the last KEEP tokens, not all."""
-    return context * 3 // 4
-
-
-def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str | list[str] = "",
+def generate(model: nn.Module | Decoder, tokenizer: Any, *, n: int = 1, prompt: str | list[str] = "",
              prepend_bos: bool | None = None, min_length: int | None = None, max_length: int | None = None,
              temperature: float = 0.7, do_sample: bool = True, return_as_list: bool = False, seed: int | None = None,
              pad_token_id: int | None = None, schema: bool = False, normalize_key: bool = True,
              use_cache: bool = True, lstrip: bool = True, nonempty_output: bool = True,
              skip_special_tokens: bool = True, batch_size: int | None = None, stream: bool = False,
-             **kwargs: Any) -> Any:
-    """aitextgen 0.6.0's generate(): `n` texts for each prompt (one, or a list), made `batch_size` at a time
-    (all of a prompt's at once by default), past the context where max_length is; with stream=True, an
-    iterator of the text's pieces as they are made."""
-    from aitextgen.utils import reset_seed, set_seed
-
+             first_choice: int = 0, **kwargs: Any) -> Any:
+    """aitextgen 0.6.0's generate(): `n` texts for each prompt (one, or a list), `batch_size` decoding at a
+    time (all of them by default), past the context where max_length is; with stream=True, an iterator of the
+    text's pieces, each decoded when asked for.  Each text draws from its own random stream (sampling.row_seed:
+    seed, prompt, choice index counted from `first_choice`), so it is the same alone or beside others; torch's
+    global generator is neither read nor seeded.  use_cache is aitextgen's and always on here."""
+    decoder = as_decoder(model)
+    options = generate_options.read(kwargs, decoder.model.generation_config, tokenizer)
+    n = options.n or n
     prompts = as_prompts(prompt)
-    rows = [ids for p in prompts for ids in [prompt_ids(model, tokenizer, p, prepend_bos)] * n]
-    lengths = Lengths(target_length(model, max_length), min_length)
-    if pad_token_id is None:
-        pad_token_id = getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None)
-    settings = dict(temperature=temperature, do_sample=do_sample, pad_token_id=pad_token_id, use_cache=use_cache,
-                    **kwargs)
-    model.eval()
-    if seed is not None:  # aitextgen tested `if seed:`, so seed=0 silently did not seed
-        set_seed(seed)
+    ids = [prompt_ids(decoder.model, tokenizer, p, prepend_bos) for p in prompts]
+    target = target_length(decoder.prompt_learning or decoder.model, max_length)
+    eos = options.eos or _eos_of(decoder.model, tokenizer)
+
+    def row(k: int, attempt: int = 0) -> Row:
+        p, choice = divmod(k, n)
+        least = options.min_new if options.min_new is not None else max(0, (min_length or 0) - len(ids[p]))
+        return Row(ids[p], RowSettings(
+            max_new=options.max_new or target - len(ids[p]), temperature=temperature if do_sample else 0,
+            top_k=options.top_k, top_p=options.top_p, repetition_penalty=options.repetition_penalty, min_new=least,
+            seed=row_seed(seed, ids[p].tolist(), first_choice + choice, attempt), eos=eos, processors=options.processors,
+            warpers=options.warpers, criteria=options.criteria))
+
+    engine = Engine(decoder, tokenizer, eos)
     if stream:
         from .streaming import stream_text
 
-        return stream_text(lambda streamer: decode_rows(model, rows, lengths, settings, streamer)[0], tokenizer,
-                           rows[0], lstrip, skip_special_tokens, seed)
+        return stream_text(engine, row(0), tokenizer, lstrip, skip_special_tokens)
 
-    def batch_texts(chunk: list[torch.Tensor]) -> list:
-        outputs = decode_rows(model, chunk, lengths, settings)
+    def texts_of(rows: list[Row]) -> list:
+        if options.streamer is not None:  # one text (generate_options.check)
+            from .streaming import feed_streamer
+
+            feed_streamer(engine, rows[0], options.streamer)
+        else:
+            decode(engine, rows, batch_size or len(rows))
+        outputs = [r.prompt.tolist() + r.tokens + ([r.ended_on] if r.ended_on is not None else []) for r in rows]
         if schema:
-            return [_schema_fields(model, tokenizer, output, normalize_key) for output in outputs]
+            return [_schema_fields(decoder.model, tokenizer, output, normalize_key) for output in outputs]
         return _cleaned(tokenizer.batch_decode(outputs, skip_special_tokens=skip_special_tokens),
                         lstrip, nonempty_output, min_length)
 
-    texts: list = []
-    size = batch_size or (n if len(prompts) == 1 else len(rows))
-    for start in range(0, len(rows), size):
-        chunk = rows[start:start + size]
-        texts += _until_nonempty(batch_texts, chunk, attempts=MAX_ATTEMPTS if do_sample else 1,
-                                 each=len(prompts) > 1)
-    if seed is not None:
-        reset_seed()
+    texts = _until_nonempty(texts_of, row, n * len(prompts), attempts=MAX_ATTEMPTS if do_sample else 1,
+                            each=len(prompts) > 1)
     if return_as_list:
         return texts if not schema or len(texts) > 1 else texts[0]
     if not schema:  # each prompt in bold, as aitextgen did
@@ -218,80 +235,26 @@ def generate(model: nn.Module, tokenizer: Any, *, n: int = 1, prompt: str | list
     return None
 
 
-@dataclass(frozen=True)
-class Lengths:
-    """max_length and min_length, in tokens with the prompt's, as aitextgen meant them: per row."""
-
-    max_length: int
-    min_length: int | None = None
-
-
-def decode_rows(model: nn.Module, rows: list[torch.Tensor], lengths: Lengths, settings: dict,
-                streamer: Any = None) -> list[list[int]]:
-    """Each row (its prompt's ids) continued to lengths.max_length tokens: the rows left-padded into one batch
-    with the attention mask (transformers derives the positions from it), so that each row decodes as it would
-    alone; past the context, the window slides (window_kept)."""
-    pad = settings["pad_token_id"]
-    width = max(len(r) for r in rows)
-    ids = torch.stack([F.pad(r, (width - len(r), 0), value=pad if pad is not None else 0) for r in rows])
-    mask = torch.stack([F.pad(torch.ones_like(r), (width - len(r), 0)) for r in rows])
-    prompt_lengths = torch.tensor([len(r) for r in rows])
-    wanted = lengths.max_length - prompt_lengths  # new tokens for each row
-    least = (lengths.min_length or 0) - prompt_lengths
-    ids, mask = _slide_until(model, ids, mask, int(wanted.max()), least, settings, streamer)
-    return [row[width - length:][: length + want].tolist()
-            for row, length, want in zip(ids, prompt_lengths.tolist(), wanted.clamp(min=0).tolist())]
+def decode(engine: Engine, rows: list[Row], at_once: int) -> None:
+    """Every row decoded, `at_once` at a time: a row that ends makes room for the next at the next step."""
+    waiting = list(rows)
+    try:
+        while waiting or engine.rows:
+            room = at_once - len(engine.rows)
+            if room > 0 and waiting:
+                engine.join(waiting[:room])
+                waiting = waiting[room:]
+            engine.step()
+    finally:
+        engine.close()
 
 
-def _slide_until(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, least: torch.Tensor,
-                 settings: dict, streamer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """generate() on the window until `new_tokens` are made or every row has ended (its end-of-text token)."""
-    from transformers import LogitsProcessorList, StoppingCriteriaList
-
-    context, eos = context_length(model), model.generation_config.eos_token_id
-    ended = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-    settings = dict(settings)
-    made, extra = 0, settings.pop("logits_processor", None) or []
-    while made < new_tokens and not ended.all():
-        keep = ids.shape[1] if ids.shape[1] < context else window_kept(context)
-        window, window_mask = ids[:, -keep:], mask[:, -keep:]
-        step = min(new_tokens - made, context - keep)
-        processors = LogitsProcessorList([*extra, AtLeast(least - made, window.shape[1], eos)])
-        with _compat.without_warning(_compat.PEFT_PAST_KEY_VALUES, FutureWarning):
-            out = model.generate(input_ids=window.to(_device(model)), attention_mask=window_mask.to(_device(model)),
-                                 max_new_tokens=step, logits_processor=processors, streamer=streamer,
-                                 stopping_criteria=StoppingCriteriaList([streamer] if streamer else []),
-                                 **settings).cpu()
-        new = out[:, keep:]
-        new[ended] = settings["pad_token_id"] if settings["pad_token_id"] is not None else 0
-        if eos is not None:
-            ended |= torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos])).any(dim=1)
-        ids, mask = torch.cat((ids, new), dim=1), torch.cat((mask, torch.ones_like(new)), dim=1)
-        made += new.shape[1]
-        if new.shape[1] < step:  # every row ended inside this window
-            break
-    return ids, mask
-
-
-class AtLeast:
-    """min_length per row: its end-of-text token is not sampled before its own minimum (transformers'
-    min_new_tokens is one number for the batch, and knows nothing of the windows before)."""
-
-    def __init__(self, least: torch.Tensor, start: int, eos: int | list[int] | None) -> None:
-        self.least, self.start, self.eos = least, start, eos
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.eos is None:
-            return scores
-        short = (input_ids.shape[1] - self.start) < self.least.to(scores.device)
-        if short.any():
-            scores = scores.clone()
-            scores[short.nonzero().squeeze(1)[:, None], torch.tensor(self.eos).view(1, -1)] = -math.inf
-        return scores
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def _eos_of(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a text: the model's generation_config's, else the tokenizer's end-of-text."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 def prompt_ids(model: nn.Module, tokenizer: Any, prompt: str, prepend_bos: bool | None) -> torch.Tensor:
@@ -305,15 +268,17 @@ def prompt_ids(model: nn.Module, tokenizer: Any, prompt: str, prepend_bos: bool 
     return ids
 
 
-def _until_nonempty(make: Callable[[list], list], rows: list, attempts: int, each: bool = False) -> list:
-    """make(rows) (a text per row, None where the clean-up dropped it) until some text survives, the dropped
-    ones left out; `each`: the rows whose text was dropped made again until every row has one, each text in
-    its row's place (as a list of prompts needs)."""
-    texts: list = [None] * len(rows)
-    for _ in range(attempts):
-        todo = [i for i, text in enumerate(texts) if text is None]
-        for i, text in zip(todo, make([rows[i] for i in todo])):
-            texts[i] = text
+def _until_nonempty(make: Callable[[list[Row]], list], row: Callable[[int, int], Row], count: int, attempts: int,
+                    each: bool = False) -> list:
+    """make(rows) (a text per row, None where the clean-up dropped it) for rows 0..count-1 until some text
+    survives, the dropped ones left out; `each`: the rows whose text was dropped made again (from the next
+    attempt's random stream) until every row has one, each text in its row's place (as a list of prompts
+    needs)."""
+    texts: list = [None] * count
+    for attempt in range(attempts):
+        todo = [k for k, text in enumerate(texts) if text is None]
+        for k, text in zip(todo, make([row(k, attempt) for k in todo])):
+            texts[k] = text
         if all(text is not None for text in texts) or (not each and any(text is not None for text in texts)):
             return [text for text in texts if text is not None]
     raise RuntimeError(
@@ -374,37 +339,33 @@ def destination(destination_path: Any, seed: int | None) -> tuple[str, int | Non
     return path, seed
 
 
-def generate_to_file(model: nn.Module, tokenizer: Any, n: int, batch_size: int, path: str, sample_delim: str,
-                     seed: int | None, prompt: str | list[str] = "", **kwargs: Any) -> None:
+def generate_to_file(model: nn.Module | Decoder, tokenizer: Any, n: int, batch_size: int, path: str,
+                     sample_delim: str, seed: int | None, prompt: str | list[str] = "", **kwargs: Any) -> None:
     """`n` texts for each prompt into `path` (a last batch smaller where n is not a multiple of batch_size),
     written under a temporary name and renamed when all are made, so an error or Ctrl-C halfway leaves the
-    file that was there before."""
-    from aitextgen.utils import reset_seed, set_seed
-
+    file that was there before.  Text k of a prompt is choice k of the seed rule (sampling.row_seed): the same
+    text generate(n=k + 1, seed=seed) makes last."""
     from .saving import atomic_file
 
     prompts = as_prompts(prompt)
-    if seed is not None:
-        set_seed(seed)
     logger.info(f"Generating {n * len(prompts):,} texts to {path}")
     with atomic_file(path) as f, tqdm(total=n * len(prompts)) as bar:
         for each in prompts:
             for start in range(0, n, batch_size):
                 size = min(batch_size, n - start)
-                for text in _texts(model, tokenizer, size, each, kwargs):
+                for text in _texts(model, tokenizer, size, each, start, dict(kwargs, seed=seed)):
                     f.write(f"{text}\n{sample_delim}".encode("utf-8"))
                 bar.update(size)
-    if seed is not None:
-        reset_seed()
 
 
-def _texts(model: nn.Module, tokenizer: Any, n: int, prompt: str, kwargs: dict) -> list:
-    """Exactly n texts: aitextgen wrote fewer where the clean-up dropped an empty one, so a file asked for
-    n=1000 silently held less. Ends: without sampling every row is the same text, and with it generate()
-    keeps at least one of each batch (or raises)."""
+def _texts(model: nn.Module | Decoder, tokenizer: Any, n: int, prompt: str, first: int, kwargs: dict) -> list:
+    """Exactly n texts, choices first.. of the seed rule: aitextgen wrote fewer where the clean-up dropped an
+    empty one, so a file asked for n=1000 silently held less. Ends: without sampling every row is the same
+    text, and with it generate() keeps at least one of each batch (or raises)."""
     texts: list = []
     while len(texts) < n:
-        made = generate(model, tokenizer, n=n - len(texts), prompt=prompt, return_as_list=True, **kwargs)
+        made = generate(model, tokenizer, n=n - len(texts), prompt=prompt, return_as_list=True,
+                        first_choice=first + len(texts), **kwargs)
         texts += made if isinstance(made, list) else [made]  # one schema's fields come back alone
     return texts
 
@@ -421,4 +382,4 @@ class Samples:
 
 
 def generate_signature_names() -> set[str]:
-    return set(inspect.signature(generate).parameters) - {"model", "tokenizer", "kwargs"}
+    return set(inspect.signature(generate).parameters) - {"model", "tokenizer", "kwargs", "first_choice"}

@@ -100,6 +100,15 @@ def _damaged(model_folder: str, what: str, error: Exception) -> ValueError:
                       "the file is damaged or incomplete. Save the model again, or load an earlier copy.")
 
 
+def _file_identity(path: str) -> tuple[int, int, int, int] | None:
+    """A file's device, inode, size and modification time (None: gone)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 class DeferredModel:
     """A saved model whose weights are read on first use, in the dtype that use needs.
 
@@ -127,6 +136,7 @@ class DeferredModel:
             self.skeleton = AutoModelForCausalLM.from_config(config)
         self.skeleton.tie_weights()  # transformers 5.0 leaves a meta-device model untied
         check_config_matches(folder, self.skeleton, path, what)
+        self.seen = _file_identity(path)
 
     @property
     def saved_dtype(self) -> Any:
@@ -145,6 +155,7 @@ class DeferredModel:
         """The model with its weights, in `dtype` (None: as transformers reads them), sharing the
         skeleton's config (so that what was set on it is kept)."""
         if dtype is None or not self._names_every_parameter():
+            self.check_unchanged()
             kwargs = {"dtype": dtype} if dtype is not None else {}
             return from_folder(self.folder, self.what, config=self.skeleton.config, **kwargs)
         model = self._empty(dtype)
@@ -160,7 +171,7 @@ class DeferredModel:
         from .adapters import Fingerprint
 
         if not self._names_every_parameter():
-            return self.load(dtype), None
+            return self.load(dtype), None  # checked there
         model = self._empty(dtype)
         quantizable = set(four_bit.quantizable_layers(model, trainable_too=True))
         layers = {f"{name}.weight": module for name, module in model.named_modules() if module in quantizable}
@@ -205,9 +216,23 @@ class DeferredModel:
         model.tie_weights()
         return model
 
+    def check_unchanged(self) -> None:
+        """The folder still holds the weights file the constructor saw (saves replace it by a rename, so a run
+        writing there since gives it a new identity): else refused, naming the folder, rather than reading
+        another run's model as this object's."""
+        path = os.path.join(self.folder, "model.safetensors")
+        if _file_identity(path) != self.seen:
+            raise ValueError(f"{self.what}: this object's model is read from {self.folder} on first use, and the "
+                             "weights there have changed since it was constructed (another run saved there, or "
+                             "the file was replaced or removed), so they are no longer this object's model. "
+                             f"Construct it again, aitextgen(model_folder={self.folder!r}), to use what the folder "
+                             "holds now.")
+
     def _read_into(self, model: nn.Module, each: Callable[[str, nn.Parameter], None] | None = None,
                    made_on_first_read: bool = False) -> None:
         from transformers import GenerationConfig
+
+        self.check_unchanged()
 
         try:
             read_safetensors_into(model, os.path.join(self.folder, "model.safetensors"), each, made_on_first_read)

@@ -1,38 +1,54 @@
-"""Texts decoded side by side, each with its own settings and its own random stream, so that a text is the same
-whether it is decoded alone or in a batch with others (the server's batches: serving.py).
+"""One text being decoded (`Row`): its settings, its own random stream, how it picks each token and when it
+stops, so that a text is the same whether it is decoded alone or beside others (engine.py steps the rows;
+generate() and the server both make them).
 
 transformers' sampling draws every row of a batch from one random stream, so a seeded row's text depends on
 which rows share its batch, and its temperature, top_p and stop strings are one per batch.  Here each row
-(`Row`) draws from a torch.Generator of its own, seeded by its request, with its own settings, and stops on
-its own (its length, its stop strings, the end-of-text token, or its client gone).  The batch runs through
-transformers' generate() in greedy mode with `RowSampler` as the last logits processor: it samples each row
-itself and hands generate() logits that leave one token possible, so generate() keeps what it is good at
-(the KV cache, padding, finished rows) and the rows stay independent.  What each row's model outputs must not
-depend on the other rows either: decoding.py's int8 form quantizes each token's activations alone for that.
+draws from a torch.Generator of its own, seeded by one rule (`row_seed`: the call's seed, the prompt's index,
+the choice's index), with its own settings, and stops on its own (its length, its stop strings, end-of-text,
+a stopping criterion, or its client gone).  What each row's model outputs must not depend on the other rows
+either: decoding.py's int8 form quantizes each token's activations alone for that.
 
 | setting            | applied                                          | as in                                   |
 |--------------------|--------------------------------------------------|-----------------------------------------|
 | repetition_penalty | over the row's own prompt and tokens (no padding) | transformers' RepetitionPenalty...      |
+| processors         | transformers' LogitsProcessors given to generate()| transformers' order: before the warpers |
 | min_new            | end-of-text impossible before it                  | transformers' MinNewTokensLength...     |
 | temperature        | 0: the most likely token (OpenAI's convention)    | transformers' TemperatureLogitsWarper   |
-| top_k, top_p       | after the temperature                             | transformers' TopK/TopPLogitsWarper     |
+| top_k, top_p       | after the temperature, then `warpers`             | transformers' TopK/TopPLogitsWarper     |
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-SEED_BITS = 63  # an unseeded row's seed: drawn from the OS, never from torch's global stream
+SEED_BITS = 63  # a row's seed: derived by row_seed, or (unseeded) drawn from the OS, never from torch's global
+
+
+def row_seed(seed: int | None, prompt: Sequence[int], choice: int, attempt: int = 0) -> int:
+    """The seed of the random stream of one text: choice `choice` (0, 1, ...) of the prompt whose ids are
+    `prompt`, in a call seeded `seed` (`attempt`: generate() making again a text that came out empty).  The one
+    rule generate(), generate_to_file() and the server share: a seeded text is the same alone, in a prompt list
+    (the prompt itself enters, not its place in the list), in a file, streamed and served.  Unseeded: a fresh
+    seed from the OS (torch's global generator is never read)."""
+    if seed is None:
+        return secrets.randbits(SEED_BITS)
+    key = hashlib.blake2b(digest_size=8)
+    key.update(f"{seed}/{choice}/{attempt}/".encode())
+    key.update(",".join(map(str, prompt)).encode())
+    return int.from_bytes(key.digest(), "big") >> (64 - SEED_BITS)
 
 
 @dataclass(frozen=True)
 class RowSettings:
-    """How one text is decoded."""
+    """How one text is decoded.  `seed`: its stream's seed as row_seed made it (None: drawn from the OS)."""
 
     max_new: int
     temperature: float = 1.0
@@ -42,11 +58,16 @@ class RowSettings:
     min_new: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    eos: tuple[int, ...] | None = None  # the tokens that end the text (None: the tokenizer's end-of-text)
+    processors: tuple[Any, ...] = ()  # transformers LogitsProcessors, before the temperature
+    warpers: tuple[Any, ...] = ()  # transformers LogitsProcessors, after top_k and top_p
+    criteria: tuple[Any, ...] = ()  # transformers StoppingCriteria
 
 
 class Row:
     """One text being decoded: its prompt's ids, its settings and random stream, the tokens made, the text
-    handed on so far (`on_text` gets each new piece) and why it finished ("stop", "length", "cancelled")."""
+    handed on so far (`on_text` gets each new piece; kept only where pieces or stop strings need it) and why it
+    finished ("stop", "length", "cancelled")."""
 
     def __init__(self, prompt: torch.Tensor, settings: RowSettings,
                  on_text: Callable[[str], None] | None = None) -> None:
@@ -54,21 +75,33 @@ class Row:
         seed = settings.seed if settings.seed is not None else secrets.randbits(SEED_BITS)
         self.generator = torch.Generator().manual_seed(seed)
         self.tokens: list[int] = []
+        self.ended_on: int | None = None  # the end-of-text token that ended it (not in `tokens`)
         self.text = ""
         self.finish: str | None = None
         self.cancelled = threading.Event()
 
-    def next_token(self, scores: torch.Tensor, eos: int | None) -> int:
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.cancelled.is_set()
+
+    def ids(self) -> torch.Tensor:
+        """The prompt and the tokens made, as one row (1, length)."""
+        return torch.cat((self.prompt, torch.tensor(self.tokens, dtype=self.prompt.dtype)))[None]
+
+    def next_token(self, scores: torch.Tensor, eos: tuple[int, ...]) -> int:
         """The row's next token from the model's scores for it (1-D, the vocabulary)."""
         from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
         s = self.settings
-        logits = scores.float().clone()[None]
+        logits = scores.float()[None]
+        seen = self.ids() if s.repetition_penalty != 1.0 or s.processors or s.warpers else None
         if s.repetition_penalty != 1.0:
-            seen = torch.cat((self.prompt, torch.tensor(self.tokens, dtype=self.prompt.dtype)))[None]
             logits = RepetitionPenaltyLogitsProcessor(s.repetition_penalty)(seen, logits)
-        if eos is not None and len(self.tokens) < s.min_new:
-            logits[0, eos] = -torch.inf
+        for processor in s.processors:
+            logits = processor(seen, logits)
+        if eos and len(self.tokens) < s.min_new:
+            logits = logits.clone()
+            logits[0, list(eos)] = -torch.inf
         if s.temperature == 0:
             return int(logits.argmax())
         logits = logits / s.temperature
@@ -76,25 +109,36 @@ class Row:
             logits = TopKLogitsWarper(s.top_k)(None, logits)
         if s.top_p < 1.0:
             logits = TopPLogitsWarper(s.top_p)(None, logits)
+        for warper in s.warpers:
+            logits = warper(seen, logits)
         return _draw(logits.softmax(-1)[0], self.generator)
 
-    def took(self, token: int, tokenizer: object, eos: int | None) -> None:
-        """`token` appended: the finish decided, the new text handed on, less what may yet turn out to be a
-        stop string or half a character."""
-        if token == eos:
+    def took(self, token: int, tokenizer: Any, eos: tuple[int, ...], scores: torch.Tensor | None = None) -> None:
+        """`token` appended: the finish decided (end-of-text is not kept), the new text handed on, less what may
+        yet turn out to be a stop string or half a character."""
+        if token in eos:
+            self.ended_on = token
             self._finish("stop", self.text + self._held(tokenizer))
             return
         self.tokens.append(token)
-        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = min((text.find(stop) for stop in self.settings.stop if stop in text), default=-1)
-        if cut >= 0:
-            self._finish("stop", text[:cut])
-        elif len(self.tokens) >= self.settings.max_new:
-            self._finish("length", text)
-        else:
-            self._hand_on(text[:len(text) - _unsure_tail(text, self.settings.stop)])
+        if self._follows_text:
+            text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+            cut = min((text.find(stop) for stop in self.settings.stop if stop in text), default=-1)
+            if cut >= 0:
+                self._finish("stop", text[:cut])
+                return
+            if len(self.tokens) < self.settings.max_new:
+                self._hand_on(text[:len(text) - _unsure_tail(text, self.settings.stop)])
+        if len(self.tokens) >= self.settings.max_new:
+            self._finish("length", self.text + self._held(tokenizer))
+        elif self.settings.criteria and _criteria_met(self.settings.criteria, self.ids(), scores):
+            self._finish("stop", self.text + self._held(tokenizer))
 
-    def _held(self, tokenizer: object) -> str:
+    @property
+    def _follows_text(self) -> bool:
+        return self.on_text is not None or bool(self.settings.stop)
+
+    def _held(self, tokenizer: Any) -> str:
         return tokenizer.decode(self.tokens, skip_special_tokens=True)[len(self.text):]
 
     def _hand_on(self, text: str) -> None:
@@ -107,10 +151,16 @@ class Row:
         self._hand_on(text)
         self.finish = reason
 
-    def end(self, tokenizer: object) -> None:
+    def end(self, tokenizer: Any) -> None:
         """The decoding is over: a row that neither stopped nor reached its length was cut off by its client."""
         if self.finish is None:
             self._finish("cancelled" if self.cancelled.is_set() else "length", self.text + self._held(tokenizer))
+
+
+def _criteria_met(criteria: tuple[Any, ...], ids: torch.Tensor, scores: torch.Tensor | None) -> bool:
+    """transformers' StoppingCriteria on one row: each answers a bool, or a tensor of one per row."""
+    scores = scores[None] if scores is not None and scores.dim() == 1 else scores
+    return any(bool(torch.as_tensor(criterion(ids, scores)).any()) for criterion in criteria)
 
 
 def _draw(probabilities: torch.Tensor, generator: torch.Generator) -> int:
@@ -128,53 +178,3 @@ def _unsure_tail(text: str, stops: tuple[str, ...]) -> int:
         return len(text) - len(text.rstrip("\ufffd"))
     return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
-
-class RowSampler:
-    """The last logits processor of a batch of rows: samples each unfinished row itself and leaves generate()
-    one possible token per row (finished rows: the padding, which generate() puts there anyway)."""
-
-    def __init__(self, rows: list[Row], tokenizer: object, eos: int | None, pad: int) -> None:
-        self.rows, self.tokenizer, self.eos, self.pad = rows, tokenizer, eos, pad
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        chosen = torch.full_like(scores, -torch.inf)
-        for i, row in enumerate(self.rows):
-            if row.finish is not None or row.cancelled.is_set():
-                chosen[i, self.pad] = 0
-                continue
-            token = row.next_token(scores[i], self.eos)
-            chosen[i, token] = 0
-            row.took(token, self.tokenizer, self.eos)
-        return chosen
-
-
-class RowsDone:
-    """generate()'s stopping criterion and streamer for the batch: a row is done once finished or cancelled."""
-
-    def __init__(self, rows: list[Row]) -> None:
-        self.rows = rows
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        return torch.tensor([row.finish is not None or row.cancelled.is_set() for row in self.rows],
-                            device=input_ids.device)
-
-    def put(self, value: torch.Tensor) -> None:
-        """Streamer side: the rows hand their text on themselves (Row.took)."""
-
-    def end(self) -> None:
-        """Streamer side: nothing to flush."""
-
-
-def decode_together(model: torch.nn.Module, tokenizer: object, rows: list[Row]) -> None:
-    """Every row decoded in one batch (left-padded: generation.decode_rows), each as it would be alone."""
-    from .generation import Lengths, decode_rows
-
-    eos = getattr(tokenizer, "eos_token_id", None)
-    pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else (eos or 0)
-    # every row takes one step a token: the batch needs the most any row asks (each stops itself at its own)
-    longest = min(len(row.prompt) for row in rows) + max(row.settings.max_new for row in rows)
-    settings = dict(do_sample=False, pad_token_id=pad, use_cache=True,
-                    logits_processor=[RowSampler(rows, tokenizer, eos, pad)])
-    decode_rows(model, [row.prompt for row in rows], Lengths(longest), settings, streamer=RowsDone(rows))
-    for row in rows:
-        row.end(tokenizer)

@@ -30,7 +30,8 @@ from . import _compat, completions
 from .batching import Batcher, Job, Stopping
 from .completions import ApiError, Completion, Limits
 from .decoding import context_length
-from .sampling import Row, RowSettings, decode_together
+from .engine import decode_together
+from .sampling import Row, RowSettings, row_seed
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -92,8 +93,8 @@ class Server:
 
     def __init__(self, ai: Any, model_id: str, settings: ServeSettings) -> None:
         self.model, self.plan = ai.serving_model()
-        self.tokenizer, self.settings = ai.tokenizer, settings
-        context = context_length(self.model)
+        self.tokenizer, self.settings, self.shape = ai.tokenizer, settings, ai.model_shape
+        context = context_length(self.shape)
         rows = min(settings.max_batch, self.plan.max_rows or settings.max_batch)
         self.limits = Limits(model_id, context, min(settings.max_tokens, context), rows)
         self.batcher = Batcher(lambda batch: decode_together(self.model, self.tokenizer, batch), rows,
@@ -108,7 +109,7 @@ class Server:
 
         rows, prompt_tokens = [], 0
         for p, prompt in enumerate(request.prompts):
-            ids = prompt_ids(self.model, self.tokenizer, prompt, request.prepend_bos or None)
+            ids = prompt_ids(self.shape, self.tokenizer, prompt, request.prepend_bos or None)
             prompt_tokens += len(ids)
             if len(ids) + request.max_tokens > self.limits.context:
                 raise ApiError(400, f"The prompt is {len(ids)} tokens and max_tokens={request.max_tokens}: more than "
@@ -117,7 +118,7 @@ class Server:
             for j in range(request.n):
                 k = p * request.n + j
                 told = None if on_text is None else lambda piece, k=k: on_text(k, piece)
-                rows.append(Row(ids, self._settings(request, len(ids), k), told))
+                rows.append(Row(ids, self._settings(request, ids, j), told))
         return rows, prompt_tokens
 
     def _within_context(self, rows: list[Row]) -> bool:
@@ -126,11 +127,11 @@ class Server:
         return max(len(r.prompt) for r in rows) + max(r.settings.max_new for r in rows) <= self.limits.context
 
     @staticmethod
-    def _settings(request: Completion, prompt_length: int, k: int) -> RowSettings:
+    def _settings(request: Completion, ids: Any, choice: int) -> RowSettings:
         return RowSettings(max_new=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                            top_k=request.top_k, repetition_penalty=request.repetition_penalty,
-                           min_new=max(0, request.min_length - prompt_length),
-                           seed=None if request.seed is None else request.seed + k, stop=request.stop)
+                           min_new=max(0, request.min_length - len(ids)),
+                           seed=row_seed(request.seed, ids.tolist(), choice), stop=request.stop)
 
     def authorized(self, header: str | None) -> bool:
         if self.settings.api_key is None:

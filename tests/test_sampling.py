@@ -10,7 +10,8 @@ from transformers import GPT2LMHeadModel
 from conftest import realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, decoding
 from lowmem_aitextgen.batching import Batcher, Job
-from lowmem_aitextgen.sampling import Row, RowSettings, decode_together
+from lowmem_aitextgen.engine import decode_together
+from lowmem_aitextgen.sampling import Row, RowSettings
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = "the rows' own sampling; what it calls of transformers' generate is test_generation's"

@@ -130,10 +130,10 @@ def test_a_list_of_prompts_with_n_gives_each_choice_as_its_own_request_would(ser
     made = served.client().completions.create(model=served.folder, prompt=["def", "class Foo"], n=2, seed=5,
                                               max_tokens=16, temperature=1.0, top_p=0.9)
     assert [c.index for c in made.choices] == [0, 1, 2, 3]
-    for choice in made.choices:  # choice k: prompt k // n, drawing from seed + k
-        alone = served.complete(prompt=["def", "class Foo"][choice.index // 2], seed=5 + choice.index,
+    for choice in made.choices:  # choice k: choice k % n of prompt k // n (sampling.row_seed)
+        alone = served.complete(prompt=["def", "class Foo"][choice.index // 2], seed=5, n=choice.index % 2 + 1,
                                 max_tokens=16, temperature=1.0, top_p=0.9)
-        assert alone["choices"][0]["text"] == choice.text
+        assert alone["choices"][choice.index % 2]["text"] == choice.text
 
 
 def test_stop_ends_the_text_before_the_stop_string(served):

@@ -1,0 +1,259 @@
+"""The batch engine: rows (sampling.Row) decoded a step at a time over the model's own forward, shared by
+generate() and the server.
+
+transformers' generate() decodes one batch from start to end: every row waits for the longest, a row cannot
+join, its logits processors see the padding, and peft's prompt learning reaches it only through
+`past_key_values`, which transformers 5's generate() no longer reads (a prefix-tuned model generated as its
+base).  Here each step feeds every running row its last token; a row that ends leaves at once, rows join
+between steps (their prompts encoded on their own, then the caches put side by side), and a row that reaches
+the context slides its window on its own.
+
+| what                 | how                                                                                    |
+|----------------------|----------------------------------------------------------------------------------------|
+| left padding         | rows of different lengths share the cache, padded on the left; the attention mask hides |
+|                      | the padding and each row's positions are its own (position_ids), so a row decodes as   |
+|                      | it would alone                                                                          |
+| virtual tokens       | prefix and prompt tuning: their keys and values (`Prefix`) start every row's cache and |
+|                      | a row's tokens take the positions after them, as peft's forward gives them in training |
+| past the context     | a row whose window is full is encoded again from its last WINDOW_KEPT of the context   |
+| the logits           | only the last position's (logits_to_keep=1): a prompt's other logits are never made    |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import _compat
+from .sampling import Row
+
+
+def window_kept(context: int) -> int:
+    """Tokens a slide keeps: three quarters of the context.  GPT-2's positions are absolute, so a slide
+    encodes the kept window again (one forward pass of it); keeping less would slide more often, more
+    would re-encode for fewer new tokens.  Text past the context sees the last KEEP tokens, not all."""
+    return context * 3 // 4
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What the engine runs: a causal LM (the model, or its decoding view) and, for a prompt-learning adapter
+    (prefix, prompt, p-tuning), the peft model whose virtual tokens every text starts from."""
+
+    model: nn.Module
+    prompt_learning: nn.Module | None = None
+
+    @property
+    def virtual_tokens(self) -> int:
+        if self.prompt_learning is None:
+            return 0
+        return self.prompt_learning.peft_config[self.prompt_learning.active_adapter].num_virtual_tokens
+
+
+def as_decoder(model: nn.Module | Decoder) -> Decoder:
+    """A model (or a Decoder) as the engine runs it: a prompt-learning peft model as its base and itself."""
+    from .adapters import is_adapter_model
+
+    if isinstance(model, Decoder):
+        return model
+    if is_adapter_model(model) and model.peft_config[model.active_adapter].is_prompt_learning:
+        return Decoder(model.get_base_model(), model)
+    return Decoder(model)
+
+
+class Prefix:
+    """The virtual tokens' keys and values, each layer's (1, heads, tokens, head size), in the decoder's dtype:
+    prefix tuning's are the adapter's own; prompt tuning's (and p-tuning's) the decoder's keys and values of
+    its virtual embeddings, at positions 0.. (as peft's forward puts them before the text)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        from peft.utils import PeftType
+
+        peft_model, model = decoder.prompt_learning, decoder.model
+        dtype, device = _compute_dtype(model), _device(model)
+        with torch.no_grad():
+            if peft_model.peft_config[peft_model.active_adapter].peft_type == PeftType.PREFIX_TUNING:
+                states = _layers_of(peft_model.get_prompt(1))
+            else:
+                embeds = peft_model.get_prompt(1).to(device=device, dtype=dtype)
+                positions = torch.arange(embeds.shape[1], device=device)[None]
+                out = model(inputs_embeds=embeds, position_ids=positions, use_cache=True)
+                states = _layers_of(_compat.cache_of(out))
+        self.layers = [(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)) for k, v in states]
+        self.length = self.layers[0][0].shape[-2]
+
+    def cache(self, rows: int) -> Any:
+        """A cache holding the prefix for `rows` rows."""
+        return _cache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.layers])
+
+
+class Engine:
+    """Rows decoding together.  join() encodes new rows' prompts and puts them beside the running ones; step()
+    picks each running row's next token, lets the finished rows go and feeds the others one token."""
+
+    def __init__(self, decoder: Decoder | nn.Module, tokenizer: Any, eos: tuple[int, ...]) -> None:
+        from aitextgen.utils import model_max_length
+
+        self.decoder = as_decoder(decoder)
+        self.model, self.tokenizer, self.eos = self.decoder.model, tokenizer, eos
+        self.prefix = Prefix(self.decoder) if self.decoder.prompt_learning is not None else None
+        self.virtual = self.prefix.length if self.prefix is not None else 0
+        self.context = model_max_length(self.model.config) - self.virtual  # a row's tokens, past the virtual ones
+        self.pad = getattr(tokenizer, "pad_token_id", None) or (eos[0] if eos else 0)
+        self.cache_keyword = _compat.cache_keyword(self.model)
+        self.rows: list[Row] = []
+        self.cache: Any = None
+        self.mask = self.positions = self.scores = self.window = None
+
+    def join(self, rows: list[Row]) -> None:
+        """`rows` encoded from their prompts (within the context) and added to the running ones."""
+        self._encode(rows, [row.prompt[-self.context:] for row in rows])
+
+    def step(self) -> list[Row]:
+        """Each running row's next token; the rows that finished (ended() on them) are returned and leave."""
+        if not self.rows:
+            return []
+        tokens = []
+        for i, row in enumerate(self.rows):
+            if not row.done:
+                token = row.next_token(self.scores[i], row.settings.eos or self.eos)
+                row.took(token, self.tokenizer, row.settings.eos or self.eos, self.scores[i])
+                tokens.append(token)
+            else:
+                tokens.append(self.pad)
+        ended = [row for row in self.rows if row.done]
+        for row in ended:
+            row.end(self.tokenizer)
+        full = [i for i, row in enumerate(self.rows) if not row.done and int(self.window[i]) >= self.context]
+        going = [i for i, row in enumerate(self.rows) if not row.done and i not in full]
+        sliding = [self.rows[i] for i in full]
+        self._keep(going)
+        if going:
+            self._feed(torch.tensor([tokens[i] for i in going])[:, None])
+        if sliding:
+            kept = window_kept(self.context)
+            self._encode(sliding, [row.ids()[0, -kept:] for row in sliding])
+        return ended
+
+    def run(self) -> None:
+        """Every row stepped until it ends."""
+        while self.rows:
+            self.step()
+
+    def close(self) -> None:
+        """Every row let go, the cache freed."""
+        self._keep([])
+
+    def _encode(self, rows: list[Row], inputs: list[torch.Tensor]) -> None:
+        width = max(len(ids) for ids in inputs)
+        ids = torch.stack([F.pad(r, (width - len(r), 0), value=self.pad) for r in inputs])
+        mask = torch.stack([F.pad(torch.ones_like(r), (width - len(r), 0)) for r in inputs])
+        positions = (mask.cumsum(1) - 1).clamp(min=0) + self.virtual
+        cache = self.prefix.cache(len(rows)) if self.prefix is not None else None
+        if self.prefix is not None:
+            mask = torch.cat((torch.ones(len(rows), self.virtual, dtype=mask.dtype), mask), dim=1)
+        scores, cache = self._forward(ids, mask, positions, cache)
+        window = torch.tensor([len(r) for r in inputs])
+        if self.cache is None:
+            self.rows, self.cache, self.mask, self.scores, self.window = list(rows), cache, mask, scores, window
+        else:
+            self.cache = _side_by_side(self.cache, cache, self.mask.shape[1], mask.shape[1])
+            width = max(self.mask.shape[1], mask.shape[1])
+            self.mask = torch.cat((_left_pad(self.mask, width), _left_pad(mask, width)))
+            self.rows += rows
+            self.scores, self.window = torch.cat((self.scores, scores)), torch.cat((self.window, window))
+        self.positions = torch.cat((self.positions, positions[:, -1] + 1)) if len(self.rows) > len(rows) \
+            else positions[:, -1] + 1
+
+    def _feed(self, tokens: torch.Tensor) -> None:
+        self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
+        self.scores, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
+        self.positions, self.window = self.positions + 1, self.window + 1
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+                 ) -> tuple[torch.Tensor, Any]:
+        device = _device(self.model)
+        if cache is None:
+            cache = _cache([])
+        with torch.inference_mode():
+            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             position_ids=positions.to(device), use_cache=True, logits_to_keep=1,
+                             **{self.cache_keyword: cache})
+        return out.logits[:, -1].float().cpu(), _compat.cache_of(out)
+
+    def _keep(self, indices: list[int]) -> None:
+        """Only the rows at `indices` go on; padding no row needs any more is cut off."""
+        if len(indices) == len(self.rows):
+            return
+        if not indices:
+            self.rows, self.cache, self.mask, self.positions, self.scores, self.window = [], None, None, None, None, None
+            return
+        index = torch.tensor(indices)
+        self.rows = [self.rows[i] for i in indices]
+        self.mask, self.positions = self.mask[index], self.positions[index]
+        self.scores, self.window = self.scores[index], self.window[index]
+        start = int(self.mask.any(0).nonzero()[0])
+        self.mask = self.mask[:, start:]
+        device_index = index.to(_device(self.model))
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[device_index, :, start:], layer.values[device_index, :, start:]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model's activations are in: its embeddings' (an int8 view keeps fp32 embeddings)."""
+    return model.get_input_embeddings().weight.dtype
+
+
+def _cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """transformers' DynamicCache holding `layers` (keys, values) each."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys, values, i)
+    return cache
+
+
+def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of each layer of a cache, or of a tuple of them as older peft gives prefix tuning's."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(keys, values) for keys, values in cache]
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """`tensor` padded with zeros on the left of `dim` to `width`."""
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [missing, 0]
+    return F.pad(tensor, pad)
+
+
+def _side_by_side(cache: Any, more: Any, width: int, more_width: int) -> Any:
+    """Two caches as one: the rows of `more` after those of `cache`, the shorter padded on the left."""
+    wide = max(width, more_width)
+    for layer, other in zip(cache.layers, more.layers):
+        layer.keys = torch.cat((_left_pad(layer.keys, wide, 2), _left_pad(other.keys, wide, 2)))
+        layer.values = torch.cat((_left_pad(layer.values, wide, 2), _left_pad(other.values, wide, 2)))
+    return cache
+
+
+def decode_together(model: Any, tokenizer: Any, rows: list[Row]) -> None:
+    """Every row decoded in one batch by the engine (engine.py), each as it would be alone: a round of the
+    server's batcher."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    engine = Engine(model, tokenizer, () if eos is None else (eos,))
+    try:
+        engine.join(rows)
+        engine.run()
+    finally:
+        engine.close()

@@ -1,0 +1,115 @@
+"""Generated tokens against the truth: a plain loop over the trained model's own forward (no cache; peft's
+PeftModel forward for prompt learning), for every kind of model train() leaves (full, LoRA, IA3, prefix,
+prompt tuning, LoRA on a 4-bit base), GPT-2 and GPT-Neo, held in fp32 or 16 bits, in the object after
+train() and read from its folder, in each decoding form this CPU runs: token for token with
+decoding="exact"; in a fast form, equal wherever the truth's top two scores are further apart than the
+form's measured error (decoding.SCORE_ERROR).  Tiny models trained a few steps, on the CPU."""
+
+import pytest
+import torch
+from peft import IA3Config, PromptTuningConfig
+from transformers import GPTNeoConfig, GPTNeoForCausalLM, GPT2LMHeadModel
+
+from conftest import corpus_text, realistic, tiny_gpt2_config
+from lowmem_aitextgen import aitextgen, decoding, hardware
+from lowmem_aitextgen.engine import Engine
+from lowmem_aitextgen.generation import prompt_ids
+from lowmem_aitextgen.sampling import Row, RowSettings
+
+PROMPT, NEW = "The for statement", 12
+LEARNING_RATE = {"prefix": 3e-1, "prompt": 5e-1, "lora": 5e-2, "ia3": 1e-1, "lora, 4-bit base": 5e-2}
+KINDS = {
+    "full": dict(),
+    "lora": dict(lora=True),
+    "ia3": dict(peft_config=IA3Config(target_modules=["c_attn", "c_fc"], feedforward_modules=["c_fc"])),
+    "prefix": dict(adapter="prefix"),
+    "prompt": dict(peft_config=PromptTuningConfig(num_virtual_tokens=6)),
+    "lora, 4-bit base": dict(lora=True, base_bits=4),
+    "gpt-neo": dict(),
+}
+
+
+def tiny_neo() -> GPTNeoForCausalLM:
+    config = GPTNeoConfig(vocab_size=1000, max_position_embeddings=96, hidden_size=64, num_layers=2, num_heads=4,
+                          attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=0, eos_token_id=0)
+    return GPTNeoForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tokenizer_file):
+    """Each kind trained a few steps: (the object after train(), its output folder)."""
+    root = tmp_path_factory.mktemp("kinds")
+    text = root / "text.txt"
+    text.write_text(corpus_text(20_000), encoding="utf-8")
+    made = {}
+    for kind, options in KINDS.items():
+        torch.manual_seed(0)
+        base = tiny_neo() if kind == "gpt-neo" else realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=96)))
+        base.save_pretrained(root / f"base-{kind}")
+        ai = aitextgen(model_folder=str(root / f"base-{kind}"), tokenizer_file=tokenizer_file)
+        out = str(root / f"out-{kind}")
+        ai.train(str(text), output_dir=out, num_steps=20, batch_size=4, learning_rate=LEARNING_RATE.get(kind, 1e-2),
+                 save_every=0, generate_every=0, seed=1, block_size=32, **options)
+        made[kind] = (ai, out)
+    return made
+
+
+def truth_loop(model: torch.nn.Module, ids: torch.Tensor, new: int, eos: int) -> tuple[list[int], list]:
+    """Greedy tokens by the model's own forward over the whole text each step (no cache), each step's scores;
+    up to end-of-text."""
+    tokens, scores = [], []
+    with torch.no_grad():
+        while len(tokens) < new and (not tokens or tokens[-1] != eos):
+            full = torch.cat((ids, torch.tensor(tokens, dtype=ids.dtype)))[None]
+            logits = model(input_ids=full, attention_mask=torch.ones_like(full)).logits[0, -1].float()
+            scores.append(logits)
+            tokens.append(int(logits.argmax()))
+    return tokens, scores
+
+
+def sure_steps(scores: list[torch.Tensor], error: float) -> int:
+    """The steps before the first whose truth's top two scores are within `error` (a form may pick either)."""
+    for step, score in enumerate(scores):
+        top2 = score.topk(2).values
+        if error and float(top2[0] - top2[1]) <= error:
+            return step
+    return len(scores)
+
+
+def forms() -> list[str]:
+    return ["exact", "int8"] + (["bf16"] if hardware.cpu().bf16_native else [])
+
+
+@pytest.mark.parametrize("where", ["after train()", "from its folder"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_tokens_are_the_trained_models_own_forward_in_every_form(trained, tokenizer_file, kind, where):
+    ai, out = trained[kind]
+    if where == "from its folder":
+        ai = aitextgen(model_folder=out, tokenizer_file=tokenizer_file)
+    truth_model = ai.model.eval()
+    ids = prompt_ids(truth_model, ai.tokenizer, PROMPT, None)
+    truth, scores = truth_loop(truth_model, ids, NEW, ai.tokenizer.eos_token_id)
+    if kind in ("prefix", "prompt"):  # the virtual tokens steer it: decoding the base alone would fail below
+        base_scores = truth_loop(truth_model.get_base_model(), ids, 1, -1)[1][0]
+        assert float((base_scores - scores[0]).abs().max()) > 3 * max(decoding.SCORE_ERROR.values())
+    for form in forms():
+        view = truth_model if form == "exact" else decoding.decoding_model(truth_model, form, True)
+        first = first_scores(view, ai, ids)
+        error = 0.0 if form == "exact" else decoding.SCORE_ERROR[form]
+        assert float((first - scores[0]).abs().max()) <= max(error, 1e-4), (kind, where, form)
+        text = ai.generate(prompt=PROMPT, max_new_tokens=NEW, do_sample=False, decoding=form, return_as_list=True,
+                           nonempty_output=False, skip_special_tokens=False, lstrip=False)[0]
+        sure = sure_steps(scores, error)
+        expected = ai.tokenizer.decode(ids.tolist() + truth[:sure])
+        assert text.startswith(expected), (kind, where, form, sure, text, expected)
+        if sure == len(truth):
+            assert text == ai.tokenizer.decode(ids.tolist() + truth), (kind, where, form)
+
+
+def first_scores(view, ai, ids: torch.Tensor) -> torch.Tensor:
+    """The scores the engine picks a first token from, decoding `view` (decoding.decoding_model's)."""
+    engine = Engine(view, ai.tokenizer, (ai.tokenizer.eos_token_id,))
+    engine.join([Row(ids, RowSettings(max_new=1, temperature=0))])
+    scores = engine.scores[0]
+    engine.close()
+    return scores
