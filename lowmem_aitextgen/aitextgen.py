@@ -275,8 +275,9 @@ class aitextgen(_aitextgen):
                 Per call, not per object: the weights are the same either way (a server may offer both).
             stream: return an iterator of the text's pieces as they are made (one prompt, n=1; the text is shown
                 as it comes, so an empty one is not made again).  Leaving it early stops the decoding.
-            max_length above the model's context generates past it (generation.window_kept says how).
-            **kwargs: transformers' generate() arguments (top_k, top_p, repetition_penalty, ...)."""
+            max_length above the model's context generates past it (engine.window_kept says how).
+            **kwargs: transformers' generate() arguments (top_k, top_p, repetition_penalty, max_new_tokens, ...):
+                honoured as transformers does, or refused by name (generate_options.py, docs/arguments.md)."""
         args = arguments.from_call(self.generate, locals())
         self._check_tokenizer("generate()")
         generation.check_generate(self.model_shape, self.tokenizer, "generate()", args)

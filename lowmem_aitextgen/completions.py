@@ -14,7 +14,7 @@ arguments without an OpenAI name are accepted as extra fields, as vLLM accepts i
 | top_p              | number, (0, 1]            | 1       |                                                       |
 | n                  | int, 1..the batch         | 1       | texts for each prompt                                 |
 | stop               | str or up to 4 str        | none    | not included in the text                              |
-| seed               | int                       | none    | choice k of a request draws from seed + k             |
+| seed               | int                       | none    | choice k of a prompt: sampling.row_seed's stream     |
 | stream             | bool                      | false   | server-sent events, ending in [DONE]                  |
 | stream_options     | {"include_usage": bool}   | none    | a last chunk with the usage                           |
 | user               | str                       | none    | accepted (OpenAI's abuse monitoring): no effect       |

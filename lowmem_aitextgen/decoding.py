@@ -1,5 +1,5 @@
-"""How generate() decodes: the form the weights take, the KV cache, compilation and the batch, decided once
-from the model and the device (the facts hardware.py presents), like the training plan.
+"""How generate() decodes: the form the weights take and the texts decoded at once, planned for each call
+from the model, the device (the facts hardware.py presents) and the length asked, like the training plan.
 
 The form is a view used for generation only (`DecodingView`): the weights train(), save() and output_dir
 hold are never changed by it, and a view is made again when they change.  `exact=True` decodes with the
@@ -51,7 +51,7 @@ import gc
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,23 +84,61 @@ SMOOTHED: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 }
 
 
+def _int8_here(device: str, model: nn.Module) -> str | None:
+    if device == "gpu":
+        return "int8 decoding runs on the CPU; on a GPU use decoding='auto' (16 bits)"
+    if not hardware.cpu().int8_kernels:
+        return "torch's int8 kernels are for CPUs, and this one has none"
+    if getattr(model.config, "model_type", None) not in SMOOTHED:
+        return (f"no int8 view is made of {model.config.model_type} models (decoding.SMOOTHED names the families "
+                "whose is measured); use decoding='auto'")
+    return None
+
+
+def _bf16_here(device: str, model: nn.Module) -> str | None:
+    card = hardware.gpu()
+    native = card is not None and card.bf16 if device == "gpu" else hardware.cpu().bf16_native
+    return None if native else "this device computes bf16 by emulation, slower than fp32; use decoding='auto'"
+
+
+def _fp16_here(device: str, model: nn.Module) -> str | None:
+    if device == "cpu":
+        return "a CPU computes fp16 by emulation, many times slower than fp32; use decoding='auto'"
+    card = hardware.gpu()
+    return None if card is not None and card.fp16 else "this card has no fp16 arithmetic; use decoding='auto'"
+
+
+def _int8_because(device: str) -> str:
+    return f"{hardware.cpu().name} has int8 kernels: 3-4x fp32 here"
+
+
+def _sixteen_because(name: str) -> Callable[[str], str]:
+    def because(device: str) -> str:
+        machine = hardware.gpu() if device == "gpu" else hardware.cpu()
+        return f"{machine.name} computes {name} natively" + (", not bf16" if name == "fp16" else "")
+    return because
+
+
 @dataclass(frozen=True)
 class Form:
-    """One decoding form: the dtype its activations (and a 16-bit copy's weights) are in, the devices it is
-    native on, and the bytes of new weights its view needs per parameter (int8: see DecodingMemory.weights)."""
+    """One decoding form: the dtype its activations (and a copy's weights) are in; whether its view quantizes
+    the projections (int8) or copies the model in `dtype`; why a device cannot run it natively (None: it can);
+    why the plan chooses it.  Its quality is MEASURED_QUALITY[view_name(...)], its memory DecodingMemory's."""
 
     name: str
     dtype: torch.dtype
-    native_on: tuple[str, ...]
-    bytes_per_parameter: int
+    quantized: bool
+    not_native: Callable[[str, nn.Module], str | None]
+    because: Callable[[str], str]
 
 
 FORM_RECORDS: Mapping[str, Form] = {
-    "fp32": Form("fp32", torch.float32, ("cpu", "gpu"), 4),
-    "bf16": Form("bf16", torch.bfloat16, ("cpu", "gpu"), 2),  # a CPU's only with bf16_native
-    "fp16": Form("fp16", torch.float16, ("gpu",), 2),
-    "int8": Form("int8", torch.float32, ("cpu",), 1),  # activations fp32, projections int8
+    "fp32": Form("fp32", torch.float32, False, lambda device, model: None, lambda device: "fp32"),
+    "bf16": Form("bf16", torch.bfloat16, False, _bf16_here, _sixteen_because("bf16")),
+    "fp16": Form("fp16", torch.float16, False, _fp16_here, _sixteen_because("fp16")),
+    "int8": Form("int8", torch.float32, True, _int8_here, _int8_because),  # activations fp32, projections int8
 }
+PREFERRED = {"cpu": ("int8", "bf16"), "gpu": ("bf16", "fp16")}  # the faster forms of each device, fastest first
 FORMS = tuple(FORM_RECORDS)
 
 
@@ -145,7 +183,7 @@ def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, f
     projection (RESULTS.md)."""
     device = device or ("gpu" if next(model.parameters()).device.type == "cuda" else "cpu")
     if asked not in ("auto", "exact"):
-        check_runs_here(asked, device)
+        check_runs_here(asked, device, model)
         form, because = asked, f"decoding={asked!r} asked for it"
     else:
         form, because = decide_form(model, device, asked == "exact", quality, tokenwise)
@@ -176,45 +214,23 @@ def decide_form(model: nn.Module, device: str, exact: bool, quality: Mapping[str
     return _as_held(model), "no faster form is native here and within the quality bound"
 
 
-def check_runs_here(form: str, device: str) -> None:
-    """A form asked for that this device cannot run, or runs only by emulation (slower than fp32), refused."""
-    cpu, card = hardware.cpu(), hardware.gpu()
-    problem = None
-    if form == "int8" and (device == "gpu" or not cpu.int8_kernels):
-        problem = ("torch's int8 kernels are for CPUs, and this one has none" if device == "cpu"
-                   else "int8 decoding runs on the CPU; on a GPU use decoding='auto' (16 bits)")
-    elif form == "fp16" and device == "cpu":
-        problem = "a CPU computes fp16 by emulation, many times slower than fp32; use decoding='auto'"
-    elif form == "bf16" and not (card.bf16 if device == "gpu" and card else device == "cpu" and cpu.bf16_native):
-        problem = "this device computes bf16 by emulation, slower than fp32; use decoding='auto'"
+def check_runs_here(form: str, device: str, model: nn.Module) -> None:
+    """A form asked for that this device (and this model's family: int8) cannot run, or runs only by emulation
+    (slower than fp32), refused."""
+    problem = FORM_RECORDS[form].not_native(device, model)
     if problem:
         raise ValueError(f"decoding={form!r}: {problem}.")
 
 
 def _device_forms(model: nn.Module, device: str) -> list[tuple[str, str]]:
-    """The faster forms this device runs natively, fastest first, each with why."""
-    if device == "gpu":
-        card = hardware.gpu()
-        if card is not None and card.bf16:
-            return [("bf16", f"{card.name} computes bf16 natively")]
-        if card is not None and card.fp16:
-            return [("fp16", f"{card.name} computes fp16 natively, not bf16")]
-        return []
-    cpu = hardware.cpu()
-    forms = []
-    if cpu.int8_kernels and getattr(model.config, "model_type", None) in SMOOTHED:
-        forms.append(("int8", f"{cpu.name} has int8 kernels: 3-4x fp32 here"))
-    if cpu.bf16_native:
-        forms.append(("bf16", f"{cpu.name} computes bf16 natively"))
-    return forms
+    """The faster forms this device runs natively for this model, fastest first, each with why."""
+    return [(name, FORM_RECORDS[name].because(device)) for name in PREFERRED[device]
+            if FORM_RECORDS[name].not_native(device, model) is None]
 
 
 def held_natively(model: nn.Module, device: str) -> bool:
-    """Whether this device computes the dtype the model is held in natively (fp16 and bf16 on a CPU: no)."""
-    form = FORM_RECORDS[_as_held(model)]
-    if device == "cpu" and form.name == "bf16":
-        return hardware.cpu().bf16_native
-    return device in form.native_on
+    """Whether this device computes the dtype the model is held in natively (fp16 on a CPU: no)."""
+    return FORM_RECORDS[_as_held(model)].not_native(device, model) is None
 
 
 def held_dtype(model: nn.Module) -> torch.dtype:
@@ -275,8 +291,9 @@ class DecodingMemory:
         parameters = sum(p.numel() for p in self.model.parameters())
         if form == _as_held(self.model):
             return 0 if self.read else parameters * held_dtype(self.model).itemsize
-        if form in ("bf16", "fp16"):  # a copy of the model as held, which is read first where it is not yet
-            return 2 * parameters + (0 if self.read else parameters * held_dtype(self.model).itemsize)
+        if not FORM_RECORDS[form].quantized:  # a copy of the model as held, read first where it is not yet
+            return FORM_RECORDS[form].dtype.itemsize * parameters + \
+                (0 if self.read else parameters * held_dtype(self.model).itemsize)
         head = self.model.get_input_embeddings().weight.numel()  # the int8 LM head, a copy of the tied embedding
         embeddings = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, nn.Embedding))
         fp32_copy = self.read and held_dtype(self.model) != torch.float32  # a 16-bit model's embeddings in fp32
@@ -418,10 +435,8 @@ def decoding_model(model: nn.Module, form: str, tokenwise: bool = False) -> Deco
         base = copy.deepcopy(base).merge_and_unload()
         if form == _as_held(base):
             return Decoder(base, decoder.prompt_learning)
-    if form in ("bf16", "fp16", "fp32"):
-        view = copy.deepcopy(base).to(FORM_RECORDS[form].dtype).eval()
-    else:
-        view = int8_view(base, tokenwise)
+    record = FORM_RECORDS[form]
+    view = int8_view(base, tokenwise) if record.quantized else copy.deepcopy(base).to(record.dtype).eval()
     return Decoder(view, decoder.prompt_learning)
 
 

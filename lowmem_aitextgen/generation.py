@@ -93,12 +93,13 @@ def check_streaming(args: Mapping[str, Any]) -> None:
 
 
 def accepted_generate_kwargs(model: nn.Module) -> set[str]:
-    """What transformers' generate() takes besides ours: its own arguments, GenerationConfig's fields
-    and the model's forward arguments (transformers rejects the rest, but only after starting)."""
+    """What transformers' generate() takes besides ours: its own arguments (generate_options.py's tables),
+    GenerationConfig's fields and the model's forward arguments; generate_options says which are honoured.  A
+    name outside these is a typo, answered with the closest."""
     from transformers import GenerationConfig
 
     forward = parameter_names(model.forward, leave_out=("self", "input_ids", "labels"))
-    return set(GenerationConfig().to_dict()) | parameter_names(model.generate) | forward
+    return set(GenerationConfig().to_dict()) | set(generate_options.HONOURED) | set(generate_options.REFUSED) | forward
 
 
 def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments) -> None:

@@ -79,7 +79,7 @@ def test_on_gpus_the_plan_decodes_in_their_native_16_bits(ai):
             form_chosen, _ = decoding.decide_form(ai.model, "gpu", False, decoding.MEASURED_QUALITY)
             assert form_chosen == form, name
             with pytest.raises(ValueError, match="decoding='int8': int8 decoding runs on the CPU"):
-                decoding.check_runs_here("int8", "gpu")
+                decoding.check_runs_here("int8", "gpu", ai.model)
 
 
 @pytest.mark.parametrize("asked, cpu, says", [
@@ -206,14 +206,19 @@ def held_out_loss(model: torch.nn.Module, blocks: torch.Tensor) -> float:
         return float(torch.stack([model(input_ids=b[None], labels=b[None]).loss for b in blocks]).mean())
 
 
+def topic_bytes() -> torch.Tensor:
+    """Python's documentation topics, as bytes: the study's text."""
+    import pydoc_data.topics
+
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    return torch.tensor(list(text.encode("utf-8")[:400_000]), dtype=torch.long)
+
+
 @pytest.fixture(scope="module")
 def study():
     """A small GPT-2 trained on Python's documentation topics (bytes), its held-out blocks, and the same model
     carrying GPT-2's activation outliers (decoding.carry_outliers)."""
-    import pydoc_data.topics
-
-    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    data = torch.tensor(list(text.encode("utf-8")[:400_000]), dtype=torch.long)
+    data = topic_bytes()
     blocks = data[: len(data) // 64 * 64].view(-1, 64)
     held_out, train = blocks[:24], blocks[24:]
     torch.manual_seed(0)
@@ -359,3 +364,61 @@ def test_the_tokenwise_int8_view_gives_a_text_the_same_logits_in_any_batch(ai):
             together = view(input_ids=ids).logits
             alone = torch.cat([view(input_ids=row[None]).logits for row in ids])
         assert torch.equal(together, alone) == same, tokenwise
+
+
+@pytest.fixture(scope="module")
+def prefix_study(study):
+    """The study model with a prefix (8 virtual tokens) trained on it, the base frozen, and its held-out blocks."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    trained, _, held_out = study
+    model = get_peft_model(copy.deepcopy(trained), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=8))
+    data = topic_bytes()
+    train = data[: len(data) // 56 * 56].view(-1, 56)[30:]  # 56 tokens: the 64 positions less the prefix's 8
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    torch.manual_seed(0)
+    for _ in range(60):
+        batch = train[torch.randint(len(train), (8,))]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.eval(), held_out[:, :56]
+
+
+def decoder_loss(decoder, blocks: torch.Tensor) -> float:
+    """Held-out loss of an engine.Decoder: its view of the base with the virtual tokens' keys and values first
+    (engine.Prefix), positions after them, as the engine decodes."""
+    from lowmem_aitextgen import _compat
+    from lowmem_aitextgen.engine import Prefix
+
+    prefix = Prefix(decoder)
+    losses = []
+    with torch.no_grad():
+        for block in blocks:
+            mask = torch.ones(1, prefix.length + len(block), dtype=torch.long)
+            positions = torch.arange(prefix.length, prefix.length + len(block))[None]
+            out = decoder.model(input_ids=block[None], labels=block[None], attention_mask=mask, position_ids=positions,
+                                **{_compat.cache_keyword(decoder.model): prefix.cache(1)})
+            losses.append(out.loss)
+    return float(torch.stack(losses).mean())
+
+
+@pytest.mark.parametrize("form, tokenwise", [("int8", False), ("int8", True), ("bf16", False)])
+def test_each_default_form_is_within_the_quality_bound_with_a_trained_prefix(form, tokenwise, prefix_study, study):
+    model, held_out = prefix_study
+    exact = held_out_loss(model, held_out)  # peft's own forward: the prefix as trained
+    assert exact < held_out_loss(study[0], held_out) - 0.01  # the prefix learned something the form must keep
+    assert abs(decoder_loss(decoding.decoding_model(model, "fp32"), held_out) - exact) < 1e-4  # the engine's way
+    loss = decoder_loss(decoding.decoding_model(model, form, tokenwise), held_out)
+    assert loss <= exact * (1 + decoding.QUALITY_BOUND), (form, loss, exact)
+
+
+def test_int8_asked_of_a_family_without_a_measured_view_is_refused_naming_it():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
+        with pytest.raises(ValueError, match="decoding='int8': no int8 view is made of llama models"):
+            decoding.plan_decoding(model, "int8")
+        assert decoding.plan_decoding(model).form == "bf16"  # the next native form

@@ -113,3 +113,41 @@ def first_scores(view, ai, ids: torch.Tensor) -> torch.Tensor:
     scores = engine.scores[0]
     engine.close()
     return scores
+
+
+@pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
+def test_past_the_context_each_window_is_the_trained_models_own_forward(trained, kind):
+    """max_length past the context: the window slides (engine.window_kept), and each token is still the trained
+    model's own forward over the window it sees (the prefix's virtual tokens before every window)."""
+    from lowmem_aitextgen.decoding import context_length
+    from lowmem_aitextgen.engine import window_kept
+
+    ai, _ = trained[kind]
+    model = ai.model.eval()
+    context = context_length(model)
+    window = prompt_ids(model, ai.tokenizer, PROMPT, None).tolist()
+    ids, truth, gaps = list(window), [], []
+    with torch.no_grad():
+        while len(truth) < context + 30:
+            logits = model(input_ids=torch.tensor([window])).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            token = int(logits.argmax())
+            truth.append(token)
+            window = (window + [token])[-window_kept(context):] if len(window) >= context else window + [token]
+    collect = []
+
+    class Collect:
+        def put(self, value):
+            collect.extend(value.reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    ai.generate(prompt=PROMPT, max_new_tokens=len(truth), do_sample=False, decoding="exact", streamer=Collect(),
+                eos_token_id=-1, nonempty_output=False)
+    made = collect[len(ids):]
+    tolerance = 0.0 if next(model.parameters()).dtype == torch.float32 else 0.02  # 16 bits: a cache rounds
+    sure = next((i for i, gap in enumerate(gaps) if gap <= tolerance), len(gaps))
+    assert sure > context  # the comparison reaches past the context
+    assert made[:sure] == truth[:sure]

@@ -17,6 +17,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
+from lowmem_aitextgen import aitextgen
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("the server's own behaviour; what it calls of transformers' generate is test_generation's "
@@ -314,3 +315,28 @@ def test_serve_without_its_extra_names_the_install_line(monkeypatch):
     with pytest.raises(ValueError, match="serve needs uvicorn, which is not installed") as refused:
         ServeSettings().check()
     assert INSTALL_SERVE in str(refused.value) and 'lowmem_aitextgen[serve]' in INSTALL_SERVE
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt-neo"])
+def test_a_seeded_request_is_the_text_generate_makes_in_process(family, tmp_path, tokenizer_file, served):
+    """One seed rule (sampling.row_seed) and one form for seeded texts (int8, each token alone): the server
+    answers what generate() gives for the same seed and settings, for GPT-2 and GPT-Neo alike."""
+    from test_engine import tiny_neo
+
+    if family == "gpt-neo":
+        torch.manual_seed(0)
+        tiny_neo().save_pretrained(tmp_path / "neo")
+        server = start_server(str(tmp_path / "neo"), tokenizer_file, f"--api_key={KEY}")
+    else:
+        server = served
+    try:
+        settings = dict(max_tokens=20, temperature=0.8, top_p=0.9, top_k=40, seed=11)
+        answer = server.complete(prompt=["def", "class Foo"], n=2, **settings)["choices"]
+    finally:
+        if server is not served:
+            stop_server(server.process)
+    ai = aitextgen(model_folder=server.folder, tokenizer_file=tokenizer_file)
+    made = ai.generate(prompt=["def", "class Foo"], n=2, max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=40,
+                       seed=11, return_as_list=True, nonempty_output=False, lstrip=False)
+    prompts = ["def", "def", "class Foo", "class Foo"]
+    assert [p + c["text"] for p, c in zip(prompts, answer)] == made
