@@ -103,7 +103,9 @@ class Engine:
         self.prefix = Prefix(self.decoder) if self.decoder.prompt_learning is not None else None
         self.virtual = self.prefix.length if self.prefix is not None else 0
         self.context = model_max_length(self.model.config) - self.virtual  # a row's tokens, past the virtual ones
-        self.pad = getattr(tokenizer, "pad_token_id", None) or (eos[0] if eos else 0)
+        # padding is masked out; any id the embeddings hold will do (a custom eos_token_id may be outside them)
+        self.pad = next(t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+                                    0) if t is not None and 0 <= t)
         self.cache_keyword = _compat.cache_keyword(self.model)
         self.rows: list[Row] = []
         self.cache: Any = None

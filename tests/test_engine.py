@@ -16,6 +16,8 @@ from lowmem_aitextgen.engine import Engine
 from lowmem_aitextgen.generation import prompt_ids
 from lowmem_aitextgen.sampling import Row, RowSettings
 
+pytestmark = pytest.mark.edges  # transformers' cache and forward arguments, peft's virtual tokens
+
 PROMPT, NEW = "The for statement", 12
 LEARNING_RATE = {"prefix": 3e-1, "prompt": 5e-1, "lora": 5e-2, "ia3": 1e-1, "lora, 4-bit base": 5e-2}
 KINDS = {
@@ -93,10 +95,11 @@ def test_greedy_tokens_are_the_trained_models_own_forward_in_every_form(trained,
         base_scores = truth_loop(truth_model.get_base_model(), ids, 1, -1)[1][0]
         assert float((base_scores - scores[0]).abs().max()) > 3 * max(decoding.SCORE_ERROR.values())
     for form in forms():
-        view = truth_model if form == "exact" else decoding.decoding_model(truth_model, form, True)
-        first = first_scores(view, ai, ids)
         error = 0.0 if form == "exact" else decoding.SCORE_ERROR[form]
-        assert float((first - scores[0]).abs().max()) <= max(error, 1e-4), (kind, where, form)
+        for tokenwise in (True, False) if form == "int8" else (False,):  # seeded calls' view, and unseeded ones'
+            view = truth_model if form == "exact" else decoding.decoding_model(truth_model, form, tokenwise)
+            first = first_scores(view, ai, ids)
+            assert float((first - scores[0]).abs().max()) <= max(error, 1e-4), (kind, where, form, tokenwise)
         text = ai.generate(prompt=PROMPT, max_new_tokens=NEW, do_sample=False, decoding=form, return_as_list=True,
                            nonempty_output=False, skip_special_tokens=False, lstrip=False)[0]
         sure = sure_steps(scores, error)
@@ -151,3 +154,33 @@ def test_past_the_context_each_window_is_the_trained_models_own_forward(trained,
     sure = next((i for i, gap in enumerate(gaps) if gap <= tolerance), len(gaps))
     assert sure > context  # the comparison reaches past the context
     assert made[:sure] == truth[:sure]
+
+
+@pytest.mark.parametrize("form", ["exact", "int8, each token alone"])
+def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form):
+    """Rows join between steps (their prompts encoded on their own, the caches put side by side) and leave when
+    they end: each row's tokens are those it gets alone."""
+    ai, _ = trained["prefix"] if form == "exact" else trained["full"]
+    view = ai.model if form == "exact" else decoding.decoding_model(ai.model, "int8", True)
+
+    def row(prompt: str, new: int) -> Row:
+        return Row(prompt_ids(ai.model, ai.tokenizer, prompt, None), RowSettings(max_new=new, temperature=0.9, seed=3))
+
+    def alone(prompt: str, new: int) -> list[int]:
+        engine, made = Engine(view, ai.tokenizer, (-1,)), row(prompt, new)
+        engine.join([made])
+        engine.run()
+        return made.tokens
+
+    engine = Engine(view, ai.tokenizer, (-1,))
+    first, second, third = row("The for statement", 20), row("x", 30), row("import os, sys and then some", 8)
+    engine.join([first])
+    for _ in range(5):
+        engine.step()
+    engine.join([second, third])  # mid-run: longer and shorter prompts than the running row's window
+    while engine.rows:
+        engine.step()
+    assert first.tokens == alone("The for statement", 20)
+    assert second.tokens == alone("x", 30)
+    assert third.tokens == alone("import os, sys and then some", 8)
+    assert engine.cache is None  # every row left; the cache with them

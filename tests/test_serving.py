@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import realistic, tiny_gpt2_config
+from conftest import corpus_text, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
@@ -317,16 +317,23 @@ def test_serve_without_its_extra_names_the_install_line(monkeypatch):
     assert INSTALL_SERVE in str(refused.value) and 'lowmem_aitextgen[serve]' in INSTALL_SERVE
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt-neo"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt-neo", "prefix-tuned gpt2"])
 def test_a_seeded_request_is_the_text_generate_makes_in_process(family, tmp_path, tokenizer_file, served):
     """One seed rule (sampling.row_seed) and one form for seeded texts (int8, each token alone): the server
-    answers what generate() gives for the same seed and settings, for GPT-2 and GPT-Neo alike."""
+    answers what generate() gives for the same seed and settings, for GPT-2, GPT-Neo and a prefix-tuned model
+    (whose generate() tests/test_engine.py holds against the trained model's own forward)."""
     from test_engine import tiny_neo
 
     if family == "gpt-neo":
         torch.manual_seed(0)
         tiny_neo().save_pretrained(tmp_path / "neo")
         server = start_server(str(tmp_path / "neo"), tokenizer_file, f"--api_key={KEY}")
+    elif family == "prefix-tuned gpt2":
+        (tmp_path / "text.txt").write_text(corpus_text(10_000), encoding="utf-8")
+        base = aitextgen(model_folder=model_folder(tmp_path / "base", n_positions=128), tokenizer_file=tokenizer_file)
+        base.train(str(tmp_path / "text.txt"), adapter="prefix", output_dir=str(tmp_path / "prefix"), num_steps=10,
+                   batch_size=2, learning_rate=3e-1, block_size=32, save_every=0, generate_every=0, seed=1)
+        server = start_server(str(tmp_path / "prefix"), tokenizer_file, f"--api_key={KEY}")
     else:
         server = served
     try:
