@@ -193,6 +193,7 @@ def cache_keyword(model: Any) -> str:
     is deprecated, to be removed in 5.40), or `past_key_values` (5.0 and the releases before the rename)."""
     import inspect
 
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes it on by name
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

@@ -26,8 +26,8 @@ from .budget import CallPlan
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
 from .decoding import DecodePlan, DecodingView
-from .engine import Decoder
 from .decoding import plan_decoding as decoding_plan
+from .engine import Decoder
 from .four_bit import QuantizedBase
 from .optimizers import check_optimizer
 from .plan import RunSettings, TrainPlan, run_settings

@@ -115,10 +115,19 @@ class Options:
 def read(kwargs: Mapping[str, Any], generation_config: Any, tokenizer: Any) -> Options:
     """The options a call's transformers arguments (checked) ask for, the model's generation_config filling
     what is not given."""
-    from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization, MaxTimeCriteria,
-                              MinPLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
-                              SequenceBiasLogitsProcessor, StopStringCriteria, SuppressTokensLogitsProcessor,
-                              TypicalLogitsWarper)
+    from transformers import (
+        EpsilonLogitsWarper,
+        EtaLogitsWarper,
+        LogitNormalization,
+        MaxTimeCriteria,
+        MinPLogitsWarper,
+        NoBadWordsLogitsProcessor,
+        NoRepeatNGramLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+        StopStringCriteria,
+        SuppressTokensLogitsProcessor,
+        TypicalLogitsWarper,
+    )
 
     def value(name: str) -> Any:
         given = kwargs.get(name)

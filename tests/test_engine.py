@@ -8,7 +8,7 @@ form's measured error (decoding.SCORE_ERROR).  Tiny models trained a few steps, 
 import pytest
 import torch
 from peft import IA3Config, PromptTuningConfig
-from transformers import GPTNeoConfig, GPTNeoForCausalLM, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import corpus_text, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, decoding, hardware
