@@ -116,7 +116,7 @@ class Engine:
         self._encode(rows, [row.prompt[-self.context:] for row in rows])
 
     def step(self) -> list[Row]:
-        """Each running row's next token; the rows that finished (ended() on them) are returned and leave."""
+        """Each running row's next token; the rows that finished (Row.end called on them) leave and are returned."""
         if not self.rows:
             return []
         tokens = []
