@@ -169,7 +169,7 @@ class aitextgen(_aitextgen):
         return decoding_plan(self.model_shape, decoding, length=length, read=self._deferred is None,
                              tokenwise=tokenwise)
 
-    def serving_model(self) -> tuple[Decoder, DecodePlan]:
+    def serving_model(self) -> tuple[Decoder | torch.nn.Module, DecodePlan]:
         """The model the server decodes with and its plan (serving.py): the default form, made at once, whole
         contexts, each text the same in any batch (decoding.TokenwiseInt8Linear)."""
         plan = self._plan_decoding("auto", None, tokenwise=True)

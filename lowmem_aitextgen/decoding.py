@@ -415,7 +415,7 @@ def weights_key(model: nn.Module) -> tuple:
     with torch.no_grad():
         for p in model.parameters():
             flat = p.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // SAMPLED)].double() if p.is_floating_point() else flat.double()
+            sample = flat[:: max(1, flat.numel() // SAMPLED)].double()
             key.append((p.data_ptr(), p._version, float(sample.sum()), float(sample.abs().sum())))
     return tuple(key)
 
