@@ -422,3 +422,21 @@ def test_int8_asked_of_a_family_without_a_measured_view_is_refused_naming_it():
         with pytest.raises(ValueError, match="decoding='int8': no int8 view is made of llama models"):
             decoding.plan_decoding(model, "int8")
         assert decoding.plan_decoding(model).form == "bf16"  # the next native form
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_held_in_16_bits_decodes_in_int8_on_each_cpu_kind_and_never_by_emulation(ai, dtype):
+    """What a LoRA run leaves on a native-bf16 CPU (bf16), or to_fp16() on a card then a CPU (fp16): the fast form
+    made from the 16-bit weights; where no fast form is native, fp32, never emulated 16-bit arithmetic, and from
+    the first call (decoding as held would be the emulation)."""
+    held = copy.deepcopy(ai.model).to(dtype)
+    for cpu in hardware.CPUS.values():
+        with hardware.presenting(hardware.Hardware(cpu)):
+            plan = decoding.plan_decoding(held)
+            assert plan.form == "int8", cpu
+    bare = hardware.CPU(name="CPU", bf16_native=False, int8_kernels=False)
+    with hardware.presenting(hardware.Hardware(bare)):
+        plan = decoding.plan_decoding(held)
+        assert plan.form == "fp32" and plan.view_after == 0 and "emulation" in plan.because
+    view = decoding.decoding_model(held, "int8").model
+    assert next(view.parameters()).dtype == torch.float32 and next(held.parameters()).dtype == dtype  # untouched
