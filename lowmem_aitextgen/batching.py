@@ -1,18 +1,20 @@
-"""The server's queue: requests wait here, bounded, and one thread decodes those that arrived together in one
-batch (sampling.decode_together), so that concurrent clients share each forward pass.
+"""The server's queue: requests wait here, bounded, and one thread decodes them continuously in the batch
+engine (engine.py): a request joins the running rows at the next decoding step and each row leaves the moment
+it ends, so a short request never waits for the longest one in flight.
 
 | choice                 | why                                                                             |
 |------------------------|---------------------------------------------------------------------------------|
 | one decoding thread    | the model is one; torch uses every core for each forward pass already; serve   |
 |                        | decodes on the main thread (`run`): torch's int8 kernels measured 2.5x slower   |
 |                        | called from any other (RESULTS.md)                                              |
-| a batch per round      | rows join when a round starts, none mid-round: a round's rows share one padded   |
-|                        | prompt; the next round takes what came meanwhile                                |
-| GATHER_QUIET, _LONGEST | a round starts once no request has come for GATHER_QUIET seconds (clients that   |
-|                        | arrive together are decoded together), GATHER_LONGEST at most, or when full      |
+| continuous batching    | between two steps the requests waiting join (their prompts encoded on their     |
+|                        | own, the running rows' caches kept), up to `max_rows` rows; a row that ends     |
+|                        | leaves at once, and its request is answered when its last row has               |
 | a bounded queue        | a full queue is refused at once (serving.py: 429), never grows memory           |
-| cancel                 | a job gone before its round is skipped and frees its place at once; one gone     |
-|                        | during its round stops its rows at the next token                               |
+| cancel                 | a job gone before it joins is skipped and frees its place at once; one gone     |
+|                        | while decoding stops its rows at the next token                                 |
+| a failed step          | every running request is answered with the error (500), the engine starts      |
+|                        | empty, and the server goes on                                                   |
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 
+from .engine import Engine
 from .sampling import Row
 
 logger = logging.getLogger("lowmem_aitextgen")
 
-GATHER_QUIET, GATHER_LONGEST = 0.03, 0.1  # seconds; a 355M token takes 0.03 (batch 1) to 0.05 (batch 8)
 STOP = object()  # put in the queue by Batcher.stop
 
 
@@ -70,18 +71,17 @@ class Job:
 
 
 class Batcher:
-    """Jobs in, rounds of at most `max_rows` rows that `fits` (the server: padded to the longest prompt, within
-    the context) decoded by `decode` on one thread; at most `limit` jobs waiting."""
+    """Jobs in; their rows decoded continuously, at most `max_rows` at once, in the engine `new_engine` makes
+    (engine.Engine), on one thread; at most `limit` jobs waiting."""
 
-    def __init__(self, decode: Callable[[list[Row]], None], max_rows: int, limit: int,
-                 fits: Callable[[list[Row]], bool] = lambda rows: True) -> None:
-        self.decode, self.max_rows, self.limit, self.fits = decode, max_rows, limit, fits
+    def __init__(self, new_engine: Callable[[], Engine], max_rows: int, limit: int) -> None:
+        self.new_engine, self.max_rows, self.limit = new_engine, max_rows, limit
         self._queue: queue.Queue = queue.Queue()
         self._waiting = 0
-        self.running_rows = 0  # in the round being decoded
-        self.decoded_rows = 0  # in every round so far
+        self.running_rows = 0  # decoding now
+        self.decoded_rows = 0  # every row that has joined so far
         self._lock = threading.Lock()
-        self._held: object = None  # taken from the queue but not fitting the round: first in the next
+        self._held: object = None  # taken from the queue but not fitting beside the running rows: first next
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -90,7 +90,7 @@ class Batcher:
         self._thread.start()
 
     def stop(self) -> None:
-        """`run` returns once its round is over; the jobs still queued are answered with an error."""
+        """`run` returns at its next step; the jobs still queued or decoding are answered with an error."""
         self._queue.put(STOP)
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -106,7 +106,7 @@ class Batcher:
 
     @property
     def waiting(self) -> int:
-        """Jobs queued, not yet in a round."""
+        """Jobs queued, not yet decoding."""
         return self._waiting
 
     def cancel(self, job: Job) -> None:
@@ -118,15 +118,70 @@ class Batcher:
             self._waiting -= 1
 
     def run(self) -> None:
-        """Rounds until `stop`; then every job still waiting is answered with an error."""
+        """Steps until `stop`: before each, the jobs waiting join while their rows fit; after it, each job whose
+        rows have all ended is answered.  Then every job still waiting or decoding is answered with an error."""
+        engine, running = self.new_engine(), []
         try:
-            while True:
-                first, self._held = self._held or self._queue.get(), None
-                if first is STOP:
-                    return
-                self._round(self._gather(first))
+            while self._admit(engine, running):
+                if running:
+                    running = self._step(engine, running)
+        except BaseException:  # Ctrl-C: each client answered (503), then it goes on up
+            self._answer(running, Stopping("the server is stopping"))
+            running = []
+            raise
         finally:
+            engine.close()
+            self._answer(running, Stopping("the server is stopping"))
+            self.running_rows = 0
             self._turn_away()
+
+    def _admit(self, engine: Engine, running: list[Job]) -> bool:
+        """The jobs waiting joined while their rows fit beside the running ones (waiting for one where none
+        runs); False once `stop` is taken."""
+        while True:
+            if self._held is not None:
+                job, self._held = self._held, None
+            else:
+                try:
+                    job = self._queue.get(block=not running)
+                except queue.Empty:
+                    return True
+            if job is STOP:
+                return False
+            if running and len(engine.rows) + len(job.rows) > self.max_rows:
+                self._held = job
+                return True
+            if job.start():
+                self._left_queue()
+                try:
+                    engine.join(job.rows)  # the running rows are untouched where encoding these fails
+                except Exception as failure:
+                    logger.exception("Encoding a request's prompts failed")
+                    job.finish(failure)
+                    continue
+                running.append(job)
+                self.decoded_rows += len(job.rows)
+                self.running_rows = len(engine.rows)
+
+    def _step(self, engine: Engine, running: list[Job]) -> list[Job]:
+        """One decoding step; the jobs whose rows have all ended answered; a failed step answers every running
+        job with its error (500) and empties the engine, and the server goes on."""
+        try:
+            engine.step()
+        except Exception as failure:
+            logger.exception("Decoding a batch failed")
+            engine.close()
+            self._answer(running, failure)
+            return []
+        done = [job for job in running if all(row.finish is not None for row in job.rows)]
+        self._answer(done, None)
+        self.running_rows = len(engine.rows)
+        return [job for job in running if job not in done]
+
+    @staticmethod
+    def _answer(jobs: list[Job], error: BaseException | None) -> None:
+        for job in jobs:
+            job.finish(error)
 
     def _turn_away(self) -> None:
         waiting = [self._held] if isinstance(self._held, Job) else []
@@ -135,43 +190,3 @@ class Batcher:
         for job in waiting:
             if isinstance(job, Job) and job.start():
                 job.finish(Stopping("the server is stopping"))
-
-    def _gather(self, first: Job) -> list[Job]:
-        """`first` and the jobs that come with it, as many as fit in one round: until none has come for
-        GATHER_QUIET (GATHER_LONGEST at most); the one that does not fit, or the stop, is held for the next."""
-        jobs, rows = [first], list(first.rows)
-        deadline = time.monotonic() + GATHER_LONGEST
-        while len(rows) < self.max_rows and time.monotonic() < deadline:
-            try:
-                job = self._queue.get(timeout=min(GATHER_QUIET, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                break
-            if job is STOP or len(rows) + len(job.rows) > self.max_rows or not self.fits(rows + job.rows):
-                self._held = job
-                break
-            jobs.append(job)
-            rows += job.rows
-        return jobs
-
-    def _round(self, jobs: list[Job]) -> None:
-        started = []
-        for job in jobs:
-            if job.start():
-                self._left_queue()
-                started.append(job)
-        if not started:
-            return
-        rows = [row for job in started for row in job.rows]
-        self.running_rows, self.decoded_rows, error = len(rows), self.decoded_rows + len(rows), None
-        try:
-            self.decode(rows)
-        except Exception as failure:  # answered to each client (500), the server goes on
-            logger.exception("Decoding a batch failed")
-            error = failure
-        except BaseException:  # Ctrl-C: each client answered (503), then it goes on up
-            for job in started:
-                job.finish(Stopping("the server is stopping"))
-            raise
-        self.running_rows = 0
-        for job in started:
-            job.finish(error)

@@ -30,7 +30,7 @@ from . import _compat, completions
 from .batching import Batcher, Job, Stopping
 from .completions import ApiError, Completion, Limits
 from .decoding import context_length
-from .engine import decode_together
+from .engine import Engine
 from .sampling import Row, RowSettings, row_seed
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -97,8 +97,9 @@ class Server:
         context = context_length(self.shape)
         rows = min(settings.max_batch, self.plan.max_rows or settings.max_batch)
         self.limits = Limits(model_id, context, min(settings.max_tokens, context), rows)
-        self.batcher = Batcher(lambda batch: decode_together(self.model, self.tokenizer, batch), rows,
-                               settings.queue, fits=self._within_context)
+        eos = () if ai.tokenizer.eos_token_id is None else (ai.tokenizer.eos_token_id,)
+        # each request's rows within the context (rows()), so no row's window slides: a text is the one alone
+        self.batcher = Batcher(lambda: Engine(self.model, self.tokenizer, eos), rows, settings.queue)
         self.cancelled_rows = {"client left": 0, "timed out": 0}
         self.created = int(time.time())
 
@@ -120,11 +121,6 @@ class Server:
                 told = None if on_text is None else lambda piece, k=k: on_text(k, piece)
                 rows.append(Row(ids, self._settings(request, ids, j), told))
         return rows, prompt_tokens
-
-    def _within_context(self, rows: list[Row]) -> bool:
-        """Rows left-padded to the longest prompt that each reach their length within the context (past it the
-        window would slide, and a text would differ from the one decoded alone)."""
-        return max(len(r.prompt) for r in rows) + max(r.settings.max_new for r in rows) <= self.limits.context
 
     @staticmethod
     def _settings(request: Completion, ids: Any, choice: int) -> RowSettings:

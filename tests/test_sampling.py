@@ -2,6 +2,7 @@
 stream; tiny GPT-2s on the CPU."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import GPT2LMHeadModel
 from conftest import realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, decoding
 from lowmem_aitextgen.batching import Batcher, Job
-from lowmem_aitextgen.engine import decode_together
+from lowmem_aitextgen.engine import Engine, decode_together
 from lowmem_aitextgen.sampling import Row, RowSettings
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
@@ -69,24 +70,37 @@ def test_a_cancelled_row_stops_and_the_others_go_on(ai):
     assert batch[0].finish in ("length", "stop") and batch[0].tokens
 
 
-def test_the_batcher_decodes_what_arrives_together_in_one_round_and_refuses_past_its_queue(ai):
-    rounds: list[int] = []
-    gate = threading.Event()
-
-    def decode(batch: list[Row]) -> None:
-        gate.wait(timeout=30)
-        rounds.append(len(batch))
-
-    batcher = Batcher(decode, max_rows=4, limit=3)
+def test_the_batcher_decodes_continuously_a_short_request_joining_a_long_one_ends_first(ai):
+    """Continuous batching: a request joins the running rows at the next step and is answered when its rows end,
+    not when the longest in flight does; its text is the one it gets alone; the queue refuses past its limit."""
+    eos = (ai.tokenizer.eos_token_id,)
+    finished: list[str] = []
     done = threading.Semaphore(0)
-    jobs = [Job(rows(ai)[:1], lambda error: done.release()) for _ in range(4)]
-    assert all(batcher.submit(job) for job in jobs[:3]) and not batcher.submit(jobs[3])  # the queue holds 3
+
+    def job(prompt: str, new: int, name: str) -> Job:
+        row = Row(ai.tokenizer(text=prompt, return_tensors="pt")["input_ids"][0],
+                  RowSettings(max_new=new, min_new=new, seed=1), None)
+        return Job([row], lambda error: (finished.append(name if error is None else repr(error)), done.release()))
+
+    batcher = Batcher(lambda: Engine(decoding.decoding_model(ai.model, "int8", True), ai.tokenizer, eos),
+                      max_rows=4, limit=2)
+    long, short, third = job("def main", 80, "long"), job("x", 5, "short"), job("y", 5, "third")
+    assert batcher.submit(long) and batcher.submit(short) and not batcher.submit(third)  # the queue holds 2
+    batcher.cancel(short)  # gone before it joins: its place is free again
+    assert batcher.submit(third)
     batcher.start()
-    gate.set()
+    deadline = time.monotonic() + 30
+    while batcher.running_rows < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    late = job("class Foo", 6, "late")
+    assert batcher.submit(late)  # arrives while the long one decodes
     for _ in range(3):
-        assert done.acquire(timeout=30)
+        assert done.acquire(timeout=60)
     batcher.stop()
-    assert rounds == [3]  # waiting together: one round
+    assert finished.index("late") < finished.index("long") and "short" not in finished
+    alone = Row(late.rows[0].prompt, late.rows[0].settings)
+    decode_together(decoding.decoding_model(ai.model, "int8", True), ai.tokenizer, [alone])
+    assert alone.tokens == late.rows[0].tokens  # joined mid-run, the text it gets alone
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_an_impossible_token():

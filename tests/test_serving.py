@@ -347,3 +347,34 @@ def test_a_seeded_request_is_the_text_generate_makes_in_process(family, tmp_path
                        seed=11, return_as_list=True, nonempty_output=False, lstrip=False)
     prompts = ["def", "def", "class Foo", "class Foo"]
     assert [p + c["text"] for p, c in zip(prompts, answer)] == made
+
+
+def test_short_requests_join_a_long_stream_and_are_answered_while_it_goes_on(tmp_path, tokenizer_file):
+    """Continuous batching (batching.py): requests that arrive while a long text streams join it at the next step
+    and are answered when their own rows end; the long stream loses no token."""
+    folder = model_folder(tmp_path / "model", n_positions=1024, n_layer=8, n_embd=512, n_head=8)
+    server = start_server(folder, tokenizer_file, "--max_tokens=1000", "--max_batch=4")
+    try:
+        pieces: list[str] = []
+        ended = threading.Event()
+
+        def stream_long() -> None:
+            stream = server.client().completions.create(model=folder, prompt="a", max_tokens=900, seed=1,
+                                                        stream=True, extra_body={"min_length": 1000})
+            pieces.extend(chunk.choices[0].text for chunk in stream)
+            ended.set()
+
+        long = threading.Thread(target=stream_long)
+        long.start()
+        deadline = time.monotonic() + 30
+        while not pieces and time.monotonic() < deadline:
+            time.sleep(0.05)
+        short = [server.complete(prompt=p, max_tokens=8, seed=2)["choices"][0]["text"] for p in ("def", "class")]
+        assert not ended.is_set()  # answered while the long one still streams
+        long.join(timeout=120)
+        assert ended.is_set()
+        alone = server.complete(prompt="a", max_tokens=900, seed=1, min_length=1000)["choices"][0]["text"]
+        assert "".join(pieces) == alone  # the long text lost nothing to the requests that joined it
+        assert short == [server.complete(prompt=p, max_tokens=8, seed=2)["choices"][0]["text"] for p in ("def", "class")]
+    finally:
+        stop_server(server.process)
