@@ -2,10 +2,13 @@
 started for real (the CLI, a free port), clients on the same machine.
 
     python benchmarks/serve_load.py                  # 355M; --size 124M for a quicker look
+    python benchmarks/serve_load.py --mixed          # only the mixed workload
 
 Reports, in one run: aggregate tokens/s of one client at a time against 8 concurrent clients (64 new tokens
 each, exactly: min_length), their ratio and the concurrent requests' p50/p95 latency; resident memory after 10
-and after 200 requests in a row; the slowest answer to a request carrying a bad field, and its statuses.
+and after 200 requests in a row; the slowest answer to a request carrying a bad field, and its statuses; the
+mixed workload: 8 requests of 32 tokens arriving together 0.5 s after a 900-token stream started, their median
+latency against the same requests' on the idle server, and the stream's tokens (none lost).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ PROMPT, NEW, CLIENTS = "The meaning of life is", 64, 8
 
 def start(folder: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, "--port=0",
-                                f"--max_batch={CLIENTS}", "--max_tokens=256", "--timeout=600"],
+                                f"--max_batch={CLIENTS + 1}", "--max_tokens=1000", "--timeout=600"],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in iter(process.stdout.readline, ""):
         found = re.search(r"http://[\d.]+:\d+", line)
@@ -75,6 +78,35 @@ def concurrent(url: str, folder: str, rounds: int) -> tuple[float, list[float]]:
     return CLIENTS * rounds * NEW / (time.perf_counter() - start_time), latencies
 
 
+def mixed(url: str, folder: str) -> dict[str, object]:
+    """8 requests of 32 tokens, together, one at a time on the idle server and then 0.5 s after a 900-token
+    stream started: their median latency, the ratio, and the stream's token count."""
+    idle = statistics.median(ask(url, folder, 32, seed) for seed in range(CLIENTS))
+    events: list[str] = []
+
+    def stream_long() -> None:
+        body = {"model": folder, "prompt": PROMPT, "max_tokens": 900, "min_length": 1024, "seed": 99, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+            events.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+    long = threading.Thread(target=stream_long)
+    long.start()
+    time.sleep(0.5)
+    latencies: list[float] = []
+    threads = [threading.Thread(target=lambda seed=seed: latencies.append(ask(url, folder, 32, seed)))
+               for seed in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    long.join()
+    usage = next(json.loads(e[6:])["usage"] for e in reversed(events) if e != "data: [DONE]" and '"usage"' in e)
+    busy = statistics.median(latencies)
+    return {"idle median s": round(idle, 2), "beside the stream median s": round(busy, 2),
+            "ratio": round(busy / idle, 2), "stream tokens": usage["completion_tokens"]}
+
+
 def resident(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
@@ -106,10 +138,21 @@ def bad_fields(url: str, folder: str) -> dict[str, object]:
     return {"slowest ms": round(1000 * max(times), 1), "statuses": sorted(statuses)}
 
 
+def throughput_and_memory(url: str, folder: str, pid: int, requests: int) -> dict[str, object]:
+    solo = one_at_a_time(url, folder, CLIENTS)
+    together, latencies = concurrent(url, folder, 2)
+    return {"one at a time tokens/s": round(solo, 1), f"{CLIENTS} concurrent tokens/s": round(together, 1),
+            "ratio": round(together / solo, 2),
+            "latency s p50/p95": [round(statistics.median(latencies), 2),
+                                  round(statistics.quantiles(latencies, n=20)[-1], 2)],
+            "bad fields": bad_fields(url, folder), "memory": memory_over(url, folder, pid, requests)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="355M", choices=SIZES)
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--mixed", action="store_true", help="only the mixed workload")
     args = parser.parse_args()
     report: dict[str, object] = {"cpu": str(hardware.cpu()), "size": args.size}
     with tempfile.TemporaryDirectory() as folder:
@@ -117,15 +160,9 @@ def main() -> None:
         process, url = start(folder)
         try:
             ask(url, folder, 8, 0)  # warm-up
-            solo = one_at_a_time(url, folder, CLIENTS)
-            together, latencies = concurrent(url, folder, 2)
-            report["one at a time tokens/s"] = round(solo, 1)
-            report[f"{CLIENTS} concurrent tokens/s"] = round(together, 1)
-            report["ratio"] = round(together / solo, 2)
-            report["latency s p50/p95"] = [round(statistics.median(latencies), 2),
-                                          round(statistics.quantiles(latencies, n=20)[-1], 2)]
-            report["bad fields"] = bad_fields(url, folder)
-            report["memory"] = memory_over(url, folder, process.pid, args.requests)
+            report["mixed workload"] = mixed(url, folder)
+            if not args.mixed:
+                report.update(throughput_and_memory(url, folder, process.pid, args.requests))
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(timeout=60)
