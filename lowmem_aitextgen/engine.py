@@ -163,16 +163,17 @@ class Engine:
             mask = torch.cat((torch.ones(len(rows), self.virtual, dtype=mask.dtype), mask), dim=1)
         scores, cache = self._forward(ids, mask, positions, cache)
         window = torch.tensor([len(r) for r in inputs])
+        following = positions[:, -1] + 1  # each row's next token's position
         if self.cache is None:
-            self.rows, self.cache, self.mask, self.scores, self.window = list(rows), cache, mask, scores, window
+            self.rows, self.cache, self.mask = list(rows), cache, mask
+            self.scores, self.window, self.positions = scores, window, following
         else:
             self.cache = _side_by_side(self.cache, cache, self.mask.shape[1], mask.shape[1])
             width = max(self.mask.shape[1], mask.shape[1])
             self.mask = torch.cat((_left_pad(self.mask, width), _left_pad(mask, width)))
             self.rows += rows
             self.scores, self.window = torch.cat((self.scores, scores)), torch.cat((self.window, window))
-        self.positions = torch.cat((self.positions, positions[:, -1] + 1)) if len(self.rows) > len(rows) \
-            else positions[:, -1] + 1
+            self.positions = torch.cat((self.positions, following))
 
     def _feed(self, tokens: torch.Tensor) -> None:
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
@@ -251,14 +252,3 @@ def _side_by_side(cache: Any, more: Any, width: int, more_width: int) -> Any:
         layer.values = torch.cat((_left_pad(layer.values, wide, 2), _left_pad(other.values, wide, 2)))
     return cache
 
-
-def decode_together(model: Any, tokenizer: Any, rows: list[Row]) -> None:
-    """Every row decoded in one batch by the engine (engine.py), each as it would be alone: a round of the
-    server's batcher."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    engine = Engine(model, tokenizer, () if eos is None else (eos,))
-    try:
-        engine.join(rows)
-        engine.run()
-    finally:
-        engine.close()

@@ -11,7 +11,7 @@ from transformers import GPT2LMHeadModel
 from conftest import realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, decoding
 from lowmem_aitextgen.batching import Batcher, Job
-from lowmem_aitextgen.engine import Engine, decode_together
+from lowmem_aitextgen.engine import Engine
 from lowmem_aitextgen.sampling import Row, RowSettings
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
@@ -24,6 +24,13 @@ def ai(tmp_path_factory, tokenizer_file):
     torch.manual_seed(0)
     realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=96))).save_pretrained(folder)
     return aitextgen(model_folder=str(folder), tokenizer_file=tokenizer_file)
+
+
+def decode_together(model, tokenizer, rows: list[Row]) -> None:
+    """Every row decoded in one batch by the engine, from the start to the end of the longest."""
+    engine = Engine(model, tokenizer, (tokenizer.eos_token_id,))
+    engine.join(rows)
+    engine.run()
 
 
 SETTINGS = [RowSettings(max_new=20, temperature=1.0, seed=1),
