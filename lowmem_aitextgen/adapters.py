@@ -101,8 +101,13 @@ def check_target_modules(model: nn.Module, targets: tuple[str, ...]) -> None:
                          f"target_modules); its linear layers are {linear}.")
 
 
+def is_prompt_learning(model: nn.Module) -> bool:
+    """A peft model whose adapter is prompt learning (prefix, prompt, p-tuning): virtual tokens, no weights."""
+    return is_adapter_model(model) and model.peft_config[model.active_adapter].is_prompt_learning
+
+
 def is_mergeable(model: nn.Module) -> bool:
-    return is_adapter_model(model) and not model.peft_config[model.active_adapter].is_prompt_learning
+    return is_adapter_model(model) and not is_prompt_learning(model)
 
 
 def _tuner_layers(base: nn.Module) -> dict[str, nn.Module]:

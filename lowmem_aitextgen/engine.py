@@ -15,7 +15,7 @@ the context slides its window on its own.
 |                      | it would alone                                                                          |
 | virtual tokens       | prefix and prompt tuning: their keys and values (`Prefix`) start every row's cache and |
 |                      | a row's tokens take the positions after them, as peft's forward gives them in training |
-| past the context     | a row whose window is full is encoded again from its last WINDOW_KEPT of the context   |
+| past the context     | a row whose window is full is encoded again from its last window_kept() tokens         |
 | the logits           | only the last position's (logits_to_keep=1): a prompt's other logits are never made    |
 """
 
@@ -35,7 +35,7 @@ from .sampling import Row
 def window_kept(context: int) -> int:
     """Tokens a slide keeps: three quarters of the context.  GPT-2's positions are absolute, so a slide
     encodes the kept window again (one forward pass of it); keeping less would slide more often, more
-    would re-encode for fewer new tokens.  Text past the context sees the last KEEP tokens, not all."""
+    would re-encode for fewer new tokens.  Text past the context sees the last kept tokens, not all."""
     return context * 3 // 4
 
 
@@ -47,20 +47,14 @@ class Decoder:
     model: nn.Module
     prompt_learning: nn.Module | None = None
 
-    @property
-    def virtual_tokens(self) -> int:
-        if self.prompt_learning is None:
-            return 0
-        return self.prompt_learning.peft_config[self.prompt_learning.active_adapter].num_virtual_tokens
-
 
 def as_decoder(model: nn.Module | Decoder) -> Decoder:
     """A model (or a Decoder) as the engine runs it: a prompt-learning peft model as its base and itself."""
-    from .adapters import is_adapter_model
+    from .adapters import is_prompt_learning
 
     if isinstance(model, Decoder):
         return model
-    if is_adapter_model(model) and model.peft_config[model.active_adapter].is_prompt_learning:
+    if is_prompt_learning(model):
         return Decoder(model.get_base_model(), model)
     return Decoder(model)
 

