@@ -3,10 +3,11 @@ started for real (the CLI, a free port), clients on the same machine.
 
     python benchmarks/serve_load.py                  # 355M; --size 124M for a quicker look
     python benchmarks/serve_load.py --mixed          # only the mixed workload
+    python benchmarks/serve_load.py --size 124M --clients 16 --requests 1000   # issue 53's rows
 
-Reports, in one run: aggregate tokens/s of one client at a time against 8 concurrent clients (64 new tokens
-each, exactly: min_length), their ratio and the concurrent requests' p50/p95 latency; resident memory after 10
-and after 200 requests in a row; the slowest answer to a request carrying a bad field, and its statuses; the
+Reports, in one run: aggregate tokens/s of one client at a time against --clients concurrent clients (64 new
+tokens each, exactly: min_length), their ratio and the concurrent requests' p50/p95 latency; resident memory
+after 10 and after --requests requests in a row; the slowest answer to a request carrying a bad field, and its statuses; the
 mixed workload: 8 requests of 32 tokens arriving together 0.5 s after a 900-token stream started, their median
 latency against the same requests' on the idle server, and the stream's tokens (none lost).
 """
@@ -31,13 +32,16 @@ from transformers import GPT2Config
 from lowmem_aitextgen import aitextgen, hardware
 
 SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=24, n_embd=1024, n_head=16)}
-PROMPT, NEW, CLIENTS = "The meaning of life is", 64, 8
+PROMPT, NEW = "The meaning of life is", 64
+CLIENTS = 8  # --clients
+MIXED = 8  # the mixed workload's short requests
 
 
 def start(folder: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, "--port=0",
-                                f"--max_batch={CLIENTS + 1}", "--max_tokens=1000", "--timeout=600"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                f"--max_batch={max(CLIENTS, MIXED) + 1}", "--max_tokens=1000", "--timeout=600"],
+                               stdout=subprocess.PIPE, stderr=open(os.path.join(folder, "server.log"), "w"),
+                               text=True)
     for line in iter(process.stdout.readline, ""):
         found = re.search(r"http://[\d.]+:\d+", line)
         if found:
@@ -81,7 +85,7 @@ def concurrent(url: str, folder: str, rounds: int) -> tuple[float, list[float]]:
 def mixed(url: str, folder: str) -> dict[str, object]:
     """8 requests of 32 tokens, together, one at a time on the idle server and then 0.5 s after a 900-token
     stream started: their median latency, the ratio, and the stream's token count."""
-    idle = statistics.median(ask(url, folder, 32, seed) for seed in range(CLIENTS))
+    idle = statistics.median(ask(url, folder, 32, seed) for seed in range(MIXED))
     events: list[str] = []
 
     def stream_long() -> None:
@@ -95,7 +99,7 @@ def mixed(url: str, folder: str) -> dict[str, object]:
     time.sleep(0.5)
     latencies: list[float] = []
     threads = [threading.Thread(target=lambda seed=seed: latencies.append(ask(url, folder, 32, seed)))
-               for seed in range(CLIENTS)]
+               for seed in range(MIXED)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -122,8 +126,8 @@ def memory_over(url: str, folder: str, pid: int, requests: int) -> dict[str, flo
             "ratio": round(after[requests] / after[10], 3)}
 
 
-BAD = [b"{\"model\": ", {"max_tokens": "ten"}, {"max_tokens": 10**6}, {"logprobs": 2}, {"temperature": -1},
-       {"prompt": [1, 2]}, {"stop": 5}, {"n": 0}, {"unknown": 1}, {"prompt": "word " * 1100}]
+BAD = [b"{\"model\": ", {"max_tokens": "ten"}, {"max_tokens": 10**6}, {"logprobs": 9}, {"temperature": -1},
+       {"prompt": [10**7]}, {"stop": 5}, {"n": 0}, {"unknown": 1}, {"prompt": "word " * 1100}]
 
 
 def bad_fields(url: str, folder: str) -> dict[str, object]:
@@ -153,8 +157,11 @@ def main() -> None:
     parser.add_argument("--size", default="355M", choices=SIZES)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--mixed", action="store_true", help="only the mixed workload")
+    parser.add_argument("--clients", type=int, default=8)
     args = parser.parse_args()
-    report: dict[str, object] = {"cpu": str(hardware.cpu()), "size": args.size}
+    global CLIENTS
+    CLIENTS = args.clients
+    report: dict[str, object] = {"cpu": str(hardware.cpu()), "size": args.size, "clients": CLIENTS}
     with tempfile.TemporaryDirectory() as folder:
         aitextgen(config=GPT2Config(**SIZES[args.size])).save(folder)
         process, url = start(folder)
@@ -163,10 +170,16 @@ def main() -> None:
             report["mixed workload"] = mixed(url, folder)
             if not args.mixed:
                 report.update(throughput_and_memory(url, folder, process.pid, args.requests))
+            print(json.dumps(report, indent=1), flush=True)
         finally:
-            process.send_signal(signal.SIGINT)
-            process.wait(timeout=60)
-    print(json.dumps(report, indent=1))
+            # SIGTERM, as a service manager stops it (Ctrl-C's SIGINT is ignored in a job started in the background)
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                log = open(os.path.join(folder, "server.log")).read()
+                raise RuntimeError(f"the server did not stop on SIGTERM within 60 s; its log ends:\n{log[-3000:]}")
 
 
 if __name__ == "__main__":

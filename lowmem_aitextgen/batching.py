@@ -137,31 +137,57 @@ class Batcher:
 
     def _admit(self, engine: Engine, running: list[Job]) -> bool:
         """The jobs waiting joined while their rows fit beside the running ones (waiting for one where none
-        runs); False once `stop` is taken."""
+        runs), their prompts encoded together; False once `stop` is taken."""
+        joining: list[Job] = []
+        try:
+            going = self._take(engine, running, joining)
+            self._join(engine, running, joining)
+        except BaseException:  # Ctrl-C meanwhile: the jobs taken and not joined are answered too
+            self._answer([job for job in joining if job not in running], Stopping("the server is stopping"))
+            raise
+        return going
+
+    def _take(self, engine: Engine, running: list[Job], joining: list[Job]) -> bool:
+        """Into `joining`, the jobs waiting whose rows fit; False once `stop` is taken."""
         while True:
             if self._held is not None:
                 job, self._held = self._held, None
             else:
                 try:
-                    job = self._queue.get(block=not running)
+                    job = self._queue.get(block=not (running or joining))
                 except queue.Empty:
                     return True
             if job is STOP:
                 return False
-            if running and len(engine.rows) + len(job.rows) > self.max_rows:
+            if (running or joining) and len(engine.rows) + sum(len(j.rows) for j in joining) + len(job.rows) > \
+                    self.max_rows:
                 self._held = job
                 return True
             if job.start():
                 self._left_queue()
+                joining.append(job)
+
+    def _join(self, engine: Engine, running: list[Job], joining: list[Job]) -> None:
+        """`joining`'s rows into the engine in one encoding pass (one forward for requests that arrived together);
+        where that fails, each job alone, so a job whose prompts cannot be encoded is answered with its error
+        and the others still join.  The running rows are untouched where encoding fails."""
+        if not joining:
+            return
+        try:
+            engine.join([row for job in joining for row in job.rows])
+            joined = joining
+        except Exception:
+            joined = []
+            for job in joining:
                 try:
-                    engine.join(job.rows)  # the running rows are untouched where encoding these fails
+                    engine.join(job.rows)
+                    joined.append(job)
                 except Exception as failure:
                     logger.exception("Encoding a request's prompts failed")
                     job.finish(failure)
-                    continue
-                running.append(job)
-                self.decoded_rows += len(job.rows)
-                self.running_rows = len(engine.rows)
+        running.extend(joined)
+        self.decoded_rows += sum(len(job.rows) for job in joined)
+        self.running_rows = len(engine.rows)
 
     def _step(self, engine: Engine, running: list[Job]) -> list[Job]:
         """One decoding step; the jobs whose rows have all ended answered; a failed step answers every running

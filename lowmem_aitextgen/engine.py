@@ -16,11 +16,13 @@ the context slides its window on its own.
 | virtual tokens       | prefix and prompt tuning: their keys and values (`Prefix`) start every row's cache and |
 |                      | a row's tokens take the positions after them, as peft's forward gives them in training |
 | past the context     | a row whose window is full is encoded again from its last window_kept() tokens         |
-| the logits           | only the last position's (logits_to_keep=1): a prompt's other logits are never made    |
+| the logits           | only the last position's (logits_to_keep=1): a prompt's other logits are made only     |
+|                      | where a row asks its prompt scored (the server's echo with logprobs)                   |
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import _compat
-from .sampling import Row
+from .sampling import Row, scored
 
 
 def window_kept(context: int) -> int:
@@ -109,8 +111,23 @@ class Engine:
         self.mask = self.positions = self.scores = self.window = None
 
     def join(self, rows: list[Row]) -> None:
-        """`rows` encoded from their prompts (within the context) and added to the running ones."""
-        self._encode(rows, [row.prompt[-self.context:] for row in rows])
+        """`rows` encoded from their prompts (within the context) and added to the running ones, all or none; a
+        row asking for it gets its prompt scored (Row.prompt_scored); a row asking no new token ends at the next
+        step."""
+        before = len(self.rows)
+        plain = [row for row in rows if not row.settings.score_prompt]
+        try:
+            if plain:
+                self._encode(plain, [row.prompt[-self.context:] for row in plain])
+            for row in rows:  # one at a time: all of a prompt's logits are a context's worth of vocabularies
+                if row.settings.score_prompt:
+                    self._encode([row], [row.prompt[-self.context:]], score=True)
+        except BaseException:
+            self._keep(list(range(before)))  # all or none of `rows` join: the running rows as they were
+            raise
+        for row in rows:
+            if row.settings.max_new == 0:
+                row.end(self.tokenizer)
 
     def step(self) -> list[Row]:
         """Each running row's next token; the rows that finished (Row.end called on them) leave and are returned."""
@@ -147,7 +164,7 @@ class Engine:
         """Every row let go, the cache freed."""
         self._keep([])
 
-    def _encode(self, rows: list[Row], inputs: list[torch.Tensor]) -> None:
+    def _encode(self, rows: list[Row], inputs: list[torch.Tensor], score: bool = False) -> None:
         width = max(len(ids) for ids in inputs)
         ids = torch.stack([F.pad(r, (width - len(r), 0), value=self.pad) for r in inputs])
         mask = torch.stack([F.pad(torch.ones_like(r), (width - len(r), 0)) for r in inputs])
@@ -155,7 +172,11 @@ class Engine:
         cache = self.prefix.cache(len(rows)) if self.prefix is not None else None
         if self.prefix is not None:
             mask = torch.cat((torch.ones(len(rows), self.virtual, dtype=mask.dtype), mask), dim=1)
-        scores, cache = self._forward(ids, mask, positions, cache)
+        logits, cache = self._forward(ids, mask, positions, cache, every=score)
+        scores = logits[:, -1]
+        if score:  # all of the prompt's logits made (logits_to_keep=0) only for its scores
+            for row, prompt, row_logits in zip(rows, inputs, logits):
+                row.prompt_scored = scored(row_logits[width - len(prompt):-1], prompt[1:], row.settings.logprobs)
         window = torch.tensor([len(r) for r in inputs])
         following = positions[:, -1] + 1  # each row's next token's position
         if self.cache is None:
@@ -171,19 +192,21 @@ class Engine:
 
     def _feed(self, tokens: torch.Tensor) -> None:
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
-        self.scores, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
+        logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
+        self.scores = logits[:, -1]
         self.positions, self.window = self.positions + 1, self.window + 1
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
-                 ) -> tuple[torch.Tensor, Any]:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                 every: bool = False) -> tuple[torch.Tensor, Any]:
+        """The logits (fp32, on the CPU) of the last position, or of every position where `every`; the cache."""
         device = _device(self.model)
         if cache is None:
             cache = _cache([])
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             position_ids=positions.to(device), use_cache=True, logits_to_keep=1,
+                             position_ids=positions.to(device), use_cache=True, logits_to_keep=0 if every else 1,
                              **{self.cache_keyword: cache})
-        return out.logits[:, -1].float().cpu(), _compat.cache_of(out)
+        return out.logits.float().cpu(), _compat.cache_of(out)
 
     def _keep(self, indices: list[int]) -> None:
         """Only the rows at `indices` go on; padding no row needs any more is cut off."""
@@ -213,13 +236,56 @@ def _compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """transformers' DynamicCache holding `layers` (keys, values) each."""
+    """transformers' DynamicCache of RoomyLayers holding `layers` (keys, values) each."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    cache.layer_class_to_replicate = _roomy_layer()  # the layers made as the model first writes each
     for i, (keys, values) in enumerate(layers):
         cache.update(keys, values, i)
     return cache
+
+
+ROOM = 64  # tokens of room a layer's buffer gets past what it holds: a copy every ROOM steps, not every step
+
+
+@functools.cache
+def _roomy_layer() -> type:
+    """transformers' DynamicLayer whose keys and values are views into buffers with room to grow along the
+    sequence: a decoding step writes its token in place, where DynamicLayer concatenates (a copy of every
+    row's whole cache, each layer, each step: a tenth of a batch step at 16 rows, RESULTS.md).  Keys or values
+    the engine replaced (rows cut or joined) move into a new buffer at the next update."""
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomyLayer(DynamicLayer):
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            held = self.buffers or (None, None)
+            (self.keys, key_buffer), (self.values, value_buffer) = (
+                _written(self.keys, held[0], key_states), _written(self.values, held[1], value_states))
+            self.buffers = (key_buffer, value_buffer)
+            return self.keys, self.values
+
+    return RoomyLayer
+
+
+def _written(held: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`held` and `new` one after the other along the sequence (a view into `buffer`, where `held` is its start
+    and `new` fits after it; else into a new buffer with ROOM to spare), and the buffer."""
+    length = held.shape[-2] if held.dim() == 4 else 0
+    end = length + new.shape[-2]
+    in_place = (buffer is not None and length and held.data_ptr() == buffer.data_ptr() and held.stride() ==
+                buffer.stride() and held.shape[:2] == new.shape[:2] and end <= buffer.shape[-2])
+    if not in_place:
+        buffer = new.new_empty(*new.shape[:2], end + ROOM, new.shape[-1])
+        if length:
+            buffer[:, :, :length] = held
+    buffer[:, :, length:end] = new
+    return buffer[:, :, :end], buffer
 
 
 def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,22 @@ class RowSettings:
     processors: tuple[Any, ...] = ()  # transformers LogitsProcessors, before the temperature
     warpers: tuple[Any, ...] = ()  # transformers LogitsProcessors, after top_k and top_p
     criteria: tuple[Any, ...] = ()  # transformers StoppingCriteria
+    logprobs: int | None = None  # each token made scored, with this many likeliest alternatives (None: not)
+    score_prompt: bool = False  # the prompt's own tokens scored too (the server's echo with logprobs)
+
+
+# A token scored: its id, its log-probability under the model's own scores (before temperature, top-k/p) and
+# the likeliest alternatives' (id, log-probability), likeliest first
+Scored = tuple[int, float, list[tuple[int, float]]]
+
+
+def scored(logits: torch.Tensor, tokens: torch.Tensor, alternatives: int) -> list[Scored]:
+    """Each of `tokens` scored by the logits that predicted it (one row of logits a token)."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(alternatives, dim=-1) if alternatives else (logprobs[:, :0],) * 2
+    return [(int(t), p, list(zip(ids, values))) for t, p, ids, values
+            in zip(tokens.tolist(), chosen, top_ids.tolist(), top_values.tolist())]
 
 
 class Row:
@@ -79,6 +96,9 @@ class Row:
         self.text = ""
         self.finish: str | None = None
         self.cancelled = threading.Event()
+        self.scored: list[Scored] = []  # each token made, where settings.logprobs asks
+        self.prompt_scored: list[Scored] | None = None  # the prompt's tokens after the first (score_prompt)
+        self.first_token_at: float | None = None  # time.monotonic() when its first token was taken
 
     @property
     def done(self) -> bool:
@@ -116,11 +136,15 @@ class Row:
     def took(self, token: int, tokenizer: Any, eos: tuple[int, ...], scores: torch.Tensor | None = None) -> None:
         """`token` appended: the finish decided (end-of-text is not kept), the new text handed on, less what may
         yet turn out to be a stop string or half a character."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         if token in eos:
             self.ended_on = token
             self._finish("stop", self.text + self._held(tokenizer))
             return
         self.tokens.append(token)
+        if self.settings.logprobs is not None and scores is not None:
+            self.scored += scored(scores[None], torch.tensor([token]), self.settings.logprobs)
         if self._follows_text:
             text = tokenizer.decode(self.tokens, skip_special_tokens=True)
             cut = min((text.find(stop) for stop in self.settings.stop if stop in text), default=-1)

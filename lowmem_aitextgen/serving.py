@@ -5,13 +5,21 @@ uvicorn (the optional extra `serve`).
 |----------------------|-----------------------------------------------------------------------------|
 | POST /v1/completions | completions.py's fields; batched (batching.py), streamed as server-sent events |
 | GET /v1/models       | the served model, with its decoding plan                                    |
-| GET /health          | up, and what is queued, decoding, cancelled so far                          |
+| GET /health          | up, and what is queued, decoding, cancelled so far (a load balancer's check) |
+| GET /metrics         | Prometheus' text format (server_metrics.py)                                 |
 | GET /                | the page (page.html): a prompt box, the usual settings, the text as it comes |
+| /v1/chat/completions | 400 naming it: a GPT-2 fine-tune has no chat template                       |
 
 Bounded: a body over MAX_BODY bytes, malformed JSON and every wrong field answer 400 naming the field; a full
 queue 429 with Retry-After at once; a request past --timeout 504, its rows stopped; a client gone mid-stream
-stops its rows.  With --api-key every /v1 request needs `Authorization: Bearer KEY` (compared in constant
-time).  Nothing a request sends names a file: the model is chosen when the server starts.
+stops its rows.  Every error is OpenAI's JSON error shape (unknown routes 404, wrong methods 405).  With
+--api-key every /v1 request needs `Authorization: Bearer KEY` (compared in constant time).  Nothing a request
+sends names a file: the model is chosen when the server starts.
+
+Stopping: SIGTERM stops taking connections and answers every request already taken (within --timeout), then
+ends, so a replica behind a load balancer loses nothing; Ctrl-C ends at once, answering what is in flight 503.
+The port is bound before the model is read and held from then on: a port lost, even in a race with another
+server, ends the process (status 2) with one line naming host and port.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ from typing import Any
 
 from . import _compat, completions
 from .batching import Batcher, Job, Stopping
-from .completions import ApiError, Completion, Limits
+from .completions import ApiError, CompletionRequest, Limits
 from .decoding import context_length
 from .engine import Engine
-from .sampling import Row, RowSettings, row_seed
+from .sampling import Row
+from .server_metrics import Metrics, Observed
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -54,6 +63,7 @@ class ServeSettings:
     max_batch: int = 8
     queue: int = 64
     timeout: float = 60.0
+    cors: str | None = None  # origins a browser page may call from, comma-separated ("*": any); None: no CORS
 
     def check(self) -> None:
         for name, low in (("max_tokens", 1), ("max_batch", 1), ("queue", 1)):
@@ -68,24 +78,32 @@ class ServeSettings:
             raise ValueError(f"--host={self.host!r}: must be an address to bind, e.g. 127.0.0.1.")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("--api_key: must be a non-empty text; leave it out to serve without one.")
-        for package in ("starlette", "uvicorn"):
+        if self.cors is not None and (not isinstance(self.cors, str) or not self.origins()):
+            raise ValueError(f"--cors={self.cors!r}: must be origins separated by commas, e.g. "
+                             "https://example.org,http://localhost:3000, or * for any.")
+        for package in ("starlette", "uvicorn", "prometheus_client"):
             if not _compat.importable(package):
                 raise ValueError(f"serve needs {package}, which is not installed: {INSTALL_SERVE}.")
-        self._check_bindable()
 
-    def _check_bindable(self) -> None:
-        """The address can be listened on (before the model is read, not after)."""
+    def origins(self) -> list[str]:
+        return [origin.strip() for origin in (self.cors or "").split(",") if origin.strip()]
+
+    def listen(self) -> Any:
+        """The listening socket, bound now (before the model is read) and held until the server ends: no other
+        process can take the port in between."""
         import socket
 
         try:
             family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-                probe.bind((self.host, self.port))
+            listening = socket.socket(family, socket.SOCK_STREAM)
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            listening.bind((self.host, self.port))
+            listening.listen(2048)
         except OSError as error:
             reason = error.strerror or str(error)
             raise ValueError(f"--host={self.host!r} --port={self.port}: cannot listen there ({reason}); choose "
                              "another port, or stop what listens on it.") from None
+        return listening
 
 
 class Server:
@@ -96,38 +114,23 @@ class Server:
         self.tokenizer, self.settings, self.shape = ai.tokenizer, settings, ai.model_shape
         context = context_length(self.shape)
         rows = min(settings.max_batch, self.plan.max_rows or settings.max_batch)
-        self.limits = Limits(model_id, context, min(settings.max_tokens, context), rows)
+        self.limits = Limits(model_id, context, min(settings.max_tokens, context), rows,
+                             self.shape.get_input_embeddings().num_embeddings)
         eos = () if ai.tokenizer.eos_token_id is None else (ai.tokenizer.eos_token_id,)
-        # each request's rows within the context (rows()), so no row's window slides: a text is the one alone
+        # each request's rows within the context (CompletionRequest.rows), so no row's window slides: a text is the one alone
         self.batcher = Batcher(lambda: Engine(self.model, self.tokenizer, eos), rows, settings.queue)
         self.cancelled_rows = {"client left": 0, "timed out": 0}
         self.created = int(time.time())
+        self.metrics = Metrics(lambda: self.batcher.waiting, lambda: self.batcher.running_rows)
 
-    def rows(self, request: Completion, on_text: Any) -> tuple[list[Row], int]:
-        """The request's rows (choice k: prompt k // n; on_text(k, piece) as each is made, where given), and its
-        prompts' tokens; a prompt the context cannot take with max_tokens refused (400)."""
+    def encode(self, prompt: str, prepend_bos: bool) -> Any:
+        """A text prompt's ids, as generate() makes them (generation.prompt_ids)."""
         from .generation import prompt_ids
 
-        rows, prompt_tokens = [], 0
-        for p, prompt in enumerate(request.prompts):
-            ids = prompt_ids(self.shape, self.tokenizer, prompt, request.prepend_bos or None)
-            prompt_tokens += len(ids)
-            if len(ids) + request.max_tokens > self.limits.context:
-                raise ApiError(400, f"The prompt is {len(ids)} tokens and max_tokens={request.max_tokens}: more than "
-                                    f"the model's context of {self.limits.context}; lower max_tokens to "
-                                    f"{max(0, self.limits.context - len(ids))} or shorten the prompt.", "max_tokens")
-            for j in range(request.n):
-                k = p * request.n + j
-                told = None if on_text is None else lambda piece, k=k: on_text(k, piece)
-                rows.append(Row(ids, self._settings(request, ids, j), told))
-        return rows, prompt_tokens
+        return prompt_ids(self.shape, self.tokenizer, prompt, prepend_bos or None)
 
-    @staticmethod
-    def _settings(request: Completion, ids: Any, choice: int) -> RowSettings:
-        return RowSettings(max_new=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                           top_k=request.top_k, repetition_penalty=request.repetition_penalty,
-                           min_new=max(0, request.min_length - len(ids)),
-                           seed=row_seed(request.seed, ids.tolist(), choice), stop=request.stop)
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     def authorized(self, header: str | None) -> bool:
         if self.settings.api_key is None:
@@ -140,16 +143,26 @@ class Server:
 
 
 def make_app(server: Server) -> Any:
-    """The Starlette app over `server`: its routes, errors in OpenAI's shape; its shutdown ends the decoding loop."""
+    """The Starlette app over `server`: its routes, every error in OpenAI's shape, CORS where --cors asks, each
+    request observed (server_metrics.Observed); its shutdown ends the decoding loop."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
-    from starlette.responses import HTMLResponse, JSONResponse
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 
     async def api_error(request: Any, error: ApiError) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def http_error(request: Any, error: HTTPException) -> JSONResponse:
+        what = {404: f"No route {request.url.path}; the routes are {', '.join(ROUTES)}.",
+                405: f"{request.method} is not taken by {request.url.path}; see docs/serve.md for its methods."}
+        message = what.get(error.status_code, str(error.detail))
+        return JSONResponse(ApiError(error.status_code, message).body(), status_code=error.status_code,
+                            headers=error.headers)
 
     async def page(request: Any) -> HTMLResponse:
         return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"))
@@ -158,6 +171,10 @@ def make_app(server: Server) -> Any:
         batcher = server.batcher
         return JSONResponse({"status": "ok", "queued": batcher.waiting, "decoding_rows": batcher.running_rows,
                              "decoded_rows": batcher.decoded_rows, "cancelled_rows": server.cancelled_rows})
+
+    async def metrics(request: Any) -> Response:
+        body, content_type = server.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     async def models(request: Any) -> JSONResponse:
         _check_key(server, request)
@@ -169,14 +186,29 @@ def make_app(server: Server) -> Any:
         _check_key(server, request)
         return await _completion(server, request)
 
+    async def chat(request: Any) -> Any:
+        raise ApiError(400, "The chat API (/v1/chat/completions) is not served: a fine-tuned GPT-2 has no chat "
+                            "template. Send the text as prompt to /v1/completions.", code="unsupported_endpoint")
+
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         yield
         server.batcher.stop()  # the decoding loop (serve: the main thread's) ends
 
-    return Starlette(routes=[Route("/", page), Route("/health", health), Route("/v1/models", models),
-                             Route("/v1/completions", complete, methods=["POST"])],
-                     exception_handlers={ApiError: api_error}, lifespan=lifespan)
+    routes = [Route("/", page), Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+              Route("/v1/completions", complete, methods=["POST"]),
+              Route("/v1/chat/completions", chat, methods=["GET", "POST"])]
+    middleware = [Middleware(Observed, metrics=server.metrics, routes=frozenset(ROUTES))]
+    if server.settings.cors is not None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.origins(),
+                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={ApiError: api_error, HTTPException: http_error})
+
+
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 def _check_key(server: Server, request: Any) -> None:
@@ -227,24 +259,43 @@ class _Flow:
 async def _completion(server: Server, request: Any) -> Any:
     from starlette.responses import JSONResponse, StreamingResponse
 
+    arrived = time.monotonic()
     asked = completions.parse(await _body(request), server.limits)
     flow = _Flow()
     # only a stream is told each piece: each telling wakes the event loop, which takes the GIL from decoding
-    rows, prompt_tokens = server.rows(asked, flow.on_text if asked.stream else None)
+    rows, prompts = asked.rows(server.encode, server.limits.context, flow.on_text if asked.stream else None)
     job = Job(rows, flow.on_done)
     if not server.batcher.submit(job):
         raise ApiError(429, f"The queue is full ({server.settings.queue} requests wait); retry in a moment.",
                        kind="rate_limit_error")
-    deadline = time.monotonic() + server.settings.timeout
+    deadline = arrived + server.settings.timeout
+    prompt_tokens = sum(len(ids) for ids in prompts)
     if asked.stream:
         await _until(server, request, job, deadline, flow.moved)
-        return StreamingResponse(_events(server, request, asked, job, flow, rows, prompt_tokens, deadline),
+        return StreamingResponse(_events(server, request, asked, job, flow, rows, prompt_tokens, arrived),
                                  media_type="text/event-stream")
     await _until(server, request, job, deadline, flow.done)
     _raise_failure(flow)
-    choices = [completions.choice(k, row.text, row.finish) for k, row in enumerate(rows)]
+    _answered(server, request, rows, prompt_tokens, arrived)
+    texts = [_prompt_text(server, prompt) for prompt in asked.prompts]
+    choices = [completions.finished_choice(k, asked, row, texts[k // asked.n], server.decode)
+               for k, row in enumerate(rows)]
     used = completions.usage(prompt_tokens, sum(len(row.tokens) for row in rows))
     return JSONResponse(completions.answer(asked, server.limits.model_id, choices, used))
+
+
+def _prompt_text(server: Server, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else server.decode(prompt)
+
+
+def _answered(server: Server, request: Any, rows: list[Row], prompt_tokens: int, arrived: float) -> None:
+    """A completion's counts kept: the metrics', and its tokens for the access log's line."""
+    made = sum(len(row.tokens) for row in rows)
+    request.state.completion_tokens = made
+    server.metrics.completed(prompt_tokens, made)
+    firsts = [row.first_token_at for row in rows if row.first_token_at is not None]
+    if firsts:
+        server.metrics.first_token.observe(min(firsts) - arrived)
 
 
 async def _until(server: Server, request: Any, job: Job, deadline: float, ready: asyncio.Event) -> None:
@@ -277,11 +328,11 @@ def _raise_failure(flow: _Flow) -> None:
         raise ApiError(500, f"Decoding failed: {type(flow.error).__name__}: {flow.error}", kind="server_error")
 
 
-async def _events(server: Server, request: Any, asked: Completion, job: Job, flow: _Flow, rows: list[Row],
-                  prompt_tokens: int, deadline: float) -> Any:
+async def _events(server: Server, request: Any, asked: CompletionRequest, job: Job, flow: _Flow, rows: list[Row],
+                  prompt_tokens: int, arrived: float) -> Any:
     """The stream: a chunk per piece of text, then each choice's finish, the usage where asked, [DONE]; a
     client that leaves (the generator closed) or the deadline stops the rows."""
-    model_id = server.limits.model_id
+    model_id, deadline = server.limits.model_id, arrived + server.settings.timeout
     try:
         while not (flow.done.is_set() and flow.pieces.empty()):
             try:
@@ -298,6 +349,7 @@ async def _events(server: Server, request: Any, asked: Completion, job: Job, flo
         if flow.error is not None:
             yield completions.event(ApiError(500, f"Decoding failed: {flow.error}", kind="server_error").body())
             return
+        _answered(server, request, rows, prompt_tokens, arrived)
         for k, row in enumerate(rows):
             yield completions.event(completions.answer(asked, model_id, [completions.choice(k, "", row.finish)],
                                                        None))
@@ -312,25 +364,29 @@ async def _events(server: Server, request: Any, asked: Completion, job: Job, flo
 # --- running it ----------------------------------------------------------------------------
 
 
-def serve(ai: Any, model_id: str, settings: ServeSettings) -> None:
-    """Serves until Ctrl-C or SIGTERM: uvicorn on a thread of its own, the decoding on this one (the main
+def serve(ai: Any, model_id: str, settings: ServeSettings, listening: Any = None) -> None:
+    """Serves on `listening` (ServeSettings.listen()'s socket; bound here where None) until SIGTERM (taken
+    requests answered first) or Ctrl-C: uvicorn on a thread of its own, the decoding on this one (the main
     thread: torch's int8 kernels measured 2.5x slower from any other, batching.py)."""
     import uvicorn
 
+    listening = listening if listening is not None else settings.listen()
     server = Server(ai, model_id, settings)
     logger.info(server.plan.describe())
-    runner = uvicorn.Server(uvicorn.Config(make_app(server), host=settings.host, port=settings.port,
-                                           log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    # SIGTERM's drain: uvicorn stops taking connections and waits for those taken, each at most --timeout
+    runner = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=int(settings.timeout) + 5))
     _say_where_once_bound(runner, model_id)
+
     def run_http() -> None:
         try:
-            runner.run()
+            runner.run(sockets=[listening])
         finally:
-            server.batcher.stop()  # uvicorn ended (or never started): so does the decoding loop
+            server.batcher.stop()  # uvicorn ended (drained, or never started): so does the decoding loop
 
     serving = threading.Thread(target=run_http, name="lowmem_aitextgen http", daemon=True)
     serving.start()
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(runner, "should_exit", True))
     try:
         server.batcher.run()
     except KeyboardInterrupt:
@@ -339,10 +395,10 @@ def serve(ai: Any, model_id: str, settings: ServeSettings) -> None:
         signal.signal(signal.SIGTERM, previous)
         runner.should_exit = True
         serving.join(timeout=30)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+        listening.close()
+    if not runner.started:
+        raise ValueError(f"--host={settings.host!r} --port={settings.port}: the server could not start there; "
+                         "see the lines above.")
 
 
 def _say_where_once_bound(runner: Any, model_id: str) -> None:
