@@ -387,12 +387,15 @@ def serve(ai: Any, model_id: str, settings: ServeSettings, listening: Any = None
     serving = threading.Thread(target=run_http, name="lowmem_aitextgen http", daemon=True)
     serving.start()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(runner, "should_exit", True))
+    # Ctrl-C stops it even where the shell started it ignoring SIGINT (a background job), as uvicorn's does
+    previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.batcher.run()
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_interrupt)
         runner.should_exit = True
         serving.join(timeout=30)
         listening.close()
