@@ -23,7 +23,9 @@ int8 is torch's dynamic quantization of every projection and the LM head (weight
 activations int8 per tensor, at run time: the rows of a batch share a range, so a text decoded beside others
 may differ from the one decoded alone by rounding where two tokens are near equally likely; per-channel
 weights measured 30% slower a projection at batch 1).  Where a text must be the same in any batch (the
-server's seeded requests), `tokenwise` quantizes each token's activations alone (TokenwiseInt8Linear).
+server's seeded requests), `tokenwise` quantizes each token's activations alone (TokenwiseInt8Linear).  The
+kernels are torch.ao.quantization's and fbgemm's, which torch has deprecated: on a torch without one of them
+(hardware.missing_int8_kernels) the plan takes the next form, naming what is missing.
 GPT-2's projections are transformers' Conv1D, which torch's quantizer skips, so the view holds them as
 nn.Linear.  Per-tensor activation scales lose the small channels where a few channels are tens of times
 larger than the rest, as in the released GPT-2 (LLM.int8(),
@@ -88,7 +90,9 @@ def _int8_here(device: str, model: nn.Module) -> str | None:
     if device == "gpu":
         return "int8 decoding runs on the CPU; on a GPU use decoding='auto' (16 bits)"
     if not hardware.cpu().int8_kernels:
-        return "torch's int8 kernels are for CPUs, and this one has none"
+        missing = hardware.missing_int8_kernels()
+        return (f"this torch lacks {', '.join(missing)}, which int8 decoding calls" if missing else
+                "torch's int8 kernels are for CPUs, and this one has none")
     if getattr(model.config, "model_type", None) not in SMOOTHED:
         return (f"no int8 view is made of {model.config.model_type} models (decoding.SMOOTHED names the families "
                 "whose is measured); use decoding='auto'")

