@@ -158,7 +158,7 @@ def make_app(server: Server) -> Any:
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     async def http_error(request: Any, error: HTTPException) -> JSONResponse:
-        what = {404: f"No route {request.url.path}; the routes are {', '.join(ROUTES)}.",
+        what = {404: f"No route {request.url.path}; the routes are {', '.join(paths)}.",
                 405: f"{request.method} is not taken by {request.url.path}; see docs/serve.md for its methods."}
         message = what.get(error.status_code, str(error.detail))
         return JSONResponse(ApiError(error.status_code, message).body(), status_code=error.status_code,
@@ -198,7 +198,8 @@ def make_app(server: Server) -> Any:
     routes = [Route("/", page), Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/completions", complete, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["GET", "POST"])]
-    middleware = [Middleware(Observed, metrics=server.metrics, routes=frozenset(ROUTES))]
+    paths = tuple(route.path for route in routes)
+    middleware = [Middleware(Observed, metrics=server.metrics, routes=frozenset(paths))]
     if server.settings.cors is not None:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -206,9 +207,6 @@ def make_app(server: Server) -> Any:
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                      exception_handlers={ApiError: api_error, HTTPException: http_error})
-
-
-ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 def _check_key(server: Server, request: Any) -> None:

@@ -8,6 +8,7 @@ import math
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -146,9 +147,9 @@ def test_metrics_are_prometheus_text_counting_what_was_served(scored):
 def test_each_request_logs_one_access_line(scored):
     before = len(scored.errors)
     scored.complete(prompt="def", max_tokens=4, min_length=10)
-    deadline = __import__("time").monotonic() + 10
-    while len(scored.errors) == before and __import__("time").monotonic() < deadline:
-        __import__("time").sleep(0.05)
+    deadline = time.monotonic() + 10
+    while len(scored.errors) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
     new = [line for line in scored.errors[before:] if "/v1/completions" in line]
     assert len(new) == 1 and "POST /v1/completions 200 4 tokens" in new[0] and new[0].rstrip().endswith("ms")
 
@@ -162,10 +163,14 @@ def test_cors_answers_the_origin_it_was_given_and_no_other(scored):
     assert "access-control-allow-origin" not in other.headers
 
 
-def test_two_servers_racing_for_one_port_the_loser_exits_non_zero_naming_it(tmp_path, tokenizer_file):
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return probe.getsockname()[1]
+
+
+def test_two_servers_racing_for_one_port_the_loser_exits_non_zero_naming_it(tmp_path, tokenizer_file):
+    port = free_port()
     folder = model_folder(tmp_path / "model", n_positions=64)
     command = [sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, f"--tokenizer_file={tokenizer_file}",
                f"--port={port}"]
@@ -302,12 +307,6 @@ def nginx_config(tmp_path, listen: int, replicas: list[int]) -> str:
     return str(tmp_path / "nginx.conf")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_two_replicas_behind_nginx_share_requests_and_a_sigterm_loses_none(tmp_path, tokenizer_file):
     """docs/serve.md's nginx upstream in front of two servers: plain and streamed requests answered through it,
     spread over both; one replica stopped with SIGTERM while requests are in flight: every request answered in
@@ -315,7 +314,6 @@ def test_two_replicas_behind_nginx_share_requests_and_a_sigterm_loses_none(tmp_p
     import shutil
     import signal
     import threading
-    import time
 
     import openai
 
