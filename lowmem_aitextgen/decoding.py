@@ -42,8 +42,9 @@ text every time.  The plan fits the memory (DecodingMemory): the form's weights 
 the asked length; texts are decoded as many at a time as fit, and a length that does not fit even one text is
 refused before any work, naming one that does.
 
-Every device decodes eagerly in the batch engine (engine.py) with a dynamic cache: compiling with a static
-cache (CUDA graphs on a GPU) is not built into the engine yet.
+Every device decodes eagerly in the batch engine (engine.py), its cache written in place; a view of a GPT-2 or
+GPT-Neo steps by stepping.py's decoder rather than transformers' forward.  Compiling (CUDA graphs on a GPU) is
+not built into the engine: on this CPU torch.compile of the step measured slower than eager (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -368,7 +369,7 @@ class DecodingView:
         object's model stays unread.  None where the folder's file cannot be read tensor by tensor."""
         def make() -> Decoder | None:
             view = int8_view_from(deferred, plan.tokenwise)
-            return None if view is None else Decoder(view)
+            return None if view is None else Decoder(view, view=True)
 
         return self._view(plan, ("folder", id(deferred)), make)
 
@@ -441,7 +442,7 @@ def decoding_model(model: nn.Module, form: str, tokenwise: bool = False) -> Deco
             return Decoder(base, decoder.prompt_learning)
     record = FORM_RECORDS[form]
     view = int8_view(base, tokenwise) if record.quantized else copy.deepcopy(base).to(record.dtype).eval()
-    return Decoder(view, decoder.prompt_learning)
+    return Decoder(view, decoder.prompt_learning, view=True)
 
 
 def int8_view(model: nn.Module, tokenwise: bool = False) -> nn.Module:
@@ -539,16 +540,21 @@ def int8_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:
     return holder.linear
 
 
+TOKEN_SCALE, TOKEN_ZERO = 2 / 126, 64  # [-1, 1] onto 1..127: 7 bits, as torch's x86 dynamic form (reduce_range)
+
+
 class TokenwiseInt8Linear(nn.Module):
     """A Linear in int8 whose output for a token does not depend on the other tokens of the batch.
 
     torch's dynamic quantized Linear (fbgemm's kernels, used here too) quantizes its input with the range of
     the whole input tensor, so a text's tokens were rounded differently beside other texts than alone.  Here
-    each token's activations are divided by their largest size and two input channels holding +1 and -1 are
-    appended (their weights zero), so every input spans exactly [-1, 1]: one fixed range, the same in any
-    batch; the integer matmul is exact, and the token's size is multiplied back.  Costs a few elementwise
-    operations a call, which at batch 1 cost a third of int8's speed (RESULTS.md): the server's form, where a
-    seeded request must give the same text in any batch.  Weights int8 per tensor, as torch's are."""
+    each token's activations are divided by their largest size, so each spans [-1, 1], and quantized with one
+    fixed scale (TOKEN_SCALE) by fbgemm's kernel that takes the scale it is given
+    (quantized.linear_with_input_q_dq_qweight_dq_output_fp32): the integer product is exact, and the token's
+    size is multiplied back.  7 bits, as torch's dynamic form on x86: an 8-bit activation times an int8 weight,
+    summed in pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  Costs four elementwise
+    operations a call (RESULTS.md): the form of a seeded or greedy call and of the server, where a text must be
+    the same in any batch.  Weights int8 per tensor, as torch's are."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -556,23 +562,19 @@ class TokenwiseInt8Linear(nn.Module):
         with warnings.catch_warnings():  # torch's notice that quantized tensors are deprecated: not the user's
             warnings.simplefilter("ignore")
             scale = float(weight.abs().max().clamp(min=1e-8)) / 127
-            # the two end channels' weights (zero) appended in int8, not in fp32: no fp32 copy of the weight (GPT-2
-            # 1558M's LM head: 321 MB) is ever made
-            ints = torch.quantize_per_tensor(weight.float(), scale, 0, torch.qint8).int_repr()
-            ints = torch.cat((ints, ints.new_zeros(ints.shape[0], 2)), dim=1)
             self._packed = torch.ops.quantized.linear_prepack(
-                torch._make_per_tensor_quantized_tensor(ints, scale, 0), None)
+                torch.quantize_per_tensor(weight.float(), scale, 0, torch.qint8), None)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.register_buffer("ends", torch.tensor([1.0, -1.0]))
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        # the overload itself: the op's packet checks its arguments in Python each call (0.8 ms a 355M step)
+        self._kernel = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
         for hooks in HOOKS:  # a hook on the model's projection or LM head runs in the view too
             getattr(self, hooks).update(getattr(linear, hooks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-        spanned = torch.cat((x / size, self.ends.expand(*x.shape[:-1], 2)), dim=-1)
-        out = torch.ops.quantized.linear_dynamic(spanned, self._packed, True) * size
-        return out if self.bias is None else out + self.bias
+        size = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)  # linalg.vector_norm(inf): 10x slower
+        out = self._kernel(x / size, TOKEN_SCALE, TOKEN_ZERO, self._packed)
+        return out.mul_(size) if self.bias is None else torch.addcmul(self.bias, out, size)
 
 
 def linear_of(conv: nn.Module) -> nn.Linear:

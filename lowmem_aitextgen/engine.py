@@ -1,5 +1,5 @@
-"""The batch engine: rows (sampling.Row) decoded a step at a time over the model's own forward, shared by
-generate() and the server.
+"""The batch engine: rows (sampling.Row) decoded a step at a time over the model's own forward (a decoding
+view's steps by stepping.py's decoder), shared by generate() and the server.
 
 transformers' generate() decodes one batch from start to end: every row waits for the longest, a row cannot
 join, its logits processors see the padding, and peft's prompt learning reaches it only through
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import _compat
+from . import _compat, stepping
 from .sampling import Row, scored
 
 
@@ -44,10 +44,13 @@ def window_kept(context: int) -> int:
 @dataclass(frozen=True)
 class Decoder:
     """What the engine runs: a causal LM (the model, or its decoding view) and, for a prompt-learning adapter
-    (prefix, prompt, p-tuning), the peft model whose virtual tokens every text starts from."""
+    (prefix, prompt, p-tuning), the peft model whose virtual tokens every text starts from; `view`: the model is
+    a decoding view (decoding.py's copy in a faster form), which steps with the stepping decoder where it has
+    one (stepping.py); the model itself steps by its own forward, token for token transformers'."""
 
     model: nn.Module
     prompt_learning: nn.Module | None = None
+    view: bool = False
 
 
 def as_decoder(model: nn.Module | Decoder) -> Decoder:
@@ -106,6 +109,7 @@ class Engine:
         self.pad = next(t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
                                     0) if t is not None and 0 <= t)
         self.cache_keyword = _compat.cache_keyword(self.model)
+        self.stepper = stepping.stepper(self.model) if self.decoder.view else None
         self.rows: list[Row] = []
         self.cache: Any = None
         self.mask = self.positions = self.scores = self.window = None
@@ -192,8 +196,14 @@ class Engine:
 
     def _feed(self, tokens: torch.Tensor) -> None:
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
-        logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
-        self.scores = logits[:, -1]
+        if self.stepper is not None:
+            with torch.inference_mode():
+                device = _device(self.model)
+                self.scores = self.stepper(tokens.to(device), self.positions[:, None].to(device), self.mask,
+                                           self.cache).float().cpu()
+        else:
+            logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
+            self.scores = logits[:, -1]
         self.positions, self.window = self.positions + 1, self.window + 1
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,

@@ -196,7 +196,7 @@ def _int8_kernels() -> bool:
 # What decoding.py's int8 form calls.  torch.ao.quantization is deprecated (torch 2.13 warns that it will be
 # removed); where any of these is gone, decoding plans another form instead of failing, and
 # tests/test_decoding.py fails on that torch naming what went.
-INT8_OPS = ("linear_dynamic", "linear_prepack")
+INT8_OPS = ("linear_dynamic", "linear_prepack", "linear_with_input_q_dq_qweight_dq_output_fp32")
 
 
 def missing_int8_kernels() -> list[str]:

@@ -184,3 +184,50 @@ def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form):
     assert second.tokens == alone("x", 30)
     assert third.tokens == alone("import os, sys and then some", 8)
     assert engine.cache is None  # every row left; the cache with them
+
+
+@pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
+def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward(trained, kind):
+    """stepping.py's step, run on an fp32 copy marked a view (so that its arithmetic, not a form's rounding, is
+    compared): each row's scores at each step are the trained model's forward over the row's whole text (peft's
+    for the prefix), in fp32, with rows of different lengths padded side by side and a row joining mid-run, past
+    GPT-Neo's local window (16 places here)."""
+    import copy
+
+    from lowmem_aitextgen.engine import Decoder, as_decoder
+
+    ai, _ = trained[kind]
+    model = copy.deepcopy(ai.model).float().eval()  # a prefix's frozen base is held in bf16 where native
+    held = as_decoder(model)
+    engine = Engine(Decoder(copy.deepcopy(held.model), held.prompt_learning, view=True), ai.tokenizer, (-1,))
+    assert engine.stepper is not None
+    rows = [Row(prompt_ids(model, ai.tokenizer, p, None), RowSettings(max_new=24, temperature=0))
+            for p in ("The for statement", "x", "import os, sys and then some")]
+    engine.join(rows[:2])
+    worst = 0.0
+    with torch.no_grad():
+        for step in range(20):
+            if step == 3:
+                engine.join(rows[2:])
+            for row, scores in zip(engine.rows, engine.scores):
+                whole = torch.cat((row.prompt, torch.tensor(row.tokens, dtype=row.prompt.dtype)))[None]
+                truth = model(input_ids=whole, attention_mask=torch.ones_like(whole)).logits[0, -1].float()
+                worst = max(worst, float((scores - truth).abs().max()))
+            engine.step()
+    engine.close()
+    assert worst <= 1e-4, worst
+
+
+def test_the_model_as_held_and_a_hooked_view_step_by_transformers_forward(trained):
+    """decoding="exact" (the model itself) keeps transformers' forward, token for token its generate(); so does
+    a view with a hook on a module the stepping decoder would bypass."""
+    import copy
+
+    from lowmem_aitextgen.engine import Decoder
+
+    ai, _ = trained["full"]
+    assert Engine(ai.model, ai.tokenizer, (-1,)).stepper is None
+    view = copy.deepcopy(ai.model)
+    assert Engine(Decoder(view, view=True), ai.tokenizer, (-1,)).stepper is not None
+    view.transformer.h[0].attn.register_forward_hook(lambda *args: None)
+    assert Engine(Decoder(view, view=True), ai.tokenizer, (-1,)).stepper is None

@@ -18,7 +18,7 @@ FLOORS = {
     "techniques": {"storage16", "chunked_loss", "optimizers", "four_bit", "lora", "adapters", "in_backward",
                    "checkpointing", "counting", "techniques", "sharding", "callbacks", "cpu", "heap_callbacks", "compiling"},
     "planner": {"step_time", "estimate", "budget", "oom"},
-    "generation": {"decoding", "generation", "sampling", "batching", "engine", "streaming"},
+    "generation": {"decoding", "generation", "sampling", "batching", "engine", "stepping", "streaming"},
     "run": {"resume", "report", "outputs", "loading", "lightning_module", "evaluation", "run"},
     "serving": {"completions", "server_metrics", "serving"},
     "faces": {"aitextgen", "cards", "cli", "__init__", "colab", "train", "utils"},

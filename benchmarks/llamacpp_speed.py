@@ -1,0 +1,174 @@
+"""Decoding speed against llama.cpp on the same saved folder, in one run, alternating (issue 54): ours (the
+default plan, seeded: the int8 form each text the same in any batch, stepping.py's decoder) and transformers'
+fp32 generate() (aitextgen's path) against llama.cpp's Q8_0 and F16 of the same weights; GPT-2 of each size
+(random weights: speed only), 128 new tokens after a 16-token prompt, batch 1 and 8; tokens/s and time to
+first token.
+
+    python benchmarks/llamacpp_speed.py --sizes 124M 355M 1558M --rounds 3
+
+llama.cpp comes from llama-cpp-python's source distribution (pip downloads it into --work, kept between
+runs): its vendored llama.cpp is built with cmake (llama-bench, llama-batched-bench; a few minutes on 2 cores,
+-march=native) and its convert_hf_to_gguf.py converts each saved folder to F16 and Q8_0.  llama.cpp's batch 1
+is llama-bench's tg128 (and pp16 for the first token: the prompt's time plus one token's); its batch 8 is
+llama-batched-bench's 8 parallel sequences (S_TG).  Both use every core (-t: torch's thread count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from generate_speed import SIZES  # noqa: E402
+from transformers import GPT2Config  # noqa: E402
+
+from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
+
+NEW, PROMPT_TOKENS = 128, 16
+BINARIES = ("llama-bench", "llama-batched-bench")
+
+
+def llamacpp(work: str) -> tuple[str, str]:
+    """llama.cpp's source (from llama-cpp-python's sdist) built in `work`: its folder and the build's bin/."""
+    sources = glob.glob(os.path.join(work, "llama_cpp_python-*/vendor/llama.cpp"))
+    if not sources:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "llama-cpp-python", "-d", work], check=True)
+        with tarfile.open(glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))[0]) as archive:
+            archive.extractall(work, filter="data")
+        sources = glob.glob(os.path.join(work, "llama_cpp_python-*/vendor/llama.cpp"))
+    source, build = sources[0], os.path.join(sources[0], "build")
+    if not all(os.path.exists(os.path.join(build, "bin", b)) for b in BINARIES):
+        subprocess.run(["cmake", "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], cwd=source, check=True)
+        subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count()), "--target", *BINARIES], check=True)
+    return source, os.path.join(build, "bin")
+
+
+def converted(source: str, folder: str, outtype: str) -> str:
+    """The saved `folder` as GGUF in `outtype` (f16, q8_0), by llama.cpp's own converter."""
+    out = os.path.join(folder, f"model-{outtype}.gguf")
+    config_file = os.path.join(folder, "config.json")
+    with open(config_file, encoding="utf-8") as file:
+        config = json.load(file)
+    if "n_ctx" not in config:  # the converter reads GPT-2's n_ctx, which transformers 5 no longer writes
+        with open(config_file, "w", encoding="utf-8") as file:
+            json.dump({**config, "n_ctx": config["n_positions"]}, file)
+    if not os.path.exists(out):
+        env = {**os.environ, "PYTHONPATH": os.path.join(source, "gguf-py")}
+        subprocess.run([sys.executable, os.path.join(source, "convert_hf_to_gguf.py"), folder, "--outtype", outtype,
+                        "--outfile", out], check=True, env=env, capture_output=True)
+    return out
+
+
+def llama_bench(bin_dir: str, gguf: str, threads: int) -> dict[str, float]:
+    """llama-bench's batch 1: tokens/s over 128 new tokens, and a 16-token prompt's first token (seconds)."""
+    result = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-p", str(PROMPT_TOKENS), "-n",
+                             str(NEW), "-t", str(threads), "-r", "1", "-o", "json"],
+                            capture_output=True, text=True, check=True)
+    rows = json.loads(result.stdout)
+    decode = next(r for r in rows if r["n_gen"] > 0)["avg_ts"]
+    prompt = next(r for r in rows if r["n_prompt"] > 0)["avg_ts"]
+    return {"tokens/s": decode, "first token s": PROMPT_TOKENS / prompt + 1 / decode}
+
+
+def llama_batched(bin_dir: str, gguf: str, threads: int, batch: int) -> dict[str, float]:
+    """llama-batched-bench's `batch` parallel sequences: their tokens/s together over 128 new tokens each."""
+    result = subprocess.run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-c", str(batch * 256),
+                             "-npp", str(PROMPT_TOKENS), "-ntg", str(NEW), "-npl", str(batch), "-t", str(threads),
+                             "--output-format", "jsonl"], capture_output=True, text=True, check=True)
+    row = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    return {"tokens/s": row["speed_tg"], "first token s": row["t_pp"] + row["t_tg"] / NEW}
+
+
+def prompt_text(ai: aitextgen) -> str:
+    """A text of PROMPT_TOKENS tokens."""
+    ids = ai.tokenizer("The meaning of a word is what it names, and the names of")["input_ids"]
+    ids = (ids * PROMPT_TOKENS)[:PROMPT_TOKENS]
+    return ai.tokenizer.decode(ids)
+
+
+def ours(ai: aitextgen, prompt: str, batch: int, new: int) -> None:
+    ai.generate(n=batch, prompt=prompt, max_new_tokens=new, min_new_tokens=new, return_as_list=True,
+                nonempty_output=False, seed=1)
+
+
+def transformers_fp32(ai: aitextgen, prompt: str, batch: int, new: int) -> None:
+    ids = ai.tokenizer(prompt, return_tensors="pt")["input_ids"].repeat(batch, 1)
+    with torch.inference_mode():
+        ai.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=True, temperature=0.7, pad_token_id=0)
+
+
+def timed(run: Callable[[int, int], None], batch: int) -> dict[str, float]:
+    """tokens/s of one call of NEW tokens a text, and seconds to one new token."""
+    start = time.perf_counter()
+    run(batch, 1)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    run(batch, NEW)
+    return {"tokens/s": batch * NEW / (time.perf_counter() - start), "first token s": first}
+
+
+def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int) -> Iterator[dict]:
+    """Every path's medians for one size, batch 1 and 8, the paths alternating within each round."""
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        made = aitextgen(config=GPT2Config(**SIZES[size]))
+        made.save(folder)
+        made.tokenizer.save_pretrained(folder)
+        del made
+        ggufs = {f"llama.cpp {name.upper()}": converted(source, folder, name) for name in ("q8_0", "f16")}
+        ai = aitextgen(model_folder=folder)
+        prompt = prompt_text(ai)
+        ours_paths: dict[str, Callable[[int, int], None]] = {"ours, default": lambda b, n: ours(ai, prompt, b, n)}
+        if SIZES[size]["n_layer"] <= fp32_up_to:
+            ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(ai, prompt, b, n)
+        for batch in (1, 8):
+            ours(ai, prompt, batch, 8)  # warm-up: the view made, the kernels chosen
+            samples: dict[str, list[dict]] = {name: [] for name in [*ours_paths, *ggufs]}
+            for _ in range(rounds):
+                for name, run in ours_paths.items():
+                    samples[name].append(timed(run, batch))
+                for name, gguf in ggufs.items():
+                    samples[name].append(llama_bench(bin_dir, gguf, threads) if batch == 1 else
+                                         llama_batched(bin_dir, gguf, threads, batch))
+            for name, runs in samples.items():
+                yield {"size": size, "batch": batch, "path": name,
+                       **{key: round(statistics.median(s[key] for s in runs), 3) for key in runs[0]}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="*", default=["124M", "355M", "1558M"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", default=os.path.expanduser("~/.cache/lowmem_aitextgen/llamacpp"))
+    parser.add_argument("--fp32-up-to", type=int, default=24, help="transformers' fp32 for models of at most "
+                        "this many layers (1558M's fp32 generate() takes minutes a round)")
+    parser.add_argument("--out", default=None, help="a JSONL file the rows are appended to")
+    args = parser.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    source, bin_dir = llamacpp(args.work)
+    print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
+    for size in args.sizes:
+        for row in size_rows(size, args.rounds, source, bin_dir, args.fp32_up_to):
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a", encoding="utf-8") as out:
+                    out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

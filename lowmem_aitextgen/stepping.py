@@ -1,0 +1,116 @@
+"""The stepping decoder: one decoding step (a token for each running row) of a GPT-2 or GPT-Neo computed
+straight over the engine's cache, in place of transformers' forward.
+
+At batch 1 a 355M step's matrix products take about half of the step; most of the rest was transformers'
+forward around them: per layer, its mask building, module calls, cache bookkeeping and an eight-operation
+GELU (RESULTS.md, "Decoding speed").  Here a step is the few operations GPT-2 is made of, each layer's modules
+read once.  It runs only for a decoding view (an int8 or 16-bit copy decoding.py made, whose scores are
+already within decoding.SCORE_ERROR of the model's, not token for token): decoding="exact" and a model decoded
+as held keep transformers' forward, token for token its generate().  A prompt is encoded by the model's own
+forward (once a text, where its overhead is paid once).
+
+| what          | how                                                                                        |
+|---------------|--------------------------------------------------------------------------------------------|
+| projections   | each module called (an int8 Linear, a 16-bit Conv1D...): their hooks run, as in the forward |
+| attention     | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
+|               | is padded), the family's scaling; GPT-Neo's local layers over the last window_size places |
+| GELU          | GPT-2's tanh approximation as one operation (F.gelu, approximate="tanh") in place of        |
+|               | transformers' eight: the same function, rounded differently                                 |
+| cache         | the engine's cache layers (engine._roomy_layer: written in place)                           |
+| not stepped   | other families, GPT-2 with cross-attention, and a model with hooks on the modules bypassed  |
+|               | (the model, its blocks, attention, MLP, activation): transformers' forward, as before       |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation")
+
+
+class Step:
+    """A step of a GPT-2 or GPT-Neo (their LM-head models, or a decoding view of one): the logits of one new token
+    a row.  The families differ in their attention: GPT-2's query, key and value come from one projection and
+    are scaled by the layer's `scaling`; GPT-Neo's from three, unscaled, and its local layers see only the last
+    `window_size` places of the cache (as transformers' mask counts them: padding is on the left, so a row's
+    window holds the same tokens as alone)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.transformer = model, model.transformer
+        self.blocks = list(model.transformer.h)
+        self.neo = model.config.model_type == "gpt_neo"
+        attention = self.blocks[0].attn.attention if self.neo else self.blocks[0].attn
+        self.heads, self.head_size = attention.num_heads, attention.head_dim
+        self.windows = [model.config.window_size if self.neo and block.attn.attention_type == "local" else None
+                        for block in self.blocks]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The logits (rows, vocabulary) of `ids` (rows, 1) at `positions` (rows, 1), `mask` (rows, the cache's
+        length with the new token) telling each row's tokens from its padding; the cache gains the new token."""
+        x = self.transformer.wte(ids) + self.transformer.wpe(positions)
+        mask = mask.to(ids.device)
+        padding = None if bool(mask.all()) else mask[:, None, None].bool()  # where each row attends
+        for block, layer, window in zip(self.blocks, cache.layers, self.windows):
+            query, key, value, scale = self._qkv(block, block.ln_1(x))
+            keys, values = layer.update(key, value)
+            seen = padding
+            if window is not None:
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
+                seen = None if padding is None else padding[..., -window:]
+            # (two matrix products and a softmax written out measured no faster, at 1 or 16 rows: RESULTS.md)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=scale)
+            x = x + self._out(block, out.reshape(ids.shape[0], 1, -1))
+            x = x + block.mlp.c_proj(gelu(block.mlp.act, block.mlp.c_fc(block.ln_2(x))))
+        return self.model.lm_head(self.transformer.ln_f(x))[:, -1]
+
+    def _qkv(self, block: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """A block's query, key and value (rows, heads, 1, head size) of the normed `h`, and the scale."""
+        rows = h.shape[0]
+        if self.neo:
+            attention = block.attn.attention
+            return (*(p(h).view(rows, 1, self.heads, self.head_size).transpose(1, 2)
+                      for p in (attention.q_proj, attention.k_proj, attention.v_proj)), 1.0)
+        attention = block.attn
+        query, key, value = attention.c_attn(h).view(rows, 3, self.heads, 1, self.head_size).unbind(1)
+        return query, key, value, gpt2_scaling(attention)
+
+    def _out(self, block: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        return block.attn.attention.out_proj(out) if self.neo else block.attn.c_proj(out)
+
+
+def gpt2_scaling(attention: nn.Module) -> float:
+    """The factor of a GPT-2 attention layer's scores: its `scaling` (transformers 5.x's later versions), else
+    what they compute it from (1/sqrt(head size) where scale_attn_weights, over layer_idx + 1 where
+    scale_attn_by_inverse_layer_idx), which transformers 5.0 computes in its attention functions instead."""
+    if hasattr(attention, "scaling"):
+        return attention.scaling
+    scale = attention.head_dim ** -0.5 if attention.scale_attn_weights else 1.0
+    return scale / (attention.layer_idx + 1) if attention.scale_attn_by_inverse_layer_idx else scale
+
+
+def gelu(act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: F.gelu's one operation where it is the tanh approximation, else the module."""
+    return F.gelu(x, approximate="tanh") if type(act).__name__ in TANH_GELUS else act(x)
+
+
+def stepper(model: nn.Module) -> Step | None:
+    """The stepping decoder for `model`, or None where transformers' forward steps it (module docstring)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in ("gpt2", "gpt_neo") or getattr(config, "add_cross_attention", False) \
+            or not hasattr(model, "lm_head"):
+        return None
+    blocks = list(model.transformer.h)
+    bypassed = [model, model.transformer, *blocks, *(m for b in blocks for m in (b.attn, b.mlp, b.mlp.act))]
+    if config.model_type == "gpt_neo":
+        bypassed += [b.attn.attention for b in blocks]
+    if any(_hooked(m) for m in bypassed):
+        return None
+    return Step(model)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
