@@ -40,16 +40,16 @@ SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=2
 NEW, PROMPT = 128, "The meaning of"
 
 
-def transformers_fp32(ai: aitextgen, fp32: torch.nn.Module, batch: int, new: int) -> None:
-    ids = ai.tokenizer(PROMPT, return_tensors="pt")["input_ids"].repeat(batch, 1)
+def transformers_fp32(ai: aitextgen, fp32: torch.nn.Module, batch: int, new: int, prompt: str = PROMPT) -> None:
+    ids = ai.tokenizer(prompt, return_tensors="pt")["input_ids"].repeat(batch, 1)
     with torch.inference_mode():
         fp32.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                       min_new_tokens=new, do_sample=True, temperature=0.7, pad_token_id=0)
 
 
-def ours(decoding: str, seed: int | None = 1):
+def ours(decoding: str, seed: int | None = 1, prompt: str = PROMPT):
     def run(ai: aitextgen, fp32: torch.nn.Module, batch: int, new: int) -> None:
-        ai.generate(n=batch, prompt=PROMPT, max_new_tokens=new, min_new_tokens=new, decoding=decoding,
+        ai.generate(n=batch, prompt=prompt, max_new_tokens=new, min_new_tokens=new, decoding=decoding,
                     return_as_list=True, nonempty_output=False, seed=seed)
     return run
 

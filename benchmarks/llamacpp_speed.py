@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from generate_speed import SIZES  # noqa: E402
+from generate_speed import SIZES, ours, transformers_fp32  # noqa: E402
 from transformers import GPT2Config  # noqa: E402
 
 from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
@@ -99,18 +99,6 @@ def prompt_text(ai: aitextgen) -> str:
     return ai.tokenizer.decode(ids)
 
 
-def ours(ai: aitextgen, prompt: str, batch: int, new: int) -> None:
-    ai.generate(n=batch, prompt=prompt, max_new_tokens=new, min_new_tokens=new, return_as_list=True,
-                nonempty_output=False, seed=1)
-
-
-def transformers_fp32(ai: aitextgen, prompt: str, batch: int, new: int) -> None:
-    ids = ai.tokenizer(prompt, return_tensors="pt")["input_ids"].repeat(batch, 1)
-    with torch.inference_mode():
-        ai.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                          min_new_tokens=new, do_sample=True, temperature=0.7, pad_token_id=0)
-
-
 def timed(run: Callable[[int, int], None], batch: int) -> dict[str, float]:
     """tokens/s of one call of NEW tokens a text, and seconds to one new token."""
     start = time.perf_counter()
@@ -133,11 +121,12 @@ def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int
         ggufs = {f"llama.cpp {name.upper()}": converted(source, folder, name) for name in ("q8_0", "f16")}
         ai = aitextgen(model_folder=folder)
         prompt = prompt_text(ai)
-        ours_paths: dict[str, Callable[[int, int], None]] = {"ours, default": lambda b, n: ours(ai, prompt, b, n)}
+        default = ours("auto", 1, prompt)  # seeded: the int8 form each text the same in any batch
+        ours_paths: dict[str, Callable[[int, int], None]] = {"ours, default": lambda b, n: default(ai, None, b, n)}
         if SIZES[size]["n_layer"] <= fp32_up_to:
-            ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(ai, prompt, b, n)
+            ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(ai, ai.model, b, n, prompt)
         for batch in (1, 8):
-            ours(ai, prompt, batch, 8)  # warm-up: the view made, the kernels chosen
+            default(ai, None, batch, 8)  # warm-up: the view made, the kernels chosen
             samples: dict[str, list[dict]] = {name: [] for name in [*ours_paths, *ggufs]}
             for _ in range(rounds):
                 for name, run in ours_paths.items():

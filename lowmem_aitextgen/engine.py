@@ -196,27 +196,27 @@ class Engine:
 
     def _feed(self, tokens: torch.Tensor) -> None:
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
-        if self.stepper is not None:
-            with torch.inference_mode():
-                device = _device(self.model)
-                self.scores = self.stepper(tokens.to(device), self.positions[:, None].to(device), self.mask,
-                                           self.cache).float().cpu()
-        else:
-            logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
-            self.scores = logits[:, -1]
+        logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache, step=True)
+        self.scores = logits[:, -1]
         self.positions, self.window = self.positions + 1, self.window + 1
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 every: bool = False) -> tuple[torch.Tensor, Any]:
-        """The logits (fp32, on the CPU) of the last position, or of every position where `every`; the cache."""
+                 every: bool = False, step: bool = False) -> tuple[torch.Tensor, Any]:
+        """The logits (fp32, on the CPU) of the last position, or of every position where `every`; the cache.
+        `step`: one new token a row over the running cache, which the stepping decoder computes where it has
+        one (stepping.py)."""
         device = _device(self.model)
         if cache is None:
             cache = _cache([])
         with torch.inference_mode():
-            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             position_ids=positions.to(device), use_cache=True, logits_to_keep=0 if every else 1,
-                             **{self.cache_keyword: cache})
-        return out.logits.float().cpu(), _compat.cache_of(out)
+            if step and self.stepper is not None:
+                logits = self.stepper(ids.to(device), positions.to(device), mask, cache)
+            else:
+                out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 position_ids=positions.to(device), use_cache=True, logits_to_keep=0 if every else 1,
+                                 **{self.cache_keyword: cache})
+                logits, cache = out.logits, _compat.cache_of(out)
+        return logits.float().cpu(), cache
 
     def _keep(self, indices: list[int]) -> None:
         """Only the rows at `indices` go on; padding no row needs any more is cut off."""

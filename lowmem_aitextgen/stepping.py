@@ -49,7 +49,7 @@ class Step:
                         for block in self.blocks]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        """The logits (rows, vocabulary) of `ids` (rows, 1) at `positions` (rows, 1), `mask` (rows, the cache's
+        """The logits (rows, 1, vocabulary) of `ids` (rows, 1) at `positions` (rows, 1), `mask` (rows, the cache's
         length with the new token) telling each row's tokens from its padding; the cache gains the new token."""
         x = self.transformer.wte(ids) + self.transformer.wpe(positions)
         mask = mask.to(ids.device)
@@ -65,7 +65,7 @@ class Step:
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=scale)
             x = x + self._out(block, out.reshape(ids.shape[0], 1, -1))
             x = x + block.mlp.c_proj(gelu(block.mlp.act, block.mlp.c_fc(block.ln_2(x))))
-        return self.model.lm_head(self.transformer.ln_f(x))[:, -1]
+        return self.model.lm_head(self.transformer.ln_f(x))
 
     def _qkv(self, block: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
         """A block's query, key and value (rows, heads, 1, head size) of the normed `h`, and the scale."""

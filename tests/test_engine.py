@@ -5,6 +5,8 @@ train() and read from its folder, in each decoding form this CPU runs: token for
 decoding="exact"; in a fast form, equal wherever the truth's top two scores are further apart than the
 form's measured error (decoding.SCORE_ERROR).  Tiny models trained a few steps, on the CPU."""
 
+import copy
+
 import pytest
 import torch
 from peft import IA3Config, PromptTuningConfig
@@ -12,7 +14,7 @@ from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import corpus_text, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, decoding, hardware
-from lowmem_aitextgen.engine import Engine
+from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
 from lowmem_aitextgen.sampling import Row, RowSettings
 
@@ -192,10 +194,6 @@ def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward
     compared): each row's scores at each step are the trained model's forward over the row's whole text (peft's
     for the prefix), in fp32, with rows of different lengths padded side by side and a row joining mid-run, past
     GPT-Neo's local window (16 places here)."""
-    import copy
-
-    from lowmem_aitextgen.engine import Decoder, as_decoder
-
     ai, _ = trained[kind]
     model = copy.deepcopy(ai.model).float().eval()  # a prefix's frozen base is held in bf16 where native
     held = as_decoder(model)
@@ -221,10 +219,6 @@ def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward
 def test_the_model_as_held_and_a_hooked_view_step_by_transformers_forward(trained):
     """decoding="exact" (the model itself) keeps transformers' forward, token for token its generate(); so does
     a view with a hook on a module the stepping decoder would bypass."""
-    import copy
-
-    from lowmem_aitextgen.engine import Decoder
-
     ai, _ = trained["full"]
     assert Engine(ai.model, ai.tokenizer, (-1,)).stepper is None
     view = copy.deepcopy(ai.model)
