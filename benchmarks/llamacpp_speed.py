@@ -123,8 +123,9 @@ def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int
         prompt = prompt_text(ai)
         default = ours("auto", 1, prompt)  # seeded: the int8 form each text the same in any batch
         ours_paths: dict[str, Callable[[int, int], None]] = {"ours, default": lambda b, n: default(ai, None, b, n)}
-        if SIZES[size]["n_layer"] <= fp32_up_to:
-            ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(ai, ai.model, b, n, prompt)
+        if SIZES[size]["n_layer"] <= fp32_up_to:  # an object of its own: reading ai.model would load the fp32
+            reference = aitextgen(model_folder=folder)  # model, and ours would make its view again from it
+            ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(reference, reference.model, b, n, prompt)
         for batch in (1, 8):
             default(ai, None, batch, 8)  # warm-up: the view made, the kernels chosen
             samples: dict[str, list[dict]] = {name: [] for name in [*ours_paths, *ggufs]}

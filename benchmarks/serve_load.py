@@ -6,10 +6,11 @@ started for real (the CLI, a free port), clients on the same machine.
     python benchmarks/serve_load.py --size 124M --clients 16 --requests 1000   # issue 53's rows
 
 Reports, in one run: aggregate tokens/s of one client at a time against --clients concurrent clients (64 new
-tokens each, exactly: min_length), their ratio and the concurrent requests' p50/p95 latency; resident memory
-after 10 and after --requests requests in a row; the slowest answer to a request carrying a bad field, and its statuses; the
-mixed workload: 8 requests of 32 tokens arriving together 0.5 s after a 900-token stream started, their median
-latency against the same requests' on the idle server, and the stream's tokens (none lost).
+tokens each, exactly: min_length), alternated --rounds times, the median of each round's ratio and the
+concurrent requests' p50/p95 latency; resident memory after 10 and after --requests requests in a row; the
+slowest answer to a request carrying a bad field, and its statuses; the mixed workload: 8 requests of 32
+tokens arriving together 0.5 s after a 900-token stream started, their median latency against the same
+requests' on the idle server, and the stream's tokens (none lost).
 """
 
 from __future__ import annotations
@@ -142,11 +143,20 @@ def bad_fields(url: str, folder: str) -> dict[str, object]:
     return {"slowest ms": round(1000 * max(times), 1), "statuses": sorted(statuses)}
 
 
-def throughput_and_memory(url: str, folder: str, pid: int, requests: int) -> dict[str, object]:
-    solo = one_at_a_time(url, folder, CLIENTS)
-    together, latencies = concurrent(url, folder, 2)
-    return {"one at a time tokens/s": round(solo, 1), f"{CLIENTS} concurrent tokens/s": round(together, 1),
-            "ratio": round(together / solo, 2),
+def throughput_and_memory(url: str, folder: str, pid: int, requests: int, rounds: int) -> dict[str, object]:
+    """One client at a time against CLIENTS at once, alternating `rounds` times: this machine's speed drifts by
+    up to a fifth between minutes, so each round's ratio is of two phases side by side, and the median is
+    reported."""
+    solo, together, latencies = [], [], []
+    for _ in range(rounds):
+        solo.append(one_at_a_time(url, folder, max(4, CLIENTS // 2)))
+        rate, times = concurrent(url, folder, 1)
+        together.append(rate)
+        latencies += times
+    ratios = [t / s for s, t in zip(solo, together)]
+    return {"one at a time tokens/s": round(statistics.median(solo), 1),
+            f"{CLIENTS} concurrent tokens/s": round(statistics.median(together), 1),
+            "ratio": round(statistics.median(ratios), 2), "ratio of each round": [round(r, 2) for r in ratios],
             "latency s p50/p95": [round(statistics.median(latencies), 2),
                                   round(statistics.quantiles(latencies, n=20)[-1], 2)],
             "bad fields": bad_fields(url, folder), "memory": memory_over(url, folder, pid, requests)}
@@ -158,6 +168,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--mixed", action="store_true", help="only the mixed workload")
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="one client, then all: alternated this many times")
     args = parser.parse_args()
     global CLIENTS
     CLIENTS = args.clients
@@ -169,7 +180,7 @@ def main() -> None:
             ask(url, folder, 8, 0)  # warm-up
             report["mixed workload"] = mixed(url, folder)
             if not args.mixed:
-                report.update(throughput_and_memory(url, folder, process.pid, args.requests))
+                report.update(throughput_and_memory(url, folder, process.pid, args.requests, args.rounds))
             print(json.dumps(report, indent=1), flush=True)
         finally:
             # SIGTERM, as a service manager stops it (Ctrl-C's SIGINT is ignored in a job started in the background)

@@ -566,8 +566,11 @@ class TokenwiseInt8Linear(nn.Module):
                 torch.quantize_per_tensor(weight.float(), scale, 0, torch.qint8), None)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # the overload itself: the op's packet checks its arguments in Python each call (0.8 ms a 355M step)
-        self._kernel = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
+        # the overload's C++ function: the op's packet checks its arguments in Python each call, and the overload
+        # (a TorchBind op: the packed weight is a script object) looks for export's fake objects in them (0.8 ms
+        # each a 355M step, RESULTS.md); none is ever given here
+        overload = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
+        self._kernel = getattr(overload, "_op", overload)
         for hooks in HOOKS:  # a hook on the model's projection or LM head runs in the view too
             getattr(self, hooks).update(getattr(linear, hooks))
 

@@ -1,12 +1,12 @@
 """The batch engine: rows (sampling.Row) decoded a step at a time over the model's own forward (a decoding
-view's steps by stepping.py's decoder), shared by generate() and the server.
+view's prompts and steps by stepping.py's decoder), shared by generate() and the server.
 
 transformers' generate() decodes one batch from start to end: every row waits for the longest, a row cannot
 join, its logits processors see the padding, and peft's prompt learning reaches it only through
 `past_key_values`, which transformers 5's generate() no longer reads (a prefix-tuned model generated as its
 base).  Here each step feeds every running row its last token; a row that ends leaves at once, rows join
-between steps (their prompts encoded on their own, then the caches put side by side), and a row that reaches
-the context slides its window on its own.
+between steps (their prompts encoded on their own, then put into the cache's free slots: kv_cache.py), and a
+row that reaches the context slides its window on its own.
 
 | what                 | how                                                                                    |
 |----------------------|----------------------------------------------------------------------------------------|
@@ -22,7 +22,6 @@ the context slides its window on its own.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import _compat, stepping
+from .kv_cache import new_cache, refilled
 from .sampling import Row, scored
 
 
@@ -87,7 +87,7 @@ class Prefix:
 
     def cache(self, rows: int) -> Any:
         """A cache holding the prefix for `rows` rows."""
-        return _cache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.layers])
+        return new_cache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.layers])
 
 
 class Engine:
@@ -151,9 +151,9 @@ class Engine:
         full = [i for i, row in enumerate(self.rows) if not row.done and int(self.window[i]) >= self.context]
         going = [i for i, row in enumerate(self.rows) if not row.done and i not in full]
         sliding = [self.rows[i] for i in full]
-        self._keep(going)
+        order = self._keep(going)
         if going:
-            self._feed(torch.tensor([tokens[i] for i in going])[:, None])
+            self._feed(torch.tensor([tokens[i] for i in order])[:, None])
         if sliding:
             kept = window_kept(self.context)
             self._encode(sliding, [row.ids()[0, -kept:] for row in sliding])
@@ -187,7 +187,8 @@ class Engine:
             self.rows, self.cache, self.mask = list(rows), cache, mask
             self.scores, self.window, self.positions = scores, window, following
         else:
-            self.cache = _side_by_side(self.cache, cache, self.mask.shape[1], mask.shape[1])
+            for layer, theirs in zip(self.cache.layers, cache.layers):
+                layer.join(theirs)
             width = max(self.mask.shape[1], mask.shape[1])
             self.mask = torch.cat((_left_pad(self.mask, width), _left_pad(mask, width)))
             self.rows += rows
@@ -196,20 +197,20 @@ class Engine:
 
     def _feed(self, tokens: torch.Tensor) -> None:
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
-        logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache, step=True)
+        logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
         self.scores = logits[:, -1]
         self.positions, self.window = self.positions + 1, self.window + 1
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 every: bool = False, step: bool = False) -> tuple[torch.Tensor, Any]:
+                 every: bool = False) -> tuple[torch.Tensor, Any]:
         """The logits (fp32, on the CPU) of the last position, or of every position where `every`; the cache.
-        `step`: one new token a row over the running cache, which the stepping decoder computes where it has
-        one (stepping.py)."""
+        The stepping decoder computes them where it has one and only the last position's are asked for (a step,
+        a prompt): a text's prompt and steps in one arithmetic, alone or beside others (stepping.py)."""
         device = _device(self.model)
         if cache is None:
-            cache = _cache([])
+            cache = new_cache([])
         with torch.inference_mode():
-            if step and self.stepper is not None:
+            if not every and self.stepper is not None:
                 logits = self.stepper(ids.to(device), positions.to(device), mask, cache)
             else:
                 out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
@@ -218,22 +219,24 @@ class Engine:
                 logits, cache = out.logits, _compat.cache_of(out)
         return logits.float().cpu(), cache
 
-    def _keep(self, indices: list[int]) -> None:
-        """Only the rows at `indices` go on; padding no row needs any more is cut off."""
+    def _keep(self, indices: list[int]) -> list[int]:
+        """Only the rows at `indices` go on, in the order returned (kv_cache.Slots: a row leaving, the last row
+        moves into its slot); padding no row needs any more is cut off."""
         if len(indices) == len(self.rows):
-            return
+            return indices
         if not indices:
             self.rows, self.cache, self.mask, self.positions, self.scores, self.window = [], None, None, None, None, None
-            return
-        index = torch.tensor(indices)
-        self.rows = [self.rows[i] for i in indices]
+            return []
+        order = refilled(indices)
+        index = torch.tensor(order)
+        self.rows = [self.rows[i] for i in order]
         self.mask, self.positions = self.mask[index], self.positions[index]
         self.scores, self.window = self.scores[index], self.window[index]
-        start = int(self.mask.any(0).nonzero()[0])
-        self.mask = self.mask[:, start:]
-        device_index = index.to(_device(self.model))
+        cut = int(self.mask.any(0).nonzero()[0])
+        self.mask = self.mask[:, cut:]
         for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[device_index, :, start:], layer.values[device_index, :, start:]
+            layer.keep(order, cut)
+        return order
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -243,59 +246,6 @@ def _device(model: nn.Module) -> torch.device:
 def _compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype a model's activations are in: its embeddings' (an int8 view keeps fp32 embeddings)."""
     return model.get_input_embeddings().weight.dtype
-
-
-def _cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """transformers' DynamicCache of RoomyLayers holding `layers` (keys, values) each."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = _roomy_layer()  # the layers made as the model first writes each
-    for i, (keys, values) in enumerate(layers):
-        cache.update(keys, values, i)
-    return cache
-
-
-ROOM = 64  # tokens of room a layer's buffer gets past what it holds: a copy every ROOM steps, not every step
-
-
-@functools.cache
-def _roomy_layer() -> type:
-    """transformers' DynamicLayer whose keys and values are views into buffers with room to grow along the
-    sequence: a decoding step writes its token in place, where DynamicLayer concatenates (a copy of every
-    row's whole cache, each layer, each step: a tenth of a batch step at 16 rows, RESULTS.md).  Keys or values
-    the engine replaced (rows cut or joined) move into a new buffer at the next update."""
-    from transformers.cache_utils import DynamicLayer
-
-    class RoomyLayer(DynamicLayer):
-        buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            held = self.buffers or (None, None)
-            (self.keys, key_buffer), (self.values, value_buffer) = (
-                _written(self.keys, held[0], key_states), _written(self.values, held[1], value_states))
-            self.buffers = (key_buffer, value_buffer)
-            return self.keys, self.values
-
-    return RoomyLayer
-
-
-def _written(held: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`held` and `new` one after the other along the sequence (a view into `buffer`, where `held` is its start
-    and `new` fits after it; else into a new buffer with ROOM to spare), and the buffer."""
-    length = held.shape[-2] if held.dim() == 4 else 0
-    end = length + new.shape[-2]
-    in_place = (buffer is not None and length and held.data_ptr() == buffer.data_ptr() and held.stride() ==
-                buffer.stride() and held.shape[:2] == new.shape[:2] and end <= buffer.shape[-2])
-    if not in_place:
-        buffer = new.new_empty(*new.shape[:2], end + ROOM, new.shape[-1])
-        if length:
-            buffer[:, :, :length] = held
-    buffer[:, :, length:end] = new
-    return buffer[:, :, :end], buffer
 
 
 def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -312,13 +262,3 @@ def _left_pad(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
         return tensor
     pad = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [missing, 0]
     return F.pad(tensor, pad)
-
-
-def _side_by_side(cache: Any, more: Any, width: int, more_width: int) -> Any:
-    """Two caches as one: the rows of `more` after those of `cache`, the shorter padded on the left."""
-    wide = max(width, more_width)
-    for layer, other in zip(cache.layers, more.layers):
-        layer.keys = torch.cat((_left_pad(layer.keys, wide, 2), _left_pad(other.keys, wide, 2)))
-        layer.values = torch.cat((_left_pad(layer.values, wide, 2), _left_pad(other.values, wide, 2)))
-    return cache
-

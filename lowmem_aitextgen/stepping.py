@@ -1,22 +1,25 @@
-"""The stepping decoder: one decoding step (a token for each running row) of a GPT-2 or GPT-Neo computed
-straight over the engine's cache, in place of transformers' forward.
+"""The stepping decoder: a decoding view's prompts and steps (a token for each running row) of a GPT-2 or
+GPT-Neo computed straight over the engine's cache, in place of transformers' forward.
 
 At batch 1 a 355M step's matrix products take about half of the step; most of the rest was transformers'
 forward around them: per layer, its mask building, module calls, cache bookkeeping and an eight-operation
 GELU (RESULTS.md, "Decoding speed").  Here a step is the few operations GPT-2 is made of, each layer's modules
 read once.  It runs only for a decoding view (an int8 or 16-bit copy decoding.py made, whose scores are
 already within decoding.SCORE_ERROR of the model's, not token for token): decoding="exact" and a model decoded
-as held keep transformers' forward, token for token its generate().  A prompt is encoded by the model's own
-forward (once a text, where its overhead is paid once).
+as held keep transformers' forward, token for token its generate().  A view's prompts are encoded here too
+(causal attention over the prompt; a first token sooner than by the forward, RESULTS.md), so that a text's
+prompt and steps are one arithmetic whichever rows it runs beside; a prompt scored whole (the server's echo)
+is still the forward's.
 
 | what          | how                                                                                        |
 |---------------|--------------------------------------------------------------------------------------------|
 | projections   | each module called (an int8 Linear, a 16-bit Conv1D...): their hooks run, as in the forward |
 | attention     | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
-|               | is padded), the family's scaling; GPT-Neo's local layers over the last window_size places |
+|               | is padded), causal over a prompt, the family's scaling; GPT-Neo's local layers within      |
+|               | window_size places (a step: the last ones)                                                  |
 | GELU          | GPT-2's tanh approximation as one operation (F.gelu, approximate="tanh") in place of        |
 |               | transformers' eight: the same function, rounded differently                                 |
-| cache         | the engine's cache layers (engine._roomy_layer: written in place)                           |
+| cache         | the engine's cache (kv_cache.py: written in place)                                          |
 | not stepped   | other families, GPT-2 with cross-attention, and a model with hooks on the modules bypassed  |
 |               | (the model, its blocks, attention, MLP, activation): transformers' forward, as before       |
 """
@@ -49,37 +52,57 @@ class Step:
                         for block in self.blocks]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        """The logits (rows, 1, vocabulary) of `ids` (rows, 1) at `positions` (rows, 1), `mask` (rows, the cache's
-        length with the new token) telling each row's tokens from its padding; the cache gains the new token."""
+        """The logits (rows, 1, vocabulary) of each row's last token of `ids` (rows, new tokens) at `positions`
+        (rows, new), `mask` (rows, the cache's length with the new tokens) telling each row's tokens from its
+        padding; the cache gains the new tokens (a new one its layers as they are written)."""
+        rows, new = ids.shape
         x = self.transformer.wte(ids) + self.transformer.wpe(positions)
-        mask = mask.to(ids.device)
-        attends = None if bool(mask.all()) else mask[:, None, None].bool()  # each row's tokens, not its padding
-        for block, layer, window in zip(self.blocks, cache.layers, self.windows):
+        attends, local = seen_places(mask.to(ids.device), new, self.windows)
+        for index, (block, window) in enumerate(zip(self.blocks, self.windows)):
             query, key, value, scale = self._qkv(block, block.ln_1(x))
-            keys, values = layer.update(key, value)
+            keys, values = cache.update(key, value, index)
             seen = attends
-            if window is not None:
+            if window is not None and new == 1:  # one token: its window is the last places (padding is left)
                 keys, values = keys[:, :, -window:], values[:, :, -window:]
                 seen = None if attends is None else attends[..., -window:]
+            elif window is not None:
+                seen = local
             # (two matrix products and a softmax written out measured no faster, at 1 or 16 rows: RESULTS.md)
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=scale)
-            x = x + self._out(block, out.reshape(ids.shape[0], 1, -1))
+            x = x + self._out(block, out.transpose(1, 2).reshape(rows, new, -1))
             x = x + block.mlp.c_proj(gelu(block.mlp.act, block.mlp.c_fc(block.ln_2(x))))
-        return self.model.lm_head(self.transformer.ln_f(x))
+        return self.model.lm_head(self.transformer.ln_f(x[:, -1:]))
 
     def _qkv(self, block: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """A block's query, key and value (rows, heads, 1, head size) of the normed `h`, and the scale."""
-        rows = h.shape[0]
+        """A block's query, key and value (rows, heads, tokens, head size) of the normed `h`, and the scale."""
+        rows, new = h.shape[:2]
         if self.neo:
             attention = block.attn.attention
-            return (*(p(h).view(rows, 1, self.heads, self.head_size).transpose(1, 2)
+            return (*(p(h).view(rows, new, self.heads, self.head_size).transpose(1, 2)
                       for p in (attention.q_proj, attention.k_proj, attention.v_proj)), 1.0)
         attention = block.attn
-        query, key, value = attention.c_attn(h).view(rows, 3, self.heads, 1, self.head_size).unbind(1)
-        return query, key, value, gpt2_scaling(attention)
+        qkv = attention.c_attn(h).view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
+        return *qkv.unbind(0), gpt2_scaling(attention)
 
     def _out(self, block: nn.Module, out: torch.Tensor) -> torch.Tensor:
         return block.attn.attention.out_proj(out) if self.neo else block.attn.c_proj(out)
+
+
+def seen_places(mask: torch.Tensor, new: int, windows: list[int | None]) -> tuple[torch.Tensor | None,
+                                                                                  torch.Tensor | None]:
+    """What each of the `new` last places of each row may attend to, as scaled_dot_product_attention takes it
+    (rows, 1, new, places; None: everything), for the global layers and (several tokens) the local ones: the
+    row's own places (`mask`), up to the query's own (causal), within the local layers' window.  A padding
+    place attends to itself alone, so that no query sees nothing (a softmax over nothing is NaN)."""
+    own = mask[:, None, None].bool()
+    if new == 1:
+        return (None if bool(own.all()) else own), None
+    places = torch.arange(mask.shape[1], device=mask.device)
+    query = places[-new:, None]
+    itself = places == query
+    attends = (own & (places <= query)) | itself
+    window = next((w for w in windows if w is not None), None)
+    return attends, None if window is None else (attends & (places > query - window)) | itself
 
 
 def gpt2_scaling(attention: nn.Module) -> float:

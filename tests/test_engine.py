@@ -190,29 +190,34 @@ def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form):
 
 @pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
 def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward(trained, kind):
-    """stepping.py's step, run on an fp32 copy marked a view (so that its arithmetic, not a form's rounding, is
-    compared): each row's scores at each step are the trained model's forward over the row's whole text (peft's
-    for the prefix), in fp32, with rows of different lengths padded side by side and a row joining mid-run, past
-    GPT-Neo's local window (16 places here)."""
+    """stepping.py's decoder, run on an fp32 copy marked a view (so that its arithmetic, not a form's rounding,
+    is compared): each row's scores, from its prompt's and at each step, are the trained model's forward over the
+    row's whole text (peft's for the prefix), in fp32, with rows of different lengths padded side by side, a row
+    leaving and rows joining mid-run (one into the slot left), a prompt and steps past GPT-Neo's local window (16
+    places here)."""
     ai, _ = trained[kind]
     model = copy.deepcopy(ai.model).float().eval()  # a prefix's frozen base is held in bf16 where native
     held = as_decoder(model)
     engine = Engine(Decoder(copy.deepcopy(held.model), held.prompt_learning, view=True), ai.tokenizer, (-1,))
     assert engine.stepper is not None
-    rows = [Row(prompt_ids(model, ai.tokenizer, p, None), RowSettings(max_new=24, temperature=0))
-            for p in ("The for statement", "x", "import os, sys and then some")]
+    long = "import os, sys and then some more words, so that this prompt is longer than the local window"
+    rows = [Row(prompt_ids(model, ai.tokenizer, p, None), RowSettings(max_new=new, temperature=0))
+            for p, new in (("The for statement", 24), ("x", 4), (long, 24), ("def f", 24))]
+    assert len(rows[2].prompt) > 16
     engine.join(rows[:2])
-    worst = 0.0
+    worst, running = 0.0, []
     with torch.no_grad():
         for step in range(20):
-            if step == 3:
-                engine.join(rows[2:])
+            if step in (3, 6):  # the long prompt beside the running rows; then one into the slot "x" left
+                engine.join(rows[2:3] if step == 3 else rows[3:])
             for row, scores in zip(engine.rows, engine.scores):
                 whole = torch.cat((row.prompt, torch.tensor(row.tokens, dtype=row.prompt.dtype)))[None]
                 truth = model(input_ids=whole, attention_mask=torch.ones_like(whole)).logits[0, -1].float()
                 worst = max(worst, float((scores - truth).abs().max()))
+            running.append(len(engine.rows))
             engine.step()
     engine.close()
+    assert running[:8] == [2, 2, 2, 3, 2, 2, 3, 3], running  # "x" left after its 4 tokens; "def f" took its slot
     assert worst <= 1e-4, worst
 
 

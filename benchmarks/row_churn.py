@@ -1,0 +1,95 @@
+"""The batch engine with rows coming and going, as the server runs it, in process: this checkout against another
+(a git worktree of an earlier commit), alternating, so that a change to the engine, its cache or the stepping
+decoder is measured in one run on this noisy machine.
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/row_churn.py --against /tmp/before                 # 355M: 16 rows, then 1 row
+    python benchmarks/row_churn.py --against /tmp/before --size 124M --jobs 8,64,32
+
+Each job `rows,new,total`: at most `rows` rows decode together, each of `new` tokens (end-of-text impossible),
+a new row joining at the next step after one ends, until `total` rows have run; tokens/s of each checkout,
+the rounds alternating (each checkout in a process of its own, the model built once), medians of --rounds.
+GPT-2 of the size (random weights, seed 0), the int8 form each token alone (the server's and a seeded call's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=24, n_embd=1024, n_head=16)}
+PROMPT = "The meaning of life is"
+
+
+def worker(size: str) -> None:
+    """Build the model and its view once; then, for each job read from stdin, print its tokens/s."""
+    import torch
+    from transformers import GPT2Config
+
+    from lowmem_aitextgen import aitextgen, decoding
+    from lowmem_aitextgen.engine import Engine
+    from lowmem_aitextgen.sampling import Row, RowSettings
+
+    torch.manual_seed(0)
+    ai = aitextgen(config=GPT2Config(**SIZES[size]))
+    view, tokenizer = decoding.decoding_model(ai.model, "int8", tokenwise=True), ai.tokenizer
+    prompt, seeds = torch.tensor(tokenizer.encode(PROMPT)), iter(range(10**9))
+
+    def churn(rows: int, new: int, total: int) -> float:
+        engine = Engine(view, tokenizer, (tokenizer.eos_token_id,))
+        started, made, start = 1, 0, time.perf_counter()
+        engine.join([Row(prompt, RowSettings(max_new=new, min_new=new, seed=next(seeds)))])
+        while engine.rows:
+            made += sum(len(row.tokens) for row in engine.step())
+            if started < total and len(engine.rows) < rows:
+                engine.join([Row(prompt, RowSettings(max_new=new, min_new=new, seed=next(seeds)))])
+                started += 1
+        return made / (time.perf_counter() - start)
+
+    churn(4, 8, 4)  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(round(churn(*map(int, line.split(","))), 2), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", required=True, help="another checkout of lowmem_aitextgen (a git worktree)")
+    parser.add_argument("--size", default="355M", choices=SIZES)
+    parser.add_argument("--jobs", nargs="*", default=["16,64,48", "1,64,2"], help="rows,new,total each")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"this checkout": here, "against": os.path.abspath(args.against)}
+    workers = {name: subprocess.Popen([sys.executable, __file__, "--against", tree, "--worker", args.size],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, "PYTHONPATH": tree})  # that tree's package first
+               for name, tree in trees.items()}
+    for process in workers.values():
+        assert process.stdout.readline().strip() == "ready"
+    for job in args.jobs:
+        rates: dict[str, list[float]] = {name: [] for name in workers}
+        for round_ in range(args.rounds):
+            for name in list(workers)[::1 if round_ % 2 == 0 else -1]:
+                workers[name].stdin.write(job + "\n")
+                workers[name].stdin.flush()
+                rates[name].append(float(workers[name].stdout.readline()))
+        medians = {name: statistics.median(r) for name, r in rates.items()}
+        print(json.dumps({"size": args.size, "job rows,new,total": job, "tokens/s (medians)": medians,
+                          "this / against": round(medians["this checkout"] / medians["against"], 3),
+                          "rounds": rates}), flush=True)
+    for process in workers.values():
+        process.stdin.close()
+        process.wait()
+
+
+if __name__ == "__main__":
+    main()

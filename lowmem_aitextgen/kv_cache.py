@@ -1,0 +1,149 @@
+"""The batch engine's key-value cache: each layer's keys and values for the rows decoding, held in buffers with
+room, so that a step, a row joining and a row leaving each write only what changed.
+
+transformers' DynamicCache concatenates each step's keys to the layer's (a copy of every row's whole cache,
+each layer, each step), and a batch that rows join and leave (engine.py) was cut and put side by side by
+indexing and concatenating the whole cache again.  With 16 rows coming and going in a server, those copies
+were a fifth of its time (RESULTS.md, "Serving and decoding").  Here a layer's keys and values are views into two buffers
+(`Slots`):
+
+| event          | what is written                                                                      |
+|----------------|--------------------------------------------------------------------------------------|
+| a step         | the new places, after the last (ROOM places to spare; then the rows move to a new    |
+|                | buffer, which keeps only the rows present: memory follows the rows within ROOM steps)|
+| rows leave     | each of the last rows kept moves into a slot left free (one row's places each);      |
+|                | places no row needs any more are dropped from the view's left                        |
+| rows join      | their places into the slots after the running rows (a new buffer only where the rows |
+|                | or a longer prompt do not fit), right-aligned as the running rows are                |
+| padding        | what the cache adds before a row's own places is zeros, as F.pad made it: the        |
+|                | attention mask hides it, and a slot reused never shows its former row's values       |
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+ROOM = 64  # places a buffer gets past what it holds: the rows move to a new buffer every ROOM steps, not every step
+
+
+class Slots:
+    """One layer's keys and values (rows, heads, places, head size): the views [:rows, :, start:end] of two
+    buffers with room for more places (and, after rows left, more rows).  Each row's places end at `end`; those
+    the cache pads it with are zeros."""
+
+    @torch.inference_mode()  # the buffers are inference tensors, written only in inference mode
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.rows, self.start, self.end = keys.shape[0], 0, 0
+        self.buffers = _buffers(keys, values, keys.shape[0], keys.shape[-2])
+        self.append(keys, values)
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.buffers
+        return keys[:self.rows, :, self.start:self.end], values[:self.rows, :, self.start:self.end]
+
+    @torch.inference_mode()
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`keys` and `values` (rows, heads, new places) after each row's own."""
+        added = keys.shape[-2]
+        if self.end + added > self.buffers[0].shape[-2]:
+            self._move(self.rows, self.end - self.start + added)
+        for buffer, new in zip(self.buffers, (keys, values)):
+            buffer[:self.rows, :, self.end:self.end + added] = new
+        self.end += added
+
+    @torch.inference_mode()
+    def keep(self, order: list[int], cut: int) -> None:
+        """Only the rows `order` names go on, row i the one that was at slot order[i]; each slot moved from
+        must not be kept where it is (`refilled`'s order); the first `cut` places are dropped."""
+        self.start += cut
+        for slot, row in enumerate(order):
+            if row != slot:
+                for buffer in self.buffers:
+                    buffer[slot, :, self.start:self.end] = buffer[row, :, self.start:self.end]
+        self.rows = len(order)
+
+    @torch.inference_mode()
+    def join(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """New rows' `keys` and `values` after the running rows', their places ending where theirs end; the
+        shorter padded on the left with zeros."""
+        rows, places = self.rows + keys.shape[0], keys.shape[-2]
+        width = max(self.end - self.start, places)
+        if rows > self.buffers[0].shape[0] or width > self.end:
+            self._move(rows, width)
+        start = self.end - width
+        for buffer, new in zip(self.buffers, (keys, values)):
+            buffer[:self.rows, :, start:self.start] = 0  # the running rows' new padding
+            buffer[self.rows:rows, :, start:self.end - places] = 0
+            buffer[self.rows:rows, :, self.end - places:self.end] = new
+        self.rows, self.start = rows, start
+
+    def _move(self, rows: int, width: int) -> None:
+        """Into new buffers for `rows` rows and `width` places (and ROOM), the rows held ending at `width`."""
+        held = self.end - self.start
+        buffers = _buffers(*self.buffers, rows, width)
+        for buffer, old in zip(buffers, self.views()):
+            buffer[:self.rows, :, width - held:width] = old
+        self.buffers, self.start, self.end = buffers, width - held, width
+
+
+def refilled(kept: list[int]) -> list[int]:
+    """The order of the rows `kept` (their slots, ascending) once the others have gone, as Slots.keep takes it:
+    each kept row stays in its slot, except the last ones, which move into the slots left free below them (a row
+    copied for each row gone, not every row after it)."""
+    staying = {i for i in kept if i < len(kept)}
+    order = [i if i in staying else -1 for i in range(len(kept))]
+    free = (slot for slot, row in enumerate(order) if row < 0)
+    for row in kept[len(staying):]:
+        order[next(free)] = row
+    return order
+
+
+def _buffers(keys: torch.Tensor, values: torch.Tensor, rows: int, places: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two zeroed buffers like `keys` and `values`, for `rows` rows and `places` places and ROOM more."""
+    return tuple(t.new_zeros(rows, t.shape[1], places + ROOM, t.shape[-1]) for t in (keys, values))
+
+
+@functools.cache
+def slot_layer() -> type:
+    """transformers' DynamicLayer whose keys and values are a `Slots`' views: a step writes its places in place
+    (transformers' forward and stepping.py's decoder both call `update`); `keep` and `join` are the engine's."""
+    from transformers.cache_utils import DynamicLayer
+
+    class SlotLayer(DynamicLayer):
+        slots: Slots | None = None
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self.slots is None:
+                self.slots = Slots(key_states, value_states)
+            else:
+                self.slots.append(key_states, value_states)
+            self.keys, self.values = self.slots.views()
+            return self.keys, self.values
+
+        def keep(self, order: list[int], cut: int) -> None:
+            self.slots.keep(order, cut)
+            self.keys, self.values = self.slots.views()
+
+        def join(self, other: Any) -> None:
+            self.slots.join(other.keys, other.values)
+            self.keys, self.values = self.slots.views()
+
+    return SlotLayer
+
+
+def new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """transformers' DynamicCache of slot layers holding `layers` (keys, values) each (none: the model writes
+    them as it first runs)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = slot_layer()  # the layers made as the model first writes each
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys, values, i)
+    return cache

@@ -1,0 +1,64 @@
+"""The engine's key-value cache (kv_cache.Slots) against what it stands for: each row's own keys and values, one
+after the other, right-aligned with the other rows' and padded on the left with zeros."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from lowmem_aitextgen import kv_cache
+from lowmem_aitextgen.kv_cache import refilled
+
+HEADS, SIZE = 2, 3
+
+
+def places(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.randn(rows, HEADS, length, SIZE)
+    return keys, keys + 100  # values told from keys
+
+
+def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The rows' places (heads, length, size each) right-aligned, zeros on the left: what the views must hold."""
+    width = max(row.shape[1] for row in rows)
+    return torch.stack([torch.cat((row.new_zeros(HEADS, width - row.shape[1], SIZE), row), 1) for row in rows])
+
+
+def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_and_moving_buffers():
+    """A long random run of steps, rows leaving (refilled's order, as the engine keeps them, the padding no row needs cut) and
+    rows joining with shorter and longer prompts, past ROOM places (new buffers): after each, the views are the
+    rows' own keys and values right-aligned, and a slot reused shows nothing of the row that held it."""
+    generator = random.Random(0)
+    keys, values = places(3, 4)
+    slots = kv_cache.Slots(keys, values)
+    truth = [(k, v) for k, v in zip(keys, values)]
+    for _ in range(3 * kv_cache.ROOM):
+        event = generator.random()
+        if event < 0.15 and len(truth) > 1:
+            kept = sorted(generator.sample(range(len(truth)), generator.randint(1, len(truth) - 1)))
+            order = refilled(kept)
+            truth = [truth[i] for i in order]
+            width = max(k.shape[1] for k, _ in truth)
+            slots.keep(order, slots.end - slots.start - width)
+        elif event < 0.3:
+            keys, values = places(generator.randint(1, 3), generator.choice((1, 2, 30, 90)))
+            slots.join(keys, values)
+            truth += list(zip(keys, values))
+        else:
+            keys, values = places(len(truth), 1)
+            slots.append(keys, values)
+            truth = [(torch.cat((k, nk), 1), torch.cat((v, nv), 1)) for (k, v), nk, nv in zip(truth, keys, values)]
+        held_keys, held_values = slots.views()
+        assert torch.equal(held_keys, padded([k for k, _ in truth]))
+        assert torch.equal(held_values, padded([v for _, v in truth]))
+
+
+def test_refilled_moves_only_the_last_rows_into_the_slots_left_free():
+    assert refilled([0, 1, 2]) == [0, 1, 2]
+    assert refilled([0, 2, 3]) == [0, 3, 2]  # row 1 left: the last row moves into its slot
+    assert refilled([3, 4]) == [3, 4]
+    assert refilled([1, 4]) == [4, 1]
+    for kept in ([0, 3, 5, 6], [2, 5, 7], [0]):
+        order = refilled(kept)
+        assert sorted(order) == kept
+        assert all(row == slot or row >= len(kept) for slot, row in enumerate(order))  # no kept row overwritten
