@@ -22,7 +22,10 @@ import subprocess
 import sys
 import time
 
-SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=24, n_embd=1024, n_head=16)}
+sys.path.insert(0, os.path.dirname(__file__))
+
+from generate_speed import SIZES  # noqa: E402
+
 PROMPT = "The meaning of life is"
 
 

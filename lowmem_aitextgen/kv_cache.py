@@ -4,8 +4,8 @@ room, so that a step, a row joining and a row leaving each write only what chang
 transformers' DynamicCache concatenates each step's keys to the layer's (a copy of every row's whole cache,
 each layer, each step), and a batch that rows join and leave (engine.py) was cut and put side by side by
 indexing and concatenating the whole cache again.  With 16 rows coming and going in a server, those copies
-were a fifth of its time (RESULTS.md, "Serving and decoding").  Here a layer's keys and values are views into two buffers
-(`Slots`):
+were a fifth of its time (RESULTS.md, "Serving and decoding").  Here a layer's keys and values are views into
+two buffers (`Slots`):
 
 | event          | what is written                                                                      |
 |----------------|--------------------------------------------------------------------------------------|

@@ -25,9 +25,10 @@ def padded(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_and_moving_buffers():
-    """A long random run of steps, rows leaving (refilled's order, as the engine keeps them, the padding no row needs cut) and
-    rows joining with shorter and longer prompts, past ROOM places (new buffers): after each, the views are the
-    rows' own keys and values right-aligned, and a slot reused shows nothing of the row that held it."""
+    """A long random run of steps, rows leaving (refilled's order, as the engine keeps them, the padding no row
+    needs cut) and rows joining with shorter and longer prompts, past ROOM places (new buffers): after each, the
+    views are the rows' own keys and values right-aligned, and a slot reused shows nothing of the row that held
+    it."""
     generator = random.Random(0)
     keys, values = places(3, 4)
     slots = kv_cache.Slots(keys, values)
