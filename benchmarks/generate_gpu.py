@@ -6,6 +6,7 @@ fp32 copies of the same weights. Random weights (speed only), a 16-token prompt,
 sampling, unseeded and seeded. Each path's first call (the view made) is reported apart as its warm-up.
 
     python benchmarks/generate_gpu.py --size 355M --batch 1 --out out.jsonl
+    python benchmarks/generate_gpu.py --check   (the stepping decoder on the card against the model's forward)
 
 Prints one JSON line a path: tokens/s (median of --repeats), time to first token (a call of one new token),
 warm-up seconds, the card's peak memory over the whole process so far.
@@ -53,6 +54,49 @@ def timed(run: Callable[[torch.Tensor, int], None], prompt: torch.Tensor, new: i
     return time.perf_counter() - start
 
 
+def check_stepper(device: str) -> None:
+    """The stepping decoder on `device` (engine.Engine over a copy marked a view, as decoding.py's views step):
+    each row's scores at each step against the model's own forward over the row's whole text, for a GPT-2 and a
+    GPT-Neo (past its local window), in fp32 and fp16, rows of different lengths side by side and one joining
+    mid-run.  Prints one JSON line a case: the worst difference (fp32: arithmetic; fp16: within its rounding)."""
+    import copy
+
+    from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
+
+    from lowmem_aitextgen.engine import Decoder, Engine
+    from lowmem_aitextgen.sampling import Row, RowSettings
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    models = {"gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=96, n_layer=2, n_embd=64,
+                                                         n_head=4)),
+              "gpt-neo": lambda: GPTNeoForCausalLM(GPTNeoConfig(
+                  vocab_size=50257, max_position_embeddings=96, hidden_size=64, num_layers=2, num_heads=4,
+                  attention_types=[[["global", "local"], 1]], window_size=16))}
+    tokenizer = aitextgen(config=GPT2Config(n_layer=1, n_embd=64, n_head=4)).tokenizer  # the default one
+    for family, make in models.items():
+        for dtype in (torch.float32, torch.float16) if device == "cuda" else (torch.float32,):
+            torch.manual_seed(0)
+            model = make().to(device=device, dtype=dtype).eval()
+            engine = Engine(Decoder(copy.deepcopy(model), view=True), tokenizer, (-1,))
+            prompts = [torch.randint(1, 50000, (n,)) for n in (5, 1, 30, 3)]
+            rows = [Row(p, RowSettings(max_new=24, temperature=0)) for p in prompts]
+            engine.join(rows[:2])
+            worst = 0.0
+            with torch.no_grad():
+                for step in range(20):
+                    if step == 3:
+                        engine.join(rows[2:])
+                    for row, scores in zip(engine.rows, engine.scores):
+                        whole = torch.cat((row.prompt, torch.tensor(row.tokens, dtype=row.prompt.dtype)))[None]
+                        truth = model(input_ids=whole.to(device)).logits[0, -1].float().cpu()
+                        worst = max(worst, float((scores - truth).abs().max()))
+                    engine.step()
+            print(json.dumps({"check": "stepping decoder against the forward", "family": family, "device": device,
+                              "dtype": str(dtype), "stepper": engine.stepper is not None,
+                              "worst_abs_difference": worst}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="355M", choices=SIZES)
@@ -60,7 +104,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out")
+    parser.add_argument("--check", action="store_true", help="only the stepping decoder against the forward")
     args = parser.parse_args()
+    if args.check:
+        check_stepper("cuda" if torch.cuda.is_available() else "cpu")
+        return
     n_layer, n_embd, n_head = SIZES[args.size]
     torch.manual_seed(0)
     ai = aitextgen(config=GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head))

@@ -57,8 +57,8 @@ case "$group" in
   # results is the first step, compile included
   compile124|compile355) only=(ours_full ours_compile_blocks ours_compile_model) ;;
   compile124m|compile355m) only=(ours_accum8 ours_accum8_compile_blocks ours_accum8_compile_model) ;;
-  # issue 54's: our generate() after to_gpu() and to_fp16() against transformers' eager fp16 and fp32
-  # (benchmarks/generate_gpu.py); then issue 47's: plain transformers generate, eager (dynamic cache) against a
+  # issue 54's: the stepping decoder on the card against the model's forward; our generate() after to_gpu() and
+  # to_fp16() against transformers' eager fp16 and fp32 (benchmarks/generate_gpu.py); then issue 47's: plain transformers generate, eager (dynamic cache) against a
   # static cache compiled with CUDA graphs, fp16 and bf16, batch 1 and 8, 355M and 1558M (generate_levers.py)
   generate) only=() ;;
   *) echo "usage: bash benchmarks/gpu_session.sh targets|targets8bit|techniques|plan|xl|cards|offload|offload2|" \
@@ -114,7 +114,10 @@ case "$group" in
       --out "$out/gpu_$group.jsonl" 2>&1 | tee -a "$log" || echo "1558M LoRA row stopped" | tee -a "$log"
     timeout "$(limit 80)" python3 benchmarks/in_backward_step.py --device cuda --rows adafactor_whole \
       --rows adafactor_rows 2>&1 | tee -a "$log" || echo "in-backward step rows stopped" | tee -a "$log" ;;
-  generate)  # issue 54's: our generate() end to end first (never run yet), then issue 47's transformers levers
+  generate)  # issue 54's: the stepping decoder on the card against the forward, our generate() end to end, then
+    # issue 47's transformers levers
+    timeout "$(limit 60)" python3 benchmarks/generate_gpu.py --check 2>>"$log.stderr" | tee -a "$log" \
+      || echo "the stepping decoder's check failed or ran over" | tee -a "$log"
     for spec in "355M 1" "355M 8" "1558M 1" "1558M 8"; do
       read -r size batch <<< "$spec"
       seconds=$(limit 150)

@@ -137,6 +137,7 @@ class aitextgen(_aitextgen):
             self.to_gpu()
 
     _model: torch.nn.Module | None = None
+    _fp16_on_gpu = False  # to_fp16() asked before to_gpu()
     _origin: tuple[str, str] | None = None
     _folder: str | None = None  # a folder holding exactly the object's model (model_folder=, or train()'s output_dir)
     _run_base: str | None = None  # the folder holding the model the last train() started from
@@ -226,8 +227,13 @@ class aitextgen(_aitextgen):
     def to_fp16(self) -> None:
         """aitextgen's: the model in fp16, for generating on a GPU.  A CPU computes fp16 by emulation, many times
         slower than fp32, and generate() already decodes in the fastest form the CPU has (decoding.py): there the
-        model stays as it is, said once."""
+        model stays as it is, said once; where a GPU is there, it is halved when to_gpu() moves it (aitextgen's
+        own order, to_fp16() then to_gpu(), left fp32 on the card)."""
         if next(self.model.parameters()).device.type != "cuda":
+            if torch.cuda.is_available():
+                self._fp16_on_gpu = True
+                logger.info("to_fp16: the model is on the CPU; to_gpu() moves it to the GPU in fp16.")
+                return
             logger.warning("to_fp16: the model is on the CPU, which has no fp16 arithmetic; it stays as it is, and "
                            "generate() decodes in the fastest form this CPU computes (int8 or bf16).")
             return
@@ -239,6 +245,8 @@ class aitextgen(_aitextgen):
             logger.warning("to_gpu: no CUDA GPU is available, so the model stays on the CPU.")
             return
         super().to_gpu(index)
+        if self._fp16_on_gpu:
+            super().to_fp16()
 
     # --- generation ---------------------------------------------------------
 

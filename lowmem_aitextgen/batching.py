@@ -7,14 +7,15 @@ it ends, so a short request never waits for the longest one in flight.
 | one decoding thread    | the model is one; torch uses every core for each forward pass already; serve   |
 |                        | decodes on the main thread (`run`): torch's int8 kernels measured 2.5x slower   |
 |                        | called from any other (RESULTS.md)                                              |
-| continuous batching    | between two steps the requests waiting join (their prompts encoded on their     |
-|                        | own, the running rows' caches kept), up to `max_rows` rows; a row that ends     |
-|                        | leaves at once, and its request is answered when its last row has               |
+| continuous batching    | the requests waiting join at the next step (their prompts computed within it,   |
+|                        | beside the running rows' tokens: Engine.admit; the running rows' caches kept),  |
+|                        | up to `max_rows` rows; a row that ends leaves at once, and its request is       |
+|                        | answered when its last row has                                                  |
 | a bounded queue        | a full queue is refused at once (serving.py: 429), never grows memory           |
 | cancel                 | a job gone before it joins is skipped and frees its place at once; one gone     |
 |                        | while decoding stops its rows at the next token                                 |
-| a failed step          | every running request is answered with the error (500), the engine starts      |
-|                        | empty, and the server goes on                                                   |
+| a failed step          | every running request (those joining in it too) is answered with the error     |
+|                        | (500), the engine starts empty, and the server goes on                          |
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class Batcher:
                     return True
             if job is STOP:
                 return False
-            if (running or joining) and len(engine.rows) + sum(len(j.rows) for j in joining) + len(job.rows) > \
+            if (running or joining) and engine.held + sum(len(j.rows) for j in joining) + len(job.rows) > \
                     self.max_rows:
                 self._held = job
                 return True
@@ -168,13 +169,14 @@ class Batcher:
                 joining.append(job)
 
     def _join(self, engine: Engine, running: list[Job], joining: list[Job]) -> None:
-        """`joining`'s rows into the engine in one encoding pass (one forward for requests that arrived together);
-        where that fails, each job alone, so a job whose prompts cannot be encoded is answered with its error
-        and the others still join.  The running rows are untouched where encoding fails."""
+        """`joining`'s rows into the engine: their prompts computed together within the next step (Engine.admit),
+        or encoded now where the engine joins them at once; where that fails, each job alone, so a job whose
+        prompts cannot be encoded is answered with its error and the others still join.  The running rows are
+        untouched where encoding now fails."""
         if not joining:
             return
         try:
-            engine.join([row for job in joining for row in job.rows])
+            engine.admit([row for job in joining for row in job.rows])
             joined = joining
         except Exception:
             joined = []
@@ -187,7 +189,7 @@ class Batcher:
                     job.finish(failure)
         running.extend(joined)
         self.decoded_rows += sum(len(job.rows) for job in joined)
-        self.running_rows = len(engine.rows)
+        self.running_rows = engine.held
 
     def _step(self, engine: Engine, running: list[Job]) -> list[Job]:
         """One decoding step; the jobs whose rows have all ended answered; a failed step answers every running
@@ -201,7 +203,7 @@ class Batcher:
             return []
         done = [job for job in running if all(row.finish is not None for row in job.rows)]
         self._answer(done, None)
-        self.running_rows = len(engine.rows)
+        self.running_rows = engine.held
         return [job for job in running if job not in done]
 
     @staticmethod

@@ -5,8 +5,9 @@ transformers' generate() decodes one batch from start to end: every row waits fo
 join, its logits processors see the padding, and peft's prompt learning reaches it only through
 `past_key_values`, which transformers 5's generate() no longer reads (a prefix-tuned model generated as its
 base).  Here each step feeds every running row its last token; a row that ends leaves at once, rows join
-between steps (their prompts encoded on their own, then put into the cache's free slots: kv_cache.py), and a
-row that reaches the context slides its window on its own.
+(admit: their prompts computed within the next step, beside the running rows' tokens, one pass over the weights
+for both; join: encoded at once) into the cache's free slots (kv_cache.py), and a row that reaches the context
+slides its window on its own.
 
 | what                 | how                                                                                    |
 |----------------------|----------------------------------------------------------------------------------------|
@@ -91,8 +92,9 @@ class Prefix:
 
 
 class Engine:
-    """Rows decoding together.  join() encodes new rows' prompts and puts them beside the running ones; step()
-    picks each running row's next token, lets the finished rows go and feeds the others one token."""
+    """Rows decoding together.  join() encodes new rows' prompts and puts them beside the running ones; admit()
+    leaves that to the next step; step() picks each running row's next token, lets the finished rows go and feeds
+    the others one token, beside the admitted rows' prompts."""
 
     def __init__(self, decoder: Decoder | nn.Module, tokenizer: Any, eos: tuple[int, ...]) -> None:
         from aitextgen.utils import model_max_length
@@ -111,6 +113,7 @@ class Engine:
         self.cache_keyword = _compat.cache_keyword(self.model)
         self.stepper = stepping.stepper(self.model) if self.decoder.view else None
         self.rows: list[Row] = []
+        self.joining: list[Row] = []  # admitted: their prompts computed within the next step (admit)
         self.cache: Any = None
         self.mask = self.positions = self.scores = self.window = None
 
@@ -129,13 +132,28 @@ class Engine:
         except BaseException:
             self._keep(list(range(before)))  # all or none of `rows` join: the running rows as they were
             raise
-        for row in rows:
-            if row.settings.max_new == 0:
-                row.end(self.tokenizer)
+        self._end_asking_none(rows)
+
+    def admit(self, rows: list[Row]) -> None:
+        """`rows` join at the next step, their prompts computed within it beside the running rows' tokens (one
+        pass over the weights for both: joining costs the running rows little more than their step).  Joined at
+        once (join) where nothing runs, where the model steps by transformers' forward, or where a row asks its
+        prompt scored.  A failure to encode them fails that step."""
+        if not self.rows or self.stepper is None or any(row.settings.score_prompt for row in rows):
+            self.join(rows)
+        else:
+            self.joining += rows
+
+    @property
+    def held(self) -> int:
+        """Rows running or admitted."""
+        return len(self.rows) + len(self.joining)
 
     def step(self) -> list[Row]:
-        """Each running row's next token; the rows that finished (Row.end called on them) leave and are returned."""
+        """Each running row's next token, the admitted rows' prompts beside them; the rows that finished (Row.end
+        called on them) leave and are returned."""
         if not self.rows:
+            self.join(self._admitted())
             return []
         tokens = []
         for i, row in enumerate(self.rows):
@@ -153,7 +171,9 @@ class Engine:
         sliding = [self.rows[i] for i in full]
         order = self._keep(going)
         if going:
-            self._feed(torch.tensor([tokens[i] for i in order])[:, None])
+            self._feed(torch.tensor([tokens[i] for i in order])[:, None], self._admitted())
+        else:
+            self.join(self._admitted())
         if sliding:
             kept = window_kept(self.context)
             self._encode(sliding, [row.ids()[0, -kept:] for row in sliding])
@@ -167,21 +187,36 @@ class Engine:
     def close(self) -> None:
         """Every row let go, the cache freed."""
         self._keep([])
+        self.joining = []
+
+    def _admitted(self) -> list[Row]:
+        rows, self.joining = self.joining, []
+        return rows
 
     def _encode(self, rows: list[Row], inputs: list[torch.Tensor], score: bool = False) -> None:
+        ids, positions, mask, cache = prompt = self._prompts(inputs)
+        logits, cache = self._forward(ids, mask, positions, cache, every=score)
+        if score:  # all of the prompt's logits made (logits_to_keep=0) only for its scores
+            for row, given, row_logits in zip(rows, inputs, logits):
+                row.prompt_scored = scored(row_logits[ids.shape[1] - len(given):-1], given[1:], row.settings.logprobs)
+        self._add(rows, prompt._replace(cache=cache), logits[:, -1])
+
+    def _prompts(self, inputs: list[torch.Tensor]) -> stepping.Part:
+        """Rows' prompts (`inputs`, token ids) as a step takes them: padded on the left to the longest, each
+        row's positions its own, after a prefix's virtual tokens (whose cache they start from)."""
         width = max(len(ids) for ids in inputs)
         ids = torch.stack([F.pad(r, (width - len(r), 0), value=self.pad) for r in inputs])
         mask = torch.stack([F.pad(torch.ones_like(r), (width - len(r), 0)) for r in inputs])
         positions = (mask.cumsum(1) - 1).clamp(min=0) + self.virtual
-        cache = self.prefix.cache(len(rows)) if self.prefix is not None else None
+        cache = self.prefix.cache(len(inputs)) if self.prefix is not None else new_cache([])
         if self.prefix is not None:
-            mask = torch.cat((torch.ones(len(rows), self.virtual, dtype=mask.dtype), mask), dim=1)
-        logits, cache = self._forward(ids, mask, positions, cache, every=score)
-        scores = logits[:, -1]
-        if score:  # all of the prompt's logits made (logits_to_keep=0) only for its scores
-            for row, prompt, row_logits in zip(rows, inputs, logits):
-                row.prompt_scored = scored(row_logits[width - len(prompt):-1], prompt[1:], row.settings.logprobs)
-        window = torch.tensor([len(r) for r in inputs])
+            mask = torch.cat((torch.ones(len(inputs), self.virtual, dtype=mask.dtype), mask), dim=1)
+        return stepping.Part(ids, positions, mask, cache)
+
+    def _add(self, rows: list[Row], prompt: stepping.Part, scores: torch.Tensor) -> None:
+        """Rows whose prompts were encoded (`prompt`, its cache written) beside the running ones."""
+        _, positions, mask, cache = prompt
+        window = mask[:, self.virtual:].sum(1)
         following = positions[:, -1] + 1  # each row's next token's position
         if self.cache is None:
             self.rows, self.cache, self.mask = list(rows), cache, mask
@@ -195,11 +230,34 @@ class Engine:
             self.scores, self.window = torch.cat((self.scores, scores)), torch.cat((self.window, window))
             self.positions = torch.cat((self.positions, following))
 
-    def _feed(self, tokens: torch.Tensor) -> None:
+    def _feed(self, tokens: torch.Tensor, joining: list[Row]) -> None:
+        """The running rows fed `tokens` (rows, 1); `joining`'s prompts computed beside them, then joined."""
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
-        logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
-        self.scores = logits[:, -1]
+        if joining:
+            prompt = self._prompts([row.prompt[-self.context:] for row in joining])
+            self.scores, scores = self._together([stepping.Part(tokens, self.positions[:, None], self.mask,
+                                                                self.cache), prompt])
+        else:
+            logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
+            self.scores = logits[:, -1]
         self.positions, self.window = self.positions + 1, self.window + 1
+        if joining:
+            self._add(joining, prompt, scores)
+            self._end_asking_none(joining)
+
+    def _together(self, parts: list[stepping.Part]) -> list[torch.Tensor]:
+        """Each part's last logits (rows, vocabulary; fp32, on the CPU), the parts in one stepping pass."""
+        device = _device(self.model)
+        with torch.inference_mode():
+            logits = self.stepper.together([p._replace(ids=p.ids.to(device), positions=p.positions.to(device))
+                                            for p in parts])
+        return [part_logits.float().cpu()[:, -1] for part_logits in logits]
+
+    def _end_asking_none(self, rows: list[Row]) -> None:
+        """Rows asking no new token end (and leave at the next step)."""
+        for row in rows:
+            if row.settings.max_new == 0:
+                row.end(self.tokenizer)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
                  every: bool = False) -> tuple[torch.Tensor, Any]:

@@ -237,13 +237,14 @@ def generate(model: nn.Module | Decoder, tokenizer: Any, *, n: int = 1, prompt: 
 
 
 def decode(engine: Engine, rows: list[Row], at_once: int) -> None:
-    """Every row decoded, `at_once` at a time: a row that ends makes room for the next at the next step."""
+    """Every row decoded, `at_once` at a time: a row that ends makes room for the next, whose prompt is computed
+    within the next step (Engine.admit)."""
     waiting = list(rows)
     try:
-        while waiting or engine.rows:
-            room = at_once - len(engine.rows)
+        while waiting or engine.held:
+            room = at_once - engine.held
             if room > 0 and waiting:
-                engine.join(waiting[:room])
+                engine.admit(waiting[:room])
                 waiting = waiting[room:]
             engine.step()
     finally:

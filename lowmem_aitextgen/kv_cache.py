@@ -102,8 +102,11 @@ def refilled(kept: list[int]) -> list[int]:
 
 
 def _buffers(keys: torch.Tensor, values: torch.Tensor, rows: int, places: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two zeroed buffers like `keys` and `values`, for `rows` rows and `places` places and ROOM more."""
-    return tuple(t.new_zeros(rows, t.shape[1], places + ROOM, t.shape[-1]) for t in (keys, values))
+    """Two buffers like `keys` and `values`, for `rows` rows and `places` places and ROOM more; not zeroed: a
+    view holds only places written (a row's own, or the zeros join writes as its padding), and a new buffer's
+    memory is the system's until written (zeroing a 16-row buffer's room touched every page of it: most of a
+    join's time, RESULTS.md)."""
+    return tuple(t.new_empty(rows, t.shape[1], places + ROOM, t.shape[-1]) for t in (keys, values))
 
 
 @functools.cache

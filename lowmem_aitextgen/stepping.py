@@ -9,11 +9,14 @@ already within decoding.SCORE_ERROR of the model's, not token for token): decodi
 as held keep transformers' forward, token for token its generate().  A view's prompts are encoded here too
 (causal attention over the prompt; a first token sooner than by the forward, RESULTS.md), so that a text's
 prompt and steps are one arithmetic whichever rows it runs beside; a prompt scored whole (the server's echo)
-is still the forward's.
+is still the forward's.  Several parts go through one pass (`Step.together`): the running rows' step beside
+joining rows' prompts, as continuous batching's chunked prefill does (vLLM, llama.cpp's server), so that a row
+joining costs the others its tokens' share of the products, not a pass over the weights of its own.
 
 | what          | how                                                                                        |
 |---------------|--------------------------------------------------------------------------------------------|
 | projections   | each module called (an int8 Linear, a 16-bit Conv1D...): their hooks run, as in the forward |
+|               | (the parts' tokens side by side; a token its own where the form quantizes tokens alone)     |
 | attention     | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
 |               | is padded), causal over a prompt, the family's scaling; GPT-Neo's local layers within      |
 |               | window_size places (a step: the last ones)                                                  |
@@ -26,13 +29,25 @@ is still the forward's.
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation")
+
+
+class Part(NamedTuple):
+    """Rows given to one step: `ids` (rows, new tokens) at `positions` (rows, new), `mask` (rows, the cache's
+    length with the new tokens) telling each row's tokens from its padding, written to `cache` (its layers made
+    as they are written where it has none)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    cache: Any
 
 
 class Step:
@@ -52,40 +67,71 @@ class Step:
                         for block in self.blocks]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        """The logits (rows, 1, vocabulary) of each row's last token of `ids` (rows, new tokens) at `positions`
-        (rows, new), `mask` (rows, the cache's length with the new tokens) telling each row's tokens from its
-        padding; the cache gains the new tokens (a new one its layers as they are written)."""
-        rows, new = ids.shape
-        x = self.transformer.wte(ids) + self.transformer.wpe(positions)
-        attends, local = seen_places(mask.to(ids.device), new, self.windows)
-        for index, (block, window) in enumerate(zip(self.blocks, self.windows)):
-            query, key, value, scale = self._qkv(block, block.ln_1(x))
-            keys, values = cache.update(key, value, index)
-            seen = attends
-            if window is not None and new == 1:  # one token: its window is the last places (padding is left)
-                keys, values = keys[:, :, -window:], values[:, :, -window:]
-                seen = None if attends is None else attends[..., -window:]
-            elif window is not None:
-                seen = local
-            # (two matrix products and a softmax written out measured no faster, at 1 or 16 rows: RESULTS.md)
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=scale)
-            x = x + self._out(block, out.transpose(1, 2).reshape(rows, new, -1))
-            x = x + block.mlp.c_proj(gelu(block.mlp.act, block.mlp.c_fc(block.ln_2(x))))
-        return self.model.lm_head(self.transformer.ln_f(x[:, -1:]))
+        """The logits (rows, 1, vocabulary) of each row's last token of `ids` (Part's fields)."""
+        return self.together([Part(ids, positions, mask, cache)])[0]
 
-    def _qkv(self, block: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """A block's query, key and value (rows, heads, tokens, head size) of the normed `h`, and the scale."""
-        rows, new = h.shape[:2]
+    def together(self, parts: list[Part]) -> list[torch.Tensor]:
+        """Each part's logits (rows, 1, vocabulary) of each row's last token, the parts in one pass over the
+        weights: their tokens side by side through every projection (a part's tokens are computed as they would
+        be alone wherever a projection computes each token alone), attention within each part over its own
+        cache (the running rows' step beside new rows' prompts: continuous batching's chunked prefill)."""
+        bounds = _bounds([part.ids.numel() for part in parts])
+        x = _flat([self.transformer.wte(p.ids) + self.transformer.wpe(p.positions) for p in parts])
+        seen = [seen_places(p.mask.to(p.ids.device), p.ids.shape[1], self.windows) for p in parts]
+        for index, (block, window) in enumerate(zip(self.blocks, self.windows)):
+            projected, scale = self._qkv(block, block.ln_1(x))
+            outs = [self._attend(projected if len(parts) == 1 else [t[start:end] for t in projected], part, index,
+                                 window, masks, scale) for part, (start, end), masks in zip(parts, bounds, seen)]
+            x = x + self._out(block, _flat(outs))
+            x = x + block.mlp.c_proj(gelu(block.mlp.act, block.mlp.c_fc(block.ln_2(x))))
+        if len(parts) > 1 or parts[0].ids.shape[1] > 1:  # only each row's last token's logits are made
+            x = x[torch.cat([torch.arange(start, end, p.ids.shape[1]) + p.ids.shape[1] - 1
+                             for p, (start, end) in zip(parts, bounds)]).to(x.device)]
+        logits = self.model.lm_head(self.transformer.ln_f(x))
+        return [logits[start:end, None] for start, end in _bounds([p.ids.shape[0] for p in parts])]
+
+    def _attend(self, projected: list[torch.Tensor], part: Part, index: int, window: int | None,
+                masks: tuple[torch.Tensor | None, torch.Tensor | None], scale: float) -> torch.Tensor:
+        """A part's attention output (its tokens, width) from its tokens' projections (_qkv's), its keys and
+        values written to its cache's layer `index`."""
+        rows, new = part.ids.shape
+        if len(projected) == 1:  # GPT-2's one projection: (tokens, 3 x width)
+            query, key, value = projected[0].view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
+        else:
+            query, key, value = (t.view(rows, new, self.heads, self.head_size).transpose(1, 2) for t in projected)
+        keys, values = part.cache.update(key, value, index)
+        seen, local = masks
+        if window is not None and new == 1:  # one token: its window is the last places (padding is left)
+            keys, values = keys[:, :, -window:], values[:, :, -window:]
+            seen = None if seen is None else seen[..., -window:]
+        elif window is not None:
+            seen = local
+        # (two matrix products and a softmax written out measured no faster, at 1 or 16 rows: RESULTS.md)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=scale)
+        return out.transpose(1, 2).reshape(rows * new, -1)
+
+    def _qkv(self, block: nn.Module, h: torch.Tensor) -> tuple[list[torch.Tensor], float]:
+        """A block's query, key and value of the normed `h` (tokens, width): GPT-Neo's three (tokens, width),
+        GPT-2's one (tokens, 3 x width); and the scale."""
         if self.neo:
             attention = block.attn.attention
-            return (*(p(h).view(rows, new, self.heads, self.head_size).transpose(1, 2)
-                      for p in (attention.q_proj, attention.k_proj, attention.v_proj)), 1.0)
-        attention = block.attn
-        qkv = attention.c_attn(h).view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
-        return *qkv.unbind(0), gpt2_scaling(attention)
+            return [p(h) for p in (attention.q_proj, attention.k_proj, attention.v_proj)], 1.0
+        return [block.attn.c_attn(h)], gpt2_scaling(block.attn)
 
     def _out(self, block: nn.Module, out: torch.Tensor) -> torch.Tensor:
         return block.attn.attention.out_proj(out) if self.neo else block.attn.c_proj(out)
+
+
+def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of consecutive stretches of `sizes`."""
+    ends = list(itertools.accumulate(sizes))
+    return [(end - size, end) for size, end in zip(sizes, ends)]
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensors` (..., width) as one (all their tokens, width), copied only where there are several."""
+    flat = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def seen_places(mask: torch.Tensor, new: int, windows: list[int | None]) -> tuple[torch.Tensor | None,

