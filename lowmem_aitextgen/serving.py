@@ -64,6 +64,7 @@ class ServeSettings:
     queue: int = 64
     timeout: float = 60.0
     cors: str | None = None  # origins a browser page may call from, comma-separated ("*": any); None: no CORS
+    threads: int | None = None  # CPU threads the decoding uses; None: torch's own (one a core)
 
     def check(self) -> None:
         for name, low in (("max_tokens", 1), ("max_batch", 1), ("queue", 1)):
@@ -72,6 +73,10 @@ class ServeSettings:
                 raise ValueError(f"--{name}={value!r}: must be a whole number of at least {low}.")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"--port={self.port!r}: must be a port number from 1 to 65535 (0: any free port).")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"--threads={self.threads!r}: must be a whole number of at least 1 (replicas on one "
+                             "machine: its cores divided among them); leave it out for one a core.")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"--timeout={self.timeout!r}: must be a number of seconds above 0.")
         if not isinstance(self.host, str) or not self.host:
@@ -84,6 +89,15 @@ class ServeSettings:
         for package in ("starlette", "uvicorn", "prometheus_client"):
             if not _compat.importable(package):
                 raise ValueError(f"serve needs {package}, which is not installed: {INSTALL_SERVE}.")
+
+    def take_threads(self) -> None:
+        """--threads for this process's torch. Replicas sharing cores each with one thread a core made the
+        threads of one wait on those of another: six requests took 8 s, and at times past --timeout, where a
+        thread each took 2.5 s (RESULTS.md, "Replicas on one machine")."""
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def origins(self) -> list[str]:
         return [origin.strip() for origin in (self.cors or "").split(",") if origin.strip()]

@@ -295,6 +295,7 @@ def test_the_page_streams_a_text_in_headless_chromium(served):
 @pytest.mark.parametrize("flag, says", [
     ("--port=70000", "--port=70000"), ("--max_batch=0", "--max_batch=0"), ("--timeout=-1", "--timeout=-1"),
     ("--max_tokenz=5", "unknown flag --max_tokenz"), ("--port=TAKEN", "cannot listen there"),
+    ("--threads=0", "--threads=0"), ("--threads=1.5", "--threads=1.5"),
 ])
 def test_serve_refuses_bad_flags_before_reading_the_model(flag, says, tmp_path):
     import socket
@@ -306,6 +307,20 @@ def test_serve_refuses_bad_flags_before_reading_the_model(flag, says, tmp_path):
         result = subprocess.run([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", str(tmp_path / "missing"),
                                  flag], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_threads_are_the_ones_this_process_decodes_with():
+    """--threads (replicas sharing a machine's cores) set torch's threads; left out, torch's own stay."""
+    from lowmem_aitextgen.serving import ServeSettings
+
+    before = torch.get_num_threads()
+    try:
+        ServeSettings().take_threads()
+        assert torch.get_num_threads() == before
+        ServeSettings(threads=1).take_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_serve_without_its_extra_names_the_install_line(monkeypatch):
