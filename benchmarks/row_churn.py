@@ -6,10 +6,13 @@ decoder is measured in one run on this noisy machine.
     python benchmarks/row_churn.py --against /tmp/before                 # 355M: 16 rows, then 1 row
     python benchmarks/row_churn.py --against /tmp/before --size 124M --jobs 8,64,32
     python benchmarks/row_churn.py --against /tmp/before --jobs 16,64,16,15      # a burst of 16 requests
+    python benchmarks/row_churn.py --against /tmp/before --jobs 16,64,48,1,1     # unseeded requests' rows
 
-Each job `rows,new,total[,group]`: at most `rows` rows decode together, each of `new` tokens (end-of-text
-impossible), new rows joining at the next step after one ends (up to `group` at once, 1 by default; `16,64,16,15`
-is a server's burst: one row, then fifteen beside it), until `total` rows have run; tokens/s of each checkout,
+Each job `rows,new,total[,group[,sampled]]`: at most `rows` rows decode together, each of `new` tokens
+(end-of-text impossible), new rows joining at the next step after one ends (up to `group` at once, 1 by default;
+`16,64,16,15` is a server's burst: one row, then fifteen beside it), until `total` rows have run; `sampled` 1:
+rows of unseeded requests, which need not be the same beside others (a seeded request's by default, each row's
+attention computed alone, where the checkout has RowSettings.repeatable); tokens/s of each checkout,
 the rounds alternating (each checkout in a process of its own, the model built once), medians of --rounds.
 GPT-2 of the size (random weights, seed 0), the int8 form each token alone (the server's and a seeded call's).
 """
@@ -45,8 +48,13 @@ def worker(size: str) -> None:
     view, tokenizer = decoding.decoding_model(ai.model, "int8", tokenwise=True), ai.tokenizer
     prompt, seeds = torch.tensor(tokenizer.encode(PROMPT)), iter(range(10**9))
 
-    def churn(rows: int, new: int, total: int, group: int = 1) -> float:
+    def churn(rows: int, new: int, total: int, group: int = 1, sampled: int = 0) -> float:
         engine = Engine(view, tokenizer, (tokenizer.eos_token_id,))
+        unseeded = {"repeatable": False} if sampled and "repeatable" in RowSettings.__dataclass_fields__ else {}
+
+        def row() -> Row:
+            return Row(prompt, RowSettings(max_new=new, min_new=new, seed=next(seeds), **unseeded))
+
         # as the server joins rows: within the next step where the engine can (admit), else between steps
         admit = getattr(engine, "admit", engine.join)
 
@@ -54,12 +62,12 @@ def worker(size: str) -> None:
             return engine.held if hasattr(engine, "held") else len(engine.rows)
 
         started, made, start = 1, 0, time.perf_counter()
-        engine.join([Row(prompt, RowSettings(max_new=new, min_new=new, seed=next(seeds)))])
+        engine.join([row()])
         while held():
             made += sum(len(row.tokens) for row in engine.step())
             if started < total and held() < rows:
                 joining = min(group, rows - held(), total - started)
-                admit([Row(prompt, RowSettings(max_new=new, min_new=new, seed=next(seeds))) for _ in range(joining)])
+                admit([row() for _ in range(joining)])
                 started += joining
         return made / (time.perf_counter() - start)
 
@@ -73,7 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", required=True, help="another checkout of lowmem_aitextgen (a git worktree)")
     parser.add_argument("--size", default="355M", choices=SIZES)
-    parser.add_argument("--jobs", nargs="*", default=["16,64,48", "1,64,2"], help="rows,new,total[,group] each")
+    parser.add_argument("--jobs", nargs="*", default=["16,64,48", "1,64,2"],
+                        help="rows,new,total[,group[,sampled]] each")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

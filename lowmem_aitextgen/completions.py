@@ -121,7 +121,8 @@ class CompletionRequest:
         return RowSettings(max_new=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                            repetition_penalty=self.repetition_penalty, min_new=max(0, self.min_length - len(ids)),
                            seed=row_seed(self.seed, ids.tolist(), choice), stop=self.stop, logprobs=self.logprobs,
-                           score_prompt=self.echo and self.logprobs is not None)
+                           score_prompt=self.echo and self.logprobs is not None,
+                           repeatable=self.seed is not None or self.temperature == 0)
 
 
 def _encoded(encode: Callable[[str, bool], torch.Tensor], prompt: str, prepend_bos: bool) -> torch.Tensor:

@@ -559,6 +559,8 @@ class TokenwiseInt8Linear(nn.Module):
     operations a call (RESULTS.md): the form of a seeded or greedy call and of the server, where a text must be
     the same in any batch.  Weights int8 per tensor, as torch's are."""
 
+    each_token_alone = True  # read by stepping.Step: its attention then computes each row alone too
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach()

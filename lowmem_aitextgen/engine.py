@@ -194,15 +194,16 @@ class Engine:
         return rows
 
     def _encode(self, rows: list[Row], inputs: list[torch.Tensor], score: bool = False) -> None:
-        ids, positions, mask, cache = prompt = self._prompts(inputs)
-        logits, cache = self._forward(ids, mask, positions, cache, every=score)
+        prompt = self._prompts(inputs, rows)
+        ids = prompt.ids
+        logits, cache = self._forward(prompt, every=score)
         if score:  # all of the prompt's logits made (logits_to_keep=0) only for its scores
             for row, given, row_logits in zip(rows, inputs, logits):
                 row.prompt_scored = scored(row_logits[ids.shape[1] - len(given):-1], given[1:], row.settings.logprobs)
         self._add(rows, prompt._replace(cache=cache), logits[:, -1])
 
-    def _prompts(self, inputs: list[torch.Tensor]) -> stepping.Part:
-        """Rows' prompts (`inputs`, token ids) as a step takes them: padded on the left to the longest, each
+    def _prompts(self, inputs: list[torch.Tensor], rows: list[Row]) -> stepping.Part:
+        """`rows`' prompts (`inputs`, token ids) as a step takes them: padded on the left to the longest, each
         row's positions its own, after a prefix's virtual tokens (whose cache they start from)."""
         width = max(len(ids) for ids in inputs)
         ids = torch.stack([F.pad(r, (width - len(r), 0), value=self.pad) for r in inputs])
@@ -211,11 +212,11 @@ class Engine:
         cache = self.prefix.cache(len(inputs)) if self.prefix is not None else new_cache([])
         if self.prefix is not None:
             mask = torch.cat((torch.ones(len(inputs), self.virtual, dtype=mask.dtype), mask), dim=1)
-        return stepping.Part(ids, positions, mask, cache)
+        return stepping.Part(ids, positions, mask, cache, _alone(rows))
 
     def _add(self, rows: list[Row], prompt: stepping.Part, scores: torch.Tensor) -> None:
         """Rows whose prompts were encoded (`prompt`, its cache written) beside the running ones."""
-        _, positions, mask, cache = prompt
+        positions, mask, cache = prompt.positions, prompt.mask, prompt.cache
         window = mask[:, self.virtual:].sum(1)
         following = positions[:, -1] + 1  # each row's next token's position
         if self.cache is None:
@@ -234,11 +235,12 @@ class Engine:
         """The running rows fed `tokens` (rows, 1); `joining`'s prompts computed beside them, then joined."""
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
         if joining:
-            prompt = self._prompts([row.prompt[-self.context:] for row in joining])
+            prompt = self._prompts([row.prompt[-self.context:] for row in joining], joining)
             self.scores, scores = self._together([stepping.Part(tokens, self.positions[:, None], self.mask,
-                                                                self.cache), prompt])
+                                                                self.cache, _alone(self.rows)), prompt])
         else:
-            logits, self.cache = self._forward(tokens, self.mask, self.positions[:, None], self.cache)
+            logits, self.cache = self._forward(stepping.Part(tokens, self.positions[:, None], self.mask, self.cache,
+                                                             _alone(self.rows)))
             self.scores = logits[:, -1]
         self.positions, self.window = self.positions + 1, self.window + 1
         if joining:
@@ -259,17 +261,17 @@ class Engine:
             if row.settings.max_new == 0:
                 row.end(self.tokenizer)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 every: bool = False) -> tuple[torch.Tensor, Any]:
+    def _forward(self, part: stepping.Part, every: bool = False) -> tuple[torch.Tensor, Any]:
         """The logits (fp32, on the CPU) of the last position, or of every position where `every`; the cache.
         The stepping decoder computes them where it has one and only the last position's are asked for (a step,
         a prompt): a text's prompt and steps in one arithmetic, alone or beside others (stepping.py)."""
         device = _device(self.model)
+        ids, positions, mask, cache = part.ids, part.positions, part.mask, part.cache
         if cache is None:
             cache = new_cache([])
         with torch.inference_mode():
             if not every and self.stepper is not None:
-                logits = self.stepper(ids.to(device), positions.to(device), mask, cache)
+                logits = self.stepper(ids.to(device), positions.to(device), mask, cache, part.alone)
             else:
                 out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  position_ids=positions.to(device), use_cache=True, logits_to_keep=0 if every else 1,
@@ -295,6 +297,12 @@ class Engine:
         for layer in self.cache.layers:
             layer.keep(order, cut)
         return order
+
+
+def _alone(rows: list[Row]) -> list[int]:
+    """The rows whose attention is computed alone in the form of seeded texts (their text must be the same beside
+    any others: sampling.RowSettings.repeatable)."""
+    return [i for i, row in enumerate(rows) if row.settings.repeatable]
 
 
 def _device(model: nn.Module) -> torch.device:

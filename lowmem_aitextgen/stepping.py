@@ -19,7 +19,12 @@ joining costs the others its tokens' share of the products, not a pass over the 
 |               | (the parts' tokens side by side; a token its own where the form quantizes tokens alone)     |
 | attention     | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
 |               | is padded), causal over a prompt, the family's scaling; GPT-Neo's local layers within      |
-|               | window_size places (a step: the last ones)                                                  |
+|               | window_size places (a step: the last ones).  Where the projections compute each token      |
+|               | alone (the form of seeded texts), a row whose text must repeat (Part.alone) attends in a    |
+|               | call of its own over its own places, the call it makes alone: torch's CPU kernel sums a     |
+|               | row's places in another order beside padding, and with two threads in another order at one |
+|               | row than at several (a seeded text at 355M came out different in a list; RESULTS.md, "The   |
+|               | seed rule at 355M"); a 16-row step costs a seventh more, so other rows attend as the batch  |
 | GELU          | GPT-2's tanh approximation as one operation (F.gelu, approximate="tanh") in place of        |
 |               | transformers' eight: the same function, rounded differently                                 |
 | cache         | the engine's cache (kv_cache.py: written in place)                                          |
@@ -42,12 +47,14 @@ TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActiv
 class Part(NamedTuple):
     """Rows given to one step: `ids` (rows, new tokens) at `positions` (rows, new), `mask` (rows, the cache's
     length with the new tokens) telling each row's tokens from its padding, written to `cache` (its layers made
-    as they are written where it has none)."""
+    as they are written where it has none); `alone`: the rows whose attention is computed alone where the form
+    computes each token alone (None: every row; module docstring)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor
     cache: Any
+    alone: list[int] | None = None
 
 
 class Step:
@@ -65,10 +72,13 @@ class Step:
         self.heads, self.head_size = attention.num_heads, attention.head_dim
         self.windows = [model.config.window_size if self.neo and block.attn.attention_type == "local" else None
                         for block in self.blocks]
+        first = attention.q_proj if self.neo else attention.c_attn
+        self.rows_alone = bool(getattr(first, "each_token_alone", False))  # module docstring: attention
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
+                 alone: list[int] | None = None) -> torch.Tensor:
         """The logits (rows, 1, vocabulary) of each row's last token of `ids` (Part's fields)."""
-        return self.together([Part(ids, positions, mask, cache)])[0]
+        return self.together([Part(ids, positions, mask, cache, alone)])[0]
 
     def together(self, parts: list[Part]) -> list[torch.Tensor]:
         """Each part's logits (rows, 1, vocabulary) of each row's last token, the parts in one pass over the
@@ -77,7 +87,8 @@ class Step:
         cache (the running rows' step beside new rows' prompts: continuous batching's chunked prefill)."""
         bounds = _bounds([part.ids.numel() for part in parts])
         x = _flat([self.transformer.wte(p.ids) + self.transformer.wpe(p.positions) for p in parts])
-        seen = [seen_places(p.mask.to(p.ids.device), p.ids.shape[1], self.windows) for p in parts]
+        seen = [(seen_places(p.mask.to(p.ids.device), p.ids.shape[1], self.windows), self._rows_own(p))
+                for p in parts]
         for index, (block, window) in enumerate(zip(self.blocks, self.windows)):
             projected, scale = self._qkv(block, block.ln_1(x))
             outs = [self._attend(projected if len(parts) == 1 else [t[start:end] for t in projected], part, index,
@@ -90,24 +101,50 @@ class Step:
         logits = self.model.lm_head(self.transformer.ln_f(x))
         return [logits[start:end, None] for start, end in _bounds([p.ids.shape[0] for p in parts])]
 
+    def _rows_own(self, part: Part) -> dict[int, RowOwn]:
+        """The rows attending alone (none where the form does not compute each token alone), each with its own
+        tokens among the part's new ones, its own places (the last ones: padding is on the left) and what its
+        tokens see of them, as seen_places gives them for the row alone."""
+        if not self.rows_alone or part.alone == []:
+            return {}
+        rows = range(part.ids.shape[0]) if part.alone is None else part.alone
+        mask, new = part.mask.to(part.ids.device)[list(rows)], part.ids.shape[1]
+        trailing = mask.flip(1).cumprod(1).sum(1).tolist()  # a prefix row's padding lies after its virtual places
+        owns = {}
+        for index, row, places, tokens, last in zip(rows, mask, mask.sum(1).tolist(), mask[:, -new:].sum(1).tolist(),
+                                                     trailing):
+            seen = (None, None) if tokens == 1 else seen_places(torch.ones_like(row[None, -places:]), tokens,
+                                                                self.windows)
+            owns[index] = RowOwn(tokens, places, *seen, None if last == places else row.nonzero()[:, 0])
+        return owns
+
     def _attend(self, projected: list[torch.Tensor], part: Part, index: int, window: int | None,
-                masks: tuple[torch.Tensor | None, torch.Tensor | None], scale: float) -> torch.Tensor:
+                masks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn]],
+                scale: float) -> torch.Tensor:
         """A part's attention output (its tokens, width) from its tokens' projections (_qkv's), its keys and
-        values written to its cache's layer `index`."""
+        values written to its cache's layer `index`; `masks`: seen_places's for the batch, _rows_own's for the
+        rows attending alone."""
         rows, new = part.ids.shape
         if len(projected) == 1:  # GPT-2's one projection: (tokens, 3 x width)
             query, key, value = projected[0].view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
         else:
             query, key, value = (t.view(rows, new, self.heads, self.head_size).transpose(1, 2) for t in projected)
         keys, values = part.cache.update(key, value, index)
-        seen, local = masks
+        (seen, local), owns = masks
+        if len(owns) == rows:
+            out = each_row_alone(query, keys, values, list(owns.values()), window, scale)
+            return out.transpose(1, 2).reshape(rows * new, -1)
+        seen_keys, seen_values = keys, values
         if window is not None and new == 1:  # one token: its window is the last places (padding is left)
-            keys, values = keys[:, :, -window:], values[:, :, -window:]
+            seen_keys, seen_values = keys[:, :, -window:], values[:, :, -window:]
             seen = None if seen is None else seen[..., -window:]
         elif window is not None:
             seen = local
         # (two matrix products and a softmax written out measured no faster, at 1 or 16 rows: RESULTS.md)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=scale)
+        out = F.scaled_dot_product_attention(query, seen_keys, seen_values, attn_mask=seen, scale=scale)
+        for row, own in owns.items():  # some rows alone, beside others attending as the batch
+            out[row:row + 1] = each_row_alone(query[row:row + 1], keys[row:row + 1], values[row:row + 1], [own],
+                                              window, scale)
         return out.transpose(1, 2).reshape(rows * new, -1)
 
     def _qkv(self, block: nn.Module, h: torch.Tensor) -> tuple[list[torch.Tensor], float]:
@@ -120,6 +157,38 @@ class Step:
 
     def _out(self, block: nn.Module, out: torch.Tensor) -> torch.Tensor:
         return block.attn.attention.out_proj(out) if self.neo else block.attn.c_proj(out)
+
+
+class RowOwn(NamedTuple):
+    """One row of a part as its attention takes it alone: its `tokens` (the last of the part's new ones), its
+    `places` (the last of the cache's) and seen_places's masks over them (None, None for one token)."""
+
+    tokens: int
+    places: int
+    seen: torch.Tensor | None
+    local: torch.Tensor | None
+    index: torch.Tensor | None  # its places where they are not the cache's last ones (a prefix row padded)
+
+
+def each_row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, owns: list[RowOwn],
+                   window: int | None, scale: float) -> torch.Tensor:
+    """Attention (rows, heads, new, head size) of the rows `owns` describes (in order), a call a row, each over
+    its own places with its own tokens: the call the row makes decoded alone; a padding token's output is zeros
+    (nothing reads it)."""
+    outs = []
+    for query, keys, values, own in zip(query.split(1), keys.split(1), values.split(1), owns):
+        places, seen = own.places, own.seen
+        if window is not None and own.tokens == 1:  # one token: its window is its last places
+            places = min(places, window)
+        elif window is not None:
+            seen = own.local
+        if own.index is None:
+            keys, values = keys[:, :, -places:], values[:, :, -places:]
+        else:  # copied together, as they lie alone
+            keys, values = keys[:, :, own.index[-places:]], values[:, :, own.index[-places:]]
+        out = F.scaled_dot_product_attention(query[:, :, -own.tokens:], keys, values, attn_mask=seen, scale=scale)
+        outs.append(out if own.tokens == query.shape[2] else F.pad(out, (0, 0, query.shape[2] - own.tokens, 0)))
+    return torch.cat(outs)
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int]]:

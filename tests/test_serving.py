@@ -333,6 +333,20 @@ def test_serve_without_its_extra_names_the_install_line(monkeypatch):
     assert INSTALL_SERVE in str(refused.value) and 'lowmem_aitextgen[serve]' in INSTALL_SERVE
 
 
+@pytest.mark.parametrize("fields, repeatable", [({"seed": 1}, True), ({"temperature": 0}, True),
+                                                ({"temperature": 0.8}, False)])
+def test_a_request_whose_text_must_repeat_is_decoded_alone(fields, repeatable):
+    """A seeded or greedy request's rows have their attention computed alone (the same text beside any others);
+    an unseeded sampled one's the batch's (cheaper: nothing asks it to repeat)."""
+    import json
+
+    from lowmem_aitextgen import completions
+
+    request = completions.parse(json.dumps({"model": "m", "prompt": "x", **fields}).encode(),
+                                completions.Limits("m", 1024))
+    assert request.settings(torch.tensor([1, 2]), 0).repeatable is repeatable
+
+
 @pytest.mark.parametrize("family", ["gpt2", "gpt-neo", "prefix-tuned gpt2"])
 def test_a_seeded_request_is_the_text_generate_makes_in_process(family, tmp_path, tokenizer_file, served):
     """One seed rule (sampling.row_seed) and one form for seeded texts (int8, each token alone): the server
