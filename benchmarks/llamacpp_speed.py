@@ -5,6 +5,7 @@ fp32 generate() (aitextgen's path) against llama.cpp's Q8_0 and F16 of the same 
 first token.
 
     python benchmarks/llamacpp_speed.py --sizes 124M 355M 1558M --rounds 3
+    python benchmarks/llamacpp_speed.py --sizes 355M --rounds 3 --sixteen   # ours in bf16 against F16
 
 llama.cpp comes from llama-cpp-python's source distribution (pip downloads it into --work, kept between
 runs): its vendored llama.cpp is built with cmake (llama-bench, llama-batched-bench; a few minutes on 2 cores,
@@ -26,6 +27,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -33,7 +35,7 @@ import torch  # noqa: E402
 from generate_speed import SIZES, ours, transformers_fp32  # noqa: E402
 from transformers import GPT2Config  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware, packed16  # noqa: E402
 
 NEW, PROMPT_TOKENS = 128, 16
 BINARIES = ("llama-bench", "llama-batched-bench")
@@ -109,7 +111,20 @@ def timed(run: Callable[[int, int], None], batch: int) -> dict[str, float]:
     return {"tokens/s": batch * NEW / (time.perf_counter() - start), "first token s": first}
 
 
-def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int) -> Iterator[dict]:
+def sixteen_bit_paths(folder: str, prompt: str) -> dict[str, Callable[[int, int], None]]:
+    """--sixteen: ours asked for decoding="bf16" (against llama.cpp's F16), its projections packed for oneDNN
+    (packed16.py) and not (the ops hidden while that object's view is made), each an object of its own."""
+    packed, unpacked = aitextgen(model_folder=folder), aitextgen(model_folder=folder)
+    bf16 = ours("bf16", 1, prompt)
+    bf16(packed, None, 1, 1)  # the views made here
+    with mock.patch.object(packed16, "PACKED_OPS", (*packed16.PACKED_OPS, "hidden")):
+        bf16(unpacked, None, 1, 1)
+    return {"ours, bf16": lambda b, n: bf16(packed, None, b, n),
+            "ours, bf16 not packed": lambda b, n: bf16(unpacked, None, b, n)}
+
+
+def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int, sixteen: bool = False
+              ) -> Iterator[dict]:
     """Every path's medians for one size, batch 1 and 8, the paths alternating within each round."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as folder:
@@ -126,6 +141,8 @@ def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int
         if SIZES[size]["n_layer"] <= fp32_up_to:  # an object of its own: reading ai.model would load the fp32
             reference = aitextgen(model_folder=folder)  # model, and ours would make its view again from it
             ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(reference, reference.model, b, n, prompt)
+        if sixteen:
+            ours_paths.update(sixteen_bit_paths(folder, prompt))
         for batch in (1, 8):
             default(ai, None, batch, 8)  # warm-up: the view made, the kernels chosen
             samples: dict[str, list[dict]] = {name: [] for name in [*ours_paths, *ggufs]}
@@ -147,13 +164,15 @@ def main() -> None:
     parser.add_argument("--work", default=os.path.expanduser("~/.cache/lowmem_aitextgen/llamacpp"))
     parser.add_argument("--fp32-up-to", type=int, default=24, help="transformers' fp32 for models of at most "
                         "this many layers (1558M's fp32 generate() takes minutes a round)")
+    parser.add_argument("--sixteen", action="store_true", help="ours in bf16 too (decoding='bf16', packed and "
+                        "not), against llama.cpp's F16: a CPU with native bf16")
     parser.add_argument("--out", default=None, help="a JSONL file the rows are appended to")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     source, bin_dir = llamacpp(args.work)
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
     for size in args.sizes:
-        for row in size_rows(size, args.rounds, source, bin_dir, args.fp32_up_to):
+        for row in size_rows(size, args.rounds, source, bin_dir, args.fp32_up_to, args.sixteen):
             print(json.dumps(row), flush=True)
             if args.out:
                 with open(args.out, "a", encoding="utf-8") as out:

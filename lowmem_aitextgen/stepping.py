@@ -175,20 +175,26 @@ def each_row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     """Attention (rows, heads, new, head size) of the rows `owns` describes (in order), a call a row, each over
     its own places with its own tokens: the call the row makes decoded alone; a padding token's output is zeros
     (nothing reads it)."""
-    outs = []
-    for query, keys, values, own in zip(query.split(1), keys.split(1), values.split(1), owns):
-        places, seen = own.places, own.seen
-        if window is not None and own.tokens == 1:  # one token: its window is its last places
-            places = min(places, window)
-        elif window is not None:
-            seen = own.local
-        if own.index is None:
-            keys, values = keys[:, :, -places:], values[:, :, -places:]
-        else:  # copied together, as they lie alone
-            keys, values = keys[:, :, own.index[-places:]], values[:, :, own.index[-places:]]
-        out = F.scaled_dot_product_attention(query[:, :, -own.tokens:], keys, values, attn_mask=seen, scale=scale)
-        outs.append(out if own.tokens == query.shape[2] else F.pad(out, (0, 0, query.shape[2] - own.tokens, 0)))
-    return torch.cat(outs)
+    if len(owns) == 1:  # one row: its call's output as it is (a split and a cat of one cost half the call)
+        return _row_alone(query, keys, values, owns[0], window, scale)
+    return torch.cat([_row_alone(*row, own, window, scale)
+                      for *row, own in zip(query.split(1), keys.split(1), values.split(1), owns)])
+
+
+def _row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own: RowOwn, window: int | None,
+               scale: float) -> torch.Tensor:
+    """each_row_alone's call for one row (query, keys and values of one row)."""
+    places, seen = own.places, own.seen
+    if window is not None and own.tokens == 1:  # one token: its window is its last places
+        places = min(places, window)
+    elif window is not None:
+        seen = own.local
+    if own.index is None:
+        keys, values = keys[:, :, -places:], values[:, :, -places:]
+    else:  # copied together, as they lie alone
+        keys, values = keys[:, :, own.index[-places:]], values[:, :, own.index[-places:]]
+    out = F.scaled_dot_product_attention(query[:, :, -own.tokens:], keys, values, attn_mask=seen, scale=scale)
+    return out if own.tokens == query.shape[2] else F.pad(out, (0, 0, query.shape[2] - own.tokens, 0))
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, decoding, hardware
+from lowmem_aitextgen import aitextgen, decoding, hardware, packed16
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
@@ -67,6 +67,53 @@ def test_the_int8_kernels_decoding_calls_are_in_this_torch():
     assert hardware.missing_int8_kernels() == [], "this torch dropped an int8 kernel decoding.py calls"
     engines = {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)
     assert hardware.cpu().int8_kernels == bool(engines)
+
+
+def test_the_packed_bf16_kernels_a_cpus_bf16_view_calls_are_in_this_torch():
+    """Fails on a torch that dropped them (private mkldnn ops): a bf16 view then keeps its modules, 1.5x slower."""
+    assert packed16.missing_packed_kernels() == [], "this torch dropped an op packed16.py calls"
+
+
+def _projections(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for block in model.transformer.h for m in block.modules() if decoding._is_projection(m)
+            or isinstance(m, packed16.PackedLinear)]
+
+
+def test_a_cpus_bf16_view_computes_each_projection_packed_as_the_module_did(ai):
+    """On a CPU with native bf16, packed; elsewhere (AVX2: the bf16 form is not planned there) the view keeps its
+    modules."""
+    before = weights_hash(ai.model)
+    calls = []  # a hook on the model's projection runs in its view too
+    ai.model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda module, args, out: calls.append(module))
+    plain = copy.deepcopy(ai.model).to(torch.bfloat16).eval()
+    view = decoding.decoding_model(ai.model, "bf16").model
+    packs = hardware.cpu().bf16_native
+    assert all(isinstance(m, packed16.PackedLinear) == packs for m in _projections(view))
+    with torch.inference_mode():
+        for module, packed in zip(_projections(plain), _projections(view)):
+            x = torch.randn(3, 5, module.weight.shape[0]).to(torch.bfloat16)  # Conv1D: (in, out)
+            expected, got = module(x).float(), packed(x).float()
+            assert got.shape == expected.shape
+            assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2), float((got - expected).abs().max())
+    assert len(calls) == 2 and isinstance(calls[1], packed16.PackedLinear) == packs  # the plain copy's, the view's
+    assert weights_hash(ai.model) == before  # the model's own weights and modules untouched
+    assert all(type(m).__name__ == "Conv1D" for m in _projections(ai.model))
+
+
+@pytest.mark.parametrize("without", ["an op", "native bf16"])
+def test_without_the_packed_kernels_a_bf16_view_keeps_its_modules_and_computes(ai, monkeypatch, without):
+    if without == "an op":
+        monkeypatch.setattr(packed16, "PACKED_OPS", (*packed16.PACKED_OPS, "_gone"))  # as a torch that dropped one
+        assert packed16.missing_packed_kernels() == ["torch.ops.mkldnn._gone"]
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16" if without == "an op" else
+                                                               "no native bf16"])):
+        view = decoding.decoding_model(ai.model, "bf16").model
+    assert not any(isinstance(m, packed16.PackedLinear) for m in view.modules())
+    assert all(m.weight.dtype == torch.bfloat16 for m in _projections(view))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        got, expected = view(input_ids=ids).logits.float(), ai.model(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=0.1), float((got - expected).abs().max())
 
 
 def test_with_an_int8_kernel_gone_generate_decodes_in_another_form_and_names_it(ai, monkeypatch):
