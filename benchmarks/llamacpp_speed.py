@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from generate_speed import SIZES, ours, transformers_fp32  # noqa: E402
 from transformers import GPT2Config  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware, packed16  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
 
 NEW, PROMPT_TOKENS = 128, 16
 BINARIES = ("llama-bench", "llama-batched-bench")
@@ -117,7 +117,7 @@ def sixteen_bit_paths(folder: str, prompt: str) -> dict[str, Callable[[int, int]
     packed, unpacked = aitextgen(model_folder=folder), aitextgen(model_folder=folder)
     bf16 = ours("bf16", 1, prompt)
     bf16(packed, None, 1, 1)  # the views made here
-    with mock.patch.object(packed16, "PACKED_OPS", (*packed16.PACKED_OPS, "hidden")):
+    with mock.patch.object(hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "hidden")):
         bf16(unpacked, None, 1, 1)
     return {"ours, bf16": lambda b, n: bf16(packed, None, b, n),
             "ours, bf16 not packed": lambda b, n: bf16(unpacked, None, b, n)}

@@ -18,7 +18,7 @@ but these kernels reads.
 The ops are `torch.ops.mkldnn._reorder_linear_weight` and `_linear_pointwise`: private, so where a torch lacks
 them, the CPU has no native bf16 (hardware.py's fact: oneDNN's bf16 is emulated there, and a bf16 view is not
 planned) or the ops fail on a probe of the first projection, the view keeps its modules as they were (slower,
-same function); tests/test_decoding.py fails on a torch that dropped them.
+same function); tests/test_decoding.py fails on a torch that dropped them (hardware.missing_packed_kernels).
 Only projections are packed: the LM head stays the embedding's tied weight (no second copy).
 """
 
@@ -32,20 +32,6 @@ from torch import nn
 from . import hardware
 
 logger = logging.getLogger("lowmem_aitextgen")
-
-PACKED_OPS = ("_reorder_linear_weight", "_linear_pointwise")  # what PackedLinear calls (torch.ops.mkldnn)
-
-
-def missing_packed_kernels() -> list[str]:
-    """The ops PackedLinear calls that this torch lacks (empty: a bf16 view packs its projections here)."""
-    missing = []
-    for name in PACKED_OPS:
-        try:
-            getattr(torch.ops.mkldnn, name)
-        except (AttributeError, RuntimeError):
-            missing.append(f"torch.ops.mkldnn.{name}")
-    return missing
-
 
 class PackedLinear(nn.Module):
     """A 16-bit projection (nn.Linear, or transformers' Conv1D: x @ W + b) computing the same function from its
@@ -69,7 +55,7 @@ def pack_projections(projections: list[tuple[nn.Module, str]]) -> list[tuple[nn.
     """Each (parent, name) projection of a bf16 view on a CPU replaced by its PackedLinear, where this torch and
     CPU run the ops (a CPU with native bf16, the first tried on a probe): each (projection, its replacement);
     none where not."""
-    missing = missing_packed_kernels()
+    missing = hardware.missing_packed_kernels()
     if missing or not projections or not hardware.cpu().bf16_native:
         logger.debug("bf16 projections not packed: %s", f"this torch lacks {', '.join(missing)}" if missing else
                      "bf16 is not native here")
@@ -82,8 +68,8 @@ def pack_projections(projections: list[tuple[nn.Module, str]]) -> list[tuple[nn.
     except RuntimeError as error:  # this CPU's oneDNN has no bf16 kernel for them
         logger.debug("bf16 projections not packed: %s", error)
         return []
-    replaced = []
-    for parent, name in projections:
-        replaced.append((getattr(parent, name), PackedLinear(getattr(parent, name))))
-        setattr(parent, name, replaced[-1][1])
+    replaced = [(first, packed)]  # the probe's packing kept: each weight reordered once
+    replaced += [(getattr(parent, name), PackedLinear(getattr(parent, name))) for parent, name in projections[1:]]
+    for (parent, name), (_, new) in zip(projections, replaced):
+        setattr(parent, name, new)
     return replaced

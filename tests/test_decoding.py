@@ -71,7 +71,7 @@ def test_the_int8_kernels_decoding_calls_are_in_this_torch():
 
 def test_the_packed_bf16_kernels_a_cpus_bf16_view_calls_are_in_this_torch():
     """Fails on a torch that dropped them (private mkldnn ops): a bf16 view then keeps its modules, 1.5x slower."""
-    assert packed16.missing_packed_kernels() == [], "this torch dropped an op packed16.py calls"
+    assert hardware.missing_packed_kernels() == [], "this torch dropped an op packed16.py calls"
 
 
 def _projections(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -103,8 +103,8 @@ def test_a_cpus_bf16_view_computes_each_projection_packed_as_the_module_did(ai):
 @pytest.mark.parametrize("without", ["an op", "native bf16"])
 def test_without_the_packed_kernels_a_bf16_view_keeps_its_modules_and_computes(ai, monkeypatch, without):
     if without == "an op":
-        monkeypatch.setattr(packed16, "PACKED_OPS", (*packed16.PACKED_OPS, "_gone"))  # as a torch that dropped one
-        assert packed16.missing_packed_kernels() == ["torch.ops.mkldnn._gone"]
+        monkeypatch.setattr(hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "_gone"))  # as a torch that dropped one
+        assert hardware.missing_packed_kernels() == ["torch.ops.mkldnn._gone"]
     with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16" if without == "an op" else
                                                                "no native bf16"])):
         view = decoding.decoding_model(ai.model, "bf16").model
