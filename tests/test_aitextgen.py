@@ -14,7 +14,7 @@ from aitextgen import aitextgen as Original
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import BadWeightsAt, CtrlC, FileSizeLimitAtTheEnd, OutOfMemoryFrom, SigTerm, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen import aitextgen, hardware
 from lowmem_aitextgen.callbacks import TrainingDiverged
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
@@ -175,6 +175,22 @@ def test_after_any_ending_with_a_checkpoint_resume_continues_as_a_new_object_doe
                                                                                  tmp_path):
     """train(resume=True) on the object an ending left ends with the weights a new object resuming the same
     checkpoint ends with (one that starts from where the run started: the checkpoint's adapter base)."""
+    resumed_as_new_object(kind, ending, small_data, realistic_base, tokenizer_file, tmp_path)
+
+
+@pytest.mark.parametrize("cpu", ["native bf16", "no native bf16"])
+def test_a_lora_run_resumed_after_its_weights_went_bad_continues_on_either_cpu_kind(cpu, small_data, realistic_base,
+                                                                                    tokenizer_file, tmp_path):
+    """Where the plan holds LoRA's base in fp32 (a CPU without native bf16), the resume read the base from the
+    start folder while the object still named the earlier run's read-back output as its own: it refused its own
+    base as "written there since".  Both CPU kinds, as presented, whichever this machine is."""
+    with hardware.presenting(hardware.Hardware(hardware.CPUS[cpu])):
+        resumed_as_new_object("lora", "weights went bad after a save", small_data, realistic_base, tokenizer_file,
+                              tmp_path)
+
+
+def resumed_as_new_object(kind: str, ending: str, small_data, realistic_base, tokenizer_file, tmp_path) -> None:
+    """A run of `kind` ended by `ending`, resumed on the same object and on a new one: the same model."""
     start, kwargs = start_of(kind, realistic_base, tmp_path)
     ai = aitextgen(model_folder=start, tokenizer_file=tokenizer_file)
     end(ai, ending, small_data, str(tmp_path / "out"), kwargs)
