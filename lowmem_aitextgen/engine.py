@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from . import _compat, stepping
 from .kv_cache import new_cache, refilled
-from .sampling import Row, scored
+from .sampling import Row, next_tokens, scored
 
 
 def window_kept(context: int) -> int:
@@ -155,14 +155,12 @@ class Engine:
         if not self.rows:
             self.join(self._admitted())
             return []
-        tokens = []
-        for i, row in enumerate(self.rows):
-            if not row.done:
-                token = row.next_token(self.scores[i], row.settings.eos or self.eos)
-                row.took(token, self.tokenizer, row.settings.eos or self.eos, self.scores[i])
-                tokens.append(token)
+        tokens = next_tokens(self.rows, self.scores, self.eos)
+        for i, (row, token) in enumerate(zip(self.rows, tokens)):
+            if token is None:  # done: fed padding
+                tokens[i] = self.pad
             else:
-                tokens.append(self.pad)
+                row.took(token, self.tokenizer, row.settings.eos or self.eos, self.scores[i])
         ended = [row for row in self.rows if row.done]
         for row in ended:
             row.end(self.tokenizer)

@@ -199,9 +199,9 @@ class Recorded(Row):
         super().__init__(*args, **kwargs)
         self.given: list[torch.Tensor] = []
 
-    def next_token(self, scores: torch.Tensor, eos: tuple[int, ...]) -> int:
+    def took(self, token: int, tokenizer, eos: tuple[int, ...], scores: torch.Tensor | None = None) -> None:
         self.given.append(scores.clone())
-        return super().next_token(scores, eos)
+        super().took(token, tokenizer, eos, scores)
 
 
 @pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])

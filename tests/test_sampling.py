@@ -118,3 +118,40 @@ def test_a_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
     counts = torch.bincount(torch.tensor([_draw(probabilities, generator) for _ in range(20_000)]), minlength=6)
     assert counts[1] == counts[4] == 0
     assert torch.allclose(counts / 20_000, probabilities, atol=0.015)
+
+
+def test_rows_picked_together_pick_what_each_picks_alone():
+    """next_tokens's rows picked together (greedy, temperatures, end-of-text barred before min_new) beside rows
+    picked one by one (top-k, top-p) and a row done: each row's tokens are those Row.next_token picks for it
+    alone, from the same scores and the same stream, step after step."""
+    from lowmem_aitextgen.sampling import next_tokens
+
+    settings = [RowSettings(max_new=50, temperature=t, seed=k, min_new=m, top_k=top_k, top_p=top_p)
+                for k, (t, m, top_k, top_p) in enumerate([(1.0, 0, 0, 1.0), (0.7, 5, 0, 1.0), (0.0, 3, 0, 1.0),
+                                                          (1.3, 0, 0, 1.0), (0.9, 0, 40, 1.0), (1.0, 0, 0, 0.9),
+                                                          (0.05, 0, 0, 1.0), (2.5, 8, 0, 1.0)])]
+    prompt = torch.tensor([1, 2, 3])
+    together, alone = [Row(prompt, s) for s in settings], [Row(prompt, s) for s in settings]
+    together[3].finish = alone[3].finish = "length"  # a row done: no pick, its stream untouched
+    assert [row.plain for row in together] == [True, True, True, True, False, False, True, True]
+    scores_of = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        scores = torch.randn(len(settings), 300, generator=scores_of) * 4
+        picked = next_tokens(together, scores, (7, 9))
+        expected = [None if row.done else row.next_token(scores[i].clone(), (7, 9)) for i, row in enumerate(alone)]
+        assert picked == expected
+        for made, row in zip((together, alone), (picked, expected)):
+            for each, token in zip(made, row):
+                if token is not None:
+                    each.tokens.append(token)
+    assert not any(token in (7, 9) for token in together[1].tokens[:5] + together[7].tokens[:8])
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_a_rows_softmax_and_cumulative_sum_are_its_own_bits_beside_others(rows):
+    """What next_tokens rests on: torch's softmax over the vocabulary and the float64 cumulative sum give a row
+    the same bits alone and beside other rows (each row's own arithmetic), here and on each CPU kind CI runs."""
+    scores = torch.randn(rows, 50257, generator=torch.Generator().manual_seed(rows)) * 6
+    together = scores.softmax(-1).cumsum(-1, dtype=torch.float64)
+    for i in range(rows):
+        assert torch.equal(together[i], scores[i].softmax(-1).double().cumsum(0))
