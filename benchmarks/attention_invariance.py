@@ -1,7 +1,9 @@
 """Whether torch's CPU attention gives a row the same bits alone and beside other rows: the cause of a seeded
 text at 355M differing in a list (RESULTS.md, "The seed rule at 355M").  Random tensors of GPT-2 355M's heads
 (16 of 64), one query a row, as a decoding step; one JSON line a case, the share of shapes whose row 0 came out
-the same.
+the same.  The "written out" cases are attention's products computed apart, row 0 padded on the left (zeros)
+beside 15 rows: whether a batched attention written as products could give a row its own bits (RESULTS.md,
+"Serving and decoding — 2026-11-28, fifth session").
 
     python benchmarks/attention_invariance.py
 """
@@ -33,13 +35,29 @@ def products_same(rows: int, places: int) -> bool:
     return torch.equal((query @ keys.transpose(-1, -2))[:1], query[:1] @ keys[:1].transpose(-1, -2))
 
 
+def written_out_same(product: str, own: int, places: int) -> bool:
+    """One of attention's products for row 0 (its `own` places the last of `places`, zeros before them) beside
+    15 rows against alone: "q @ k.T" and "k @ q" (the scores, two ways), "p @ v" (the weighted values)."""
+    query, keys = torch.randn(16, HEADS, 1, SIZE), torch.randn(16, HEADS, places, SIZE)
+    keys[0, :, :places - own] = 0
+    if product == "p @ v":
+        weights = torch.rand(16, HEADS, 1, places)
+        weights[0, ..., :places - own] = 0
+        return torch.equal((weights @ keys)[:1], weights[:1, ..., -own:] @ keys[:1, :, -own:])
+    def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q @ k.transpose(-1, -2) if product == "q @ k.T" else (k @ q.transpose(-1, -2)).transpose(-1, -2)
+    return torch.equal(scores(query, keys)[:1, ..., -own:], scores(query[:1], keys[:1, :, -own:]))
+
+
 def main() -> None:
     torch.manual_seed(0)
     shapes = random.Random(0)
     for threads in sorted({1, torch.get_num_threads()}):
         torch.set_num_threads(threads)
         cases = {"sdpa, no padding": lambda n: same(5, n, n), "sdpa, row 0 padded": lambda n: same(5, n // 2 + 1, n),
-                 "q @ k.T, no padding": lambda n: products_same(5, n)}
+                 "q @ k.T, no padding": lambda n: products_same(5, n),
+                 **{f"written out, {p}, row 0 padded": lambda n, p=p: written_out_same(p, n // 2 + 1, n)
+                    for p in ("q @ k.T", "k @ q", "p @ v")}}
         for name, case in cases.items():
             lengths = [shapes.randint(2, 400) for _ in range(SHAPES)]
             print(json.dumps({"threads": threads, "case": name, "shapes": SHAPES,
