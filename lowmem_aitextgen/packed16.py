@@ -33,6 +33,7 @@ from . import hardware
 
 logger = logging.getLogger("lowmem_aitextgen")
 
+
 class PackedLinear(nn.Module):
     """A 16-bit projection (nn.Linear, or transformers' Conv1D: x @ W + b) computing the same function from its
     weight packed for oneDNN."""
@@ -56,7 +57,9 @@ def pack_projections(projections: list[tuple[nn.Module, str]]) -> list[tuple[nn.
     CPU run the ops (a CPU with native bf16, the first tried on a probe): each (projection, its replacement);
     none where not."""
     missing = hardware.missing_packed_kernels()
-    if missing or not projections or not hardware.cpu().bf16_native:
+    if not projections:
+        return []
+    if missing or not hardware.cpu().bf16_native:
         logger.debug("bf16 projections not packed: %s", f"this torch lacks {', '.join(missing)}" if missing else
                      "bf16 is not native here")
         return []
