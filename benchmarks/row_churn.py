@@ -15,6 +15,11 @@ rows of unseeded requests, which need not be the same beside others (a seeded re
 attention computed alone, where the checkout has RowSettings.repeatable); tokens/s of each checkout,
 the rounds alternating (each checkout in a process of its own, the model built once), medians of --rounds.
 GPT-2 of the size (random weights, seed 0), the int8 form each token alone (the server's and a seeded call's).
+
+`--without-kernel`: every int8 product returns zeros at once (the kernel is not called), so what is timed is the
+rest of a step (the engine, the stepping decoder, the elementwise operations, the cache, attention, sampling):
+the part Python and small operations cost, which a change to them moves by a few percent of a whole step while
+the products' speed here moves by a fifth between minutes (they read the weights from memory).
 """
 
 from __future__ import annotations
@@ -34,7 +39,16 @@ from generate_speed import SIZES  # noqa: E402
 PROMPT = "The meaning of life is"
 
 
-def worker(size: str) -> None:
+def without_kernel(view: object) -> None:
+    """Each of the view's token-alone int8 Linears gives zeros in place of its kernel's products."""
+    from lowmem_aitextgen import decoding
+
+    for module in view.modules():
+        if isinstance(module, decoding.TokenwiseInt8Linear):
+            module._kernel = lambda x, scale, zero, packed, width=module.out_features: x.new_zeros(x.shape[0], width)
+
+
+def worker(size: str, kernel: bool = True) -> None:
     """Build the model and its view once; then, for each job read from stdin, print its tokens/s."""
     import torch
     from transformers import GPT2Config
@@ -47,6 +61,8 @@ def worker(size: str) -> None:
     ai = aitextgen(config=GPT2Config(**SIZES[size]))
     view, tokenizer = decoding.decoding_model(ai.model, "int8", tokenwise=True), ai.tokenizer
     prompt, seeds = torch.tensor(tokenizer.encode(PROMPT)), iter(range(10**9))
+    if not kernel:
+        without_kernel(getattr(view, "model", view))  # a Decoder holds the view as .model
 
     def churn(rows: int, new: int, total: int, group: int = 1, sampled: int = 0) -> float:
         engine = Engine(view, tokenizer, (tokenizer.eos_token_id,))
@@ -84,13 +100,16 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="*", default=["16,64,48", "1,64,2"],
                         help="rows,new,total[,group[,sampled]] each")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--without-kernel", action="store_true",
+                        help="int8 products give zeros without the kernel: time the rest of a step (module docstring)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker)
+        return worker(args.worker, kernel=not args.without_kernel)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this checkout": here, "against": os.path.abspath(args.against)}
-    workers = {name: subprocess.Popen([sys.executable, __file__, "--against", tree, "--worker", args.size],
+    flags = ["--without-kernel"] if args.without_kernel else []
+    workers = {name: subprocess.Popen([sys.executable, __file__, "--against", tree, "--worker", args.size, *flags],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                       env={**os.environ, "PYTHONPATH": tree})  # that tree's package first
                for name, tree in trees.items()}
@@ -104,7 +123,8 @@ def main() -> None:
                 workers[name].stdin.flush()
                 rates[name].append(float(workers[name].stdout.readline()))
         medians = {name: statistics.median(r) for name, r in rates.items()}
-        print(json.dumps({"size": args.size, "job rows,new,total": job, "tokens/s (medians)": medians,
+        print(json.dumps({"size": args.size, "kernel": not args.without_kernel, "job rows,new,total": job,
+                          "tokens/s (medians)": medians,
                           "this / against": round(medians["this checkout"] / medians["against"], 3),
                           "rounds": rates}), flush=True)
     for process in workers.values():

@@ -593,9 +593,10 @@ class TokenwiseInt8Linear(nn.Module):
         carry_hooks(linear, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)  # linalg.vector_norm(inf): 10x slower
-        out = self._kernel(x / size, TOKEN_SCALE, TOKEN_ZERO, self._packed)
-        return out.mul_(size) if self.bias is None else torch.addcmul(self.bias, out, size)
+        # linalg.vector_norm(inf): 10x slower; arguments by position: torch parses keywords in ~0.2 us each
+        size = x.abs().amax(-1, True).clamp_min_(1e-12)
+        out, bias = self._kernel(x / size, TOKEN_SCALE, TOKEN_ZERO, self._packed), self.bias
+        return out.mul_(size) if bias is None else torch.addcmul(bias, out, size)
 
 
 def linear_of(conv: nn.Module) -> nn.Linear:

@@ -44,9 +44,11 @@ class Slots:
         keys, values = self.buffers
         return keys[:self.rows, :, self.start:self.end], values[:self.rows, :, self.start:self.end]
 
-    @torch.inference_mode()
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`keys` and `values` (rows, heads, new places) after each row's own."""
+        if not torch.is_inference_mode_enabled():  # (a step is in inference mode: entering it again costs ~2 us)
+            with torch.inference_mode():
+                return self.append(keys, values)
         added = keys.shape[-2]
         if self.end + added > self.buffers[0].shape[-2]:
             self._move(self.rows, self.end - self.start + added)

@@ -16,7 +16,8 @@ joining costs the others its tokens' share of the products, not a pass over the 
 | what          | how                                                                                        |
 |---------------|--------------------------------------------------------------------------------------------|
 | projections   | each module called (an int8 Linear, a 16-bit Conv1D...): their hooks run, as in the forward |
-|               | (the parts' tokens side by side; a token its own where the form quantizes tokens alone)     |
+|               | (the parts' tokens side by side; a token its own where the form quantizes tokens alone);    |
+|               | an unhooked module's forward called straight, the block's modules looked up once (`Layer`)  |
 | attention     | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
 |               | is padded), causal over a prompt, the family's scaling; GPT-Neo's local layers within      |
 |               | window_size places (a step: the last ones).  Where the projections compute each token      |
@@ -35,6 +36,7 @@ joining costs the others its tokens' share of the products, not a pass over the 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -74,6 +76,19 @@ class Step:
                         for block in self.blocks]
         first = attention.q_proj if self.neo else attention.c_attn
         self.rows_alone = bool(getattr(first, "each_token_alone", False))  # module docstring: attention
+        self.layers = [self._layer(block) for block in self.blocks]
+        self.embeddings, self.positions = called(self.transformer.wte), called(self.transformer.wpe)
+        self.final_norm, self.head = called(self.transformer.ln_f), called(model.lm_head)
+
+    def _layer(self, block: nn.Module) -> Layer:
+        if self.neo:
+            attention = block.attn.attention
+            qkv, out, scale = [attention.q_proj, attention.k_proj, attention.v_proj], attention.out_proj, 1.0
+        else:
+            qkv, out, scale = [block.attn.c_attn], block.attn.c_proj, gpt2_scaling(block.attn)
+        tanh = type(block.mlp.act).__name__ in TANH_GELUS
+        return Layer(called(block.ln_1), [called(p) for p in qkv], called(out), scale, called(block.ln_2),
+                     called(block.mlp.c_fc), _tanh_gelu if tanh else block.mlp.act, called(block.mlp.c_proj))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
                  alone: list[int] | None = None) -> torch.Tensor:
@@ -86,19 +101,20 @@ class Step:
         be alone wherever a projection computes each token alone), attention within each part over its own
         cache (the running rows' step beside new rows' prompts: continuous batching's chunked prefill)."""
         bounds = _bounds([part.ids.numel() for part in parts])
-        x = _flat([self.transformer.wte(p.ids) + self.transformer.wpe(p.positions) for p in parts])
+        x = _flat([self.embeddings(p.ids) + self.positions(p.positions) for p in parts])
         seen = [(seen_places(p.mask.to(p.ids.device), p.ids.shape[1], self.windows), self._rows_own(p))
                 for p in parts]
-        for index, (block, window) in enumerate(zip(self.blocks, self.windows)):
-            projected, scale = self._qkv(block, block.ln_1(x))
+        for index, (layer, window) in enumerate(zip(self.layers, self.windows)):
+            h = layer.ln_1(x)
+            projected = [projection(h) for projection in layer.qkv]
             outs = [self._attend(projected if len(parts) == 1 else [t[start:end] for t in projected], part, index,
-                                 window, masks, scale) for part, (start, end), masks in zip(parts, bounds, seen)]
-            x = x + self._out(block, _flat(outs))
-            x = x + block.mlp.c_proj(gelu(block.mlp.act, block.mlp.c_fc(block.ln_2(x))))
+                                 window, masks, layer.scale) for part, (start, end), masks in zip(parts, bounds, seen)]
+            x = x + layer.out(_flat(outs))
+            x = x + layer.proj(layer.act(layer.fc(layer.ln_2(x))))
         if len(parts) > 1 or parts[0].ids.shape[1] > 1:  # only each row's last token's logits are made
             x = x[torch.cat([torch.arange(start, end, p.ids.shape[1]) + p.ids.shape[1] - 1
                              for p, (start, end) in zip(parts, bounds)]).to(x.device)]
-        logits = self.model.lm_head(self.transformer.ln_f(x))
+        logits = self.head(self.final_norm(x))
         return [logits[start:end, None] for start, end in _bounds([p.ids.shape[0] for p in parts])]
 
     def _rows_own(self, part: Part) -> dict[int, RowOwn]:
@@ -121,12 +137,13 @@ class Step:
     def _attend(self, projected: list[torch.Tensor], part: Part, index: int, window: int | None,
                 masks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn]],
                 scale: float) -> torch.Tensor:
-        """A part's attention output (its tokens, width) from its tokens' projections (_qkv's), its keys and
-        values written to its cache's layer `index`; `masks`: seen_places's for the batch, _rows_own's for the
-        rows attending alone."""
+        """A part's attention output (its tokens, width) from its tokens' projections (GPT-Neo's three, GPT-2's
+        one), its keys and values written to its cache's layer `index`; `masks`: seen_places's for the batch,
+        _rows_own's for the rows attending alone."""
         rows, new = part.ids.shape
         if len(projected) == 1:  # GPT-2's one projection: (tokens, 3 x width)
-            query, key, value = projected[0].view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
+            qkv = projected[0].view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
+            query, key, value = qkv.unbind()  # one call (unpacking the tensor itself makes three)
         else:
             query, key, value = (t.view(rows, new, self.heads, self.head_size).transpose(1, 2) for t in projected)
         keys, values = part.cache.update(key, value, index)
@@ -146,17 +163,6 @@ class Step:
             out[row:row + 1] = each_row_alone(query[row:row + 1], keys[row:row + 1], values[row:row + 1], [own],
                                               window, scale)
         return out.transpose(1, 2).reshape(rows * new, -1)
-
-    def _qkv(self, block: nn.Module, h: torch.Tensor) -> tuple[list[torch.Tensor], float]:
-        """A block's query, key and value of the normed `h` (tokens, width): GPT-Neo's three (tokens, width),
-        GPT-2's one (tokens, 3 x width); and the scale."""
-        if self.neo:
-            attention = block.attn.attention
-            return [p(h) for p in (attention.q_proj, attention.k_proj, attention.v_proj)], 1.0
-        return [block.attn.c_attn(h)], gpt2_scaling(block.attn)
-
-    def _out(self, block: nn.Module, out: torch.Tensor) -> torch.Tensor:
-        return block.attn.attention.out_proj(out) if self.neo else block.attn.c_proj(out)
 
 
 class RowOwn(NamedTuple):
@@ -189,12 +195,14 @@ def _row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ow
         places = min(places, window)
     elif window is not None:
         seen = own.local
-    if own.index is None:
-        keys, values = keys[:, :, -places:], values[:, :, -places:]
-    else:  # copied together, as they lie alone
+    if own.index is not None:  # copied together, as they lie alone
         keys, values = keys[:, :, own.index[-places:]], values[:, :, own.index[-places:]]
-    out = F.scaled_dot_product_attention(query[:, :, -own.tokens:], keys, values, attn_mask=seen, scale=scale)
-    return out if own.tokens == query.shape[2] else F.pad(out, (0, 0, query.shape[2] - own.tokens, 0))
+    elif places < keys.shape[2]:  # (a slice of everything costs as much as the call's arithmetic at batch 1)
+        keys, values = keys[:, :, -places:], values[:, :, -places:]
+    width = query.shape[2]
+    out = F.scaled_dot_product_attention(query if own.tokens == width else query[:, :, -own.tokens:], keys, values,
+                                         attn_mask=seen, scale=scale)
+    return out if own.tokens == width else F.pad(out, (0, 0, width - own.tokens, 0))
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
@@ -236,9 +244,32 @@ def gpt2_scaling(attention: nn.Module) -> float:
     return scale / (attention.layer_idx + 1) if attention.scale_attn_by_inverse_layer_idx else scale
 
 
-def gelu(act: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation: F.gelu's one operation where it is the tanh approximation, else the module."""
-    return F.gelu(x, approximate="tanh") if type(act).__name__ in TANH_GELUS else act(x)
+def _tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's activation (the tanh approximation) as one operation, in place of transformers' eight."""
+    return F.gelu(x, approximate="tanh")
+
+
+class Layer(NamedTuple):
+    """A block's parts as a step calls them (`called`), read once when the Step is made: GPT-Neo's three query, key
+    and value projections or GPT-2's one (`qkv`), the attention's output projection (`out`) and score factor
+    (`scale`), the MLP's projections and activation."""
+
+    ln_1: Callable[[torch.Tensor], torch.Tensor]
+    qkv: list[Callable[[torch.Tensor], torch.Tensor]]
+    out: Callable[[torch.Tensor], torch.Tensor]
+    scale: float
+    ln_2: Callable[[torch.Tensor], torch.Tensor]
+    fc: Callable[[torch.Tensor], torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    proj: Callable[[torch.Tensor], torch.Tensor]
+
+
+def called(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a step calls `module`: its forward where no hook is on it or on every module (torch's __call__ only
+    looks for hooks: ~3 us a call, ~150 calls a step), else the module, so that its hooks run as in the forward.
+    Hooks are looked for when the Step is made (as stepper() looks for them on the modules it bypasses): the
+    engine makes its Step from a view made after the model's hooks were carried onto it."""
+    return module if _hooked(module) or _hooked_globally() else module.forward
 
 
 def stepper(model: nn.Module) -> Step | None:
@@ -258,3 +289,10 @@ def stepper(model: nn.Module) -> Step | None:
 
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _hooked_globally() -> bool:
+    """A hook registered for every module (torch.nn.modules.module.register_module_forward_hook and its kin)."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)

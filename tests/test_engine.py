@@ -294,3 +294,29 @@ def test_the_model_as_held_and_a_hooked_view_step_by_transformers_forward(traine
     assert Engine(Decoder(view, view=True), ai.tokenizer, (-1,)).stepper is not None
     view.transformer.h[0].attn.register_forward_hook(lambda *args: None)
     assert Engine(Decoder(view, view=True), ai.tokenizer, (-1,)).stepper is None
+
+
+@pytest.mark.parametrize("where", ["the module", "every module"])
+def test_a_hook_on_a_views_projection_runs_at_every_step_of_the_stepping_decoder(trained, where):
+    """The stepping decoder calls an unhooked projection's forward straight (no hook lookup) but a hooked one,
+    or every module where a global hook is registered, through the module: the hook sees each step's tokens."""
+    ai, _ = trained["full"]
+    view = decoding.decoding_model(ai.model, "int8", tokenwise=True).model
+    projection = view.transformer.h[1].mlp.c_fc
+    seen = []
+
+    def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if module is projection:
+            seen.append(args[0].shape[0])
+
+    handle = (projection.register_forward_hook(hook) if where == "the module" else
+              torch.nn.modules.module.register_module_forward_hook(hook))
+    try:
+        engine = Engine(Decoder(view, view=True), ai.tokenizer, (-1,))
+        assert engine.stepper is not None
+        prompt = prompt_ids(ai.model, ai.tokenizer, PROMPT, None)
+        engine.join([Row(prompt, RowSettings(max_new=4, min_new=4, seed=1)) for _ in range(2)])
+        engine.run()
+    finally:
+        handle.remove()
+    assert seen == [2 * len(prompt), 2, 2, 2], seen  # the prompts' tokens, then each step's (the 4th token ends)
