@@ -3,7 +3,9 @@ text at 355M differing in a list (RESULTS.md, "The seed rule at 355M").  Random 
 (16 of 64), one query a row, as a decoding step; one JSON line a case, the share of shapes whose row 0 came out
 the same.  The "written out" cases are attention's products computed apart, row 0 padded on the left (zeros)
 beside 15 rows: whether a batched attention written as products could give a row its own bits (RESULTS.md,
-"Serving and decoding — 2026-11-28, fifth session").
+"Serving and decoding — 2026-11-28, fifth session").  The "2 (mod 4)" and "4 queries" cases: the kernel's
+per-thread buffers on 16-byte boundaries (places ≡ 2 modulo 4; a slice of 4 queries' floats), where rows of one
+length came out the same together and alone (RESULTS.md, "Decoding — 2026-11-29").
 
     python benchmarks/attention_invariance.py
 """
@@ -49,6 +51,14 @@ def written_out_same(product: str, own: int, places: int) -> bool:
     return torch.equal(scores(query, keys)[:1, ..., -own:], scores(query[:1], keys[:1, :, -own:]))
 
 
+def aligned_same(queries: int, places: int) -> bool:
+    """Row 0 of 5 rows of `places` places, `queries` query tokens a row (the first one's output compared)."""
+    query = torch.randn(5, HEADS, 1, SIZE).expand(5, HEADS, queries, SIZE)
+    keys, values = torch.randn(2, 5, HEADS, places, SIZE)
+    together = F.scaled_dot_product_attention(query, keys, values)[:1, :, :1]
+    return torch.equal(together, F.scaled_dot_product_attention(query[:1], keys[:1], values[:1])[:, :, :1])
+
+
 def main() -> None:
     torch.manual_seed(0)
     shapes = random.Random(0)
@@ -57,7 +67,9 @@ def main() -> None:
         cases = {"sdpa, no padding": lambda n: same(5, n, n), "sdpa, row 0 padded": lambda n: same(5, n // 2 + 1, n),
                  "q @ k.T, no padding": lambda n: products_same(5, n),
                  **{f"written out, {p}, row 0 padded": lambda n, p=p: written_out_same(p, n // 2 + 1, n)
-                    for p in ("q @ k.T", "k @ q", "p @ v")}}
+                    for p in ("q @ k.T", "k @ q", "p @ v")},
+                 "sdpa, places 2 (mod 4)": lambda n: aligned_same(1, max(2, n - (n - 2) % 4)),
+                 "sdpa, 4 queries a row": lambda n: aligned_same(4, n)}
         for name, case in cases.items():
             lengths = [shapes.randint(2, 400) for _ in range(SHAPES)]
             print(json.dumps({"threads": threads, "case": name, "shapes": SHAPES,
