@@ -51,9 +51,9 @@ def written_out_same(product: str, own: int, places: int) -> bool:
     return torch.equal(scores(query, keys)[:1, ..., -own:], scores(query[:1], keys[:1, :, -own:]))
 
 
-def aligned_same(queries: int, places: int) -> bool:
-    """Row 0 of 5 rows of `places` places, `queries` query tokens a row (the first one's output compared)."""
-    query = torch.randn(5, HEADS, 1, SIZE).expand(5, HEADS, queries, SIZE)
+def four_queries_same(places: int) -> bool:
+    """Row 0 of 5 rows of `places` places, four query tokens a row (the first one's output compared)."""
+    query = torch.randn(5, HEADS, 1, SIZE).expand(5, HEADS, 4, SIZE)
     keys, values = torch.randn(2, 5, HEADS, places, SIZE)
     together = F.scaled_dot_product_attention(query, keys, values)[:1, :, :1]
     return torch.equal(together, F.scaled_dot_product_attention(query[:1], keys[:1], values[:1])[:, :, :1])
@@ -68,8 +68,8 @@ def main() -> None:
                  "q @ k.T, no padding": lambda n: products_same(5, n),
                  **{f"written out, {p}, row 0 padded": lambda n, p=p: written_out_same(p, n // 2 + 1, n)
                     for p in ("q @ k.T", "k @ q", "p @ v")},
-                 "sdpa, places 2 (mod 4)": lambda n: aligned_same(1, max(2, n - (n - 2) % 4)),
-                 "sdpa, 4 queries a row": lambda n: aligned_same(4, n)}
+                 "sdpa, places 2 (mod 4)": lambda n: same(5, max(2, n - (n - 2) % 4), max(2, n - (n - 2) % 4)),
+                 "sdpa, 4 queries a row": four_queries_same}
         for name, case in cases.items():
             lengths = [shapes.randint(2, 400) for _ in range(SHAPES)]
             print(json.dumps({"threads": threads, "case": name, "shapes": SHAPES,
