@@ -5,7 +5,9 @@ the same.  The "written out" cases are attention's products computed apart, row 
 beside 15 rows: whether a batched attention written as products could give a row its own bits (RESULTS.md,
 "Serving and decoding — 2026-11-28, fifth session").  The "2 (mod 4)" and "4 queries" cases: the kernel's
 per-thread buffers on 16-byte boundaries (places ≡ 2 modulo 4; a slice of 4 queries' floats), where rows of one
-length came out the same together and alone (RESULTS.md, "Decoding — 2026-11-29").
+length came out the same together and alone (RESULTS.md, "Decoding — 2026-11-29").  The "row_attention" case:
+row_attention.each_row_alone over kv_cache.Slots, as the stepping decoder calls it (rows of one length in one
+call, over the zeros after them).
 
     python benchmarks/attention_invariance.py
 """
@@ -59,6 +61,19 @@ def four_queries_same(places: int) -> bool:
     return torch.equal(together, F.scaled_dot_product_attention(query[:1], keys[:1], values[:1])[:, :, :1])
 
 
+def row_attention_same(places: int) -> bool:
+    """Row 0 of 5 rows of `places` places through row_attention.each_row_alone, together and alone."""
+    from lowmem_aitextgen import kv_cache
+    from lowmem_aitextgen.row_attention import RowOwn, each_row_alone
+
+    query, (keys, values) = torch.randn(5, HEADS, 1, SIZE), torch.randn(2, 5, HEADS, places, SIZE)
+    slots, own = kv_cache.Slots(keys, values), RowOwn(1, places, None, None, None)
+    together = each_row_alone(query, *slots.views(), [own] * 5, None, SIZE ** -0.5, slots.views)
+    alone = each_row_alone(query[:1], *(t[:1] for t in slots.views()), [own], None, SIZE ** -0.5,
+                           lambda after: tuple(t[:1] for t in slots.views(after)))
+    return torch.equal(together[:1], alone)
+
+
 def main() -> None:
     torch.manual_seed(0)
     shapes = random.Random(0)
@@ -69,7 +84,7 @@ def main() -> None:
                  **{f"written out, {p}, row 0 padded": lambda n, p=p: written_out_same(p, n // 2 + 1, n)
                     for p in ("q @ k.T", "k @ q", "p @ v")},
                  "sdpa, places 2 (mod 4)": lambda n: same(5, max(2, n - (n - 2) % 4), max(2, n - (n - 2) % 4)),
-                 "sdpa, 4 queries a row": four_queries_same}
+                 "sdpa, 4 queries a row": four_queries_same, "row_attention, rows of one length": row_attention_same}
         for name, case in cases.items():
             lengths = [shapes.randint(2, 400) for _ in range(SHAPES)]
             print(json.dumps({"threads": threads, "case": name, "shapes": SHAPES,

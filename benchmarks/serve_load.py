@@ -4,6 +4,8 @@ started for real (the CLI, a free port), clients on the same machine.
     python benchmarks/serve_load.py                  # 355M; --size 124M for a quicker look
     python benchmarks/serve_load.py --mixed          # only the mixed workload
     python benchmarks/serve_load.py --size 124M --clients 16 --requests 1000   # issue 53's rows
+    python benchmarks/serve_load.py --clients 16 --rounds 8 --against /tmp/before   # this checkout's server
+                                                                                     # against another's
 
 Reports, in one run: aggregate tokens/s of one client at a time against --clients concurrent clients (64 new
 tokens each, exactly: min_length), alternated --rounds times, the median of each round's ratio and the
@@ -38,11 +40,15 @@ CLIENTS = 8  # --clients
 MIXED = 8  # the mixed workload's short requests
 
 
-def start(folder: str) -> tuple[subprocess.Popen, str]:
+def start(folder: str, checkout: str | None = None) -> tuple[subprocess.Popen, str]:
+    """The server of this checkout, or of `checkout` (a worktree put first on its PYTHONPATH), and its URL."""
+    environment = dict(os.environ)
+    if checkout is not None:
+        environment["PYTHONPATH"] = os.pathsep.join([checkout, *filter(None, [os.environ.get("PYTHONPATH")])])
+    log = os.path.join(folder, "server.log" if checkout is None else "server-against.log")
     process = subprocess.Popen([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, "--port=0",
                                 f"--max_batch={max(CLIENTS, MIXED) + 1}", "--max_tokens=1000", "--timeout=600"],
-                               stdout=subprocess.PIPE, stderr=open(os.path.join(folder, "server.log"), "w"),
-                               text=True)
+                               stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=environment)
     for line in iter(process.stdout.readline, ""):
         found = re.search(r"http://[\d.]+:\d+", line)
         if found:
@@ -170,6 +176,36 @@ def throughput_and_memory(url: str, folder: str, pid: int, requests: int, rounds
             "bad fields": bad_fields(url, folder), "memory": memory_over(url, folder, pid, requests)}
 
 
+def against(urls: dict[str, str], folder: str, rounds: int) -> dict[str, object]:
+    """--against: each server's one client at a time and CLIENTS at once, the servers alternating round by round
+    (the first of a round alternating too); medians, and this / against of each round."""
+    solo: dict[str, list[float]] = {name: [] for name in urls}
+    together: dict[str, list[float]] = {name: [] for name in urls}
+    for round_ in range(rounds):
+        for name in list(urls)[::1 if round_ % 2 == 0 else -1]:
+            solo[name].append(one_at_a_time(urls[name], folder, max(4, CLIENTS // 2)))
+            together[name].append(concurrent(urls[name], folder, 1)[0])
+    this, other = together.values()
+    return {name: {"one at a time tokens/s": round(statistics.median(solo[name]), 1),
+                   f"{CLIENTS} concurrent tokens/s": round(statistics.median(together[name]), 1),
+                   "ratio": round(statistics.median(t / s for s, t in zip(solo[name], together[name])), 2)}
+            for name in urls} | {
+        f"{CLIENTS} concurrent, this / against": round(statistics.median(this) / statistics.median(other), 3),
+        "of each round": [round(a / b, 3) for a, b in zip(this, other)],
+        "one at a time, this / against": round(statistics.median(solo["this checkout"])
+                                               / statistics.median(solo["against"]), 3)}
+
+
+def stop(process: subprocess.Popen, log: str) -> None:
+    """SIGTERM, as a service manager stops it (Ctrl-C's SIGINT is ignored in a job started in the background)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise RuntimeError(f"the server did not stop on SIGTERM within 60 s; its log ends:\n{open(log).read()[-3000:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="355M", choices=SIZES)
@@ -177,29 +213,31 @@ def main() -> None:
     parser.add_argument("--mixed", action="store_true", help="only the mixed workload")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="one client, then all: alternated this many times")
+    parser.add_argument("--against", metavar="WORKTREE", help="another checkout's server, alternating (docstring)")
     args = parser.parse_args()
     global CLIENTS
     CLIENTS = args.clients
     report: dict[str, object] = {"cpu": str(hardware.cpu()), "size": args.size, "clients": CLIENTS}
     with tempfile.TemporaryDirectory() as folder:
         aitextgen(config=GPT2Config(**SIZES[args.size])).save(folder)
-        process, url = start(folder)
+        servers = {"this checkout": start(folder)}
         try:
-            ask(url, folder, 8, 0)  # warm-up
-            report["mixed workload"] = mixed(url, folder)
-            if not args.mixed:
-                report.update(throughput_and_memory(url, folder, process.pid, args.requests, args.rounds))
+            if args.against:
+                servers["against"] = start(folder, args.against)  # (the worktree's server)
+            for _, url in servers.values():
+                ask(url, folder, 8, 0)  # warm-up
+            if args.against:
+                report |= {"the other checkout": args.against, **against({k: u for k, (_, u) in servers.items()}, folder,
+                                                            args.rounds)}
+            else:
+                (process, url), = servers.values()
+                report["mixed workload"] = mixed(url, folder)
+                if not args.mixed:
+                    report.update(throughput_and_memory(url, folder, process.pid, args.requests, args.rounds))
             print(json.dumps(report, indent=1), flush=True)
         finally:
-            # SIGTERM, as a service manager stops it (Ctrl-C's SIGINT is ignored in a job started in the background)
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                log = open(os.path.join(folder, "server.log")).read()
-                raise RuntimeError(f"the server did not stop on SIGTERM within 60 s; its log ends:\n{log[-3000:]}")
-
+            for name, (process, _) in servers.items():
+                stop(process, os.path.join(folder, "server.log" if name == "this checkout" else "server-against.log"))
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -17,6 +17,9 @@ two buffers (`Slots`):
 |                | or a longer prompt do not fit), right-aligned as the running rows are                |
 | padding        | what the cache adds before a row's own places is zeros, as F.pad made it: the        |
 |                | attention mask hides it, and a slot reused never shows its former row's values       |
+| after the last | PAD places of zeros after every row's last, rewritten as places are added: a         |
+|                | repeatable row's one-token attention reads up to PAD of them, masked                 |
+|                | (row_attention.py; the buffers are not zeroed, and masked garbage could be NaN)      |
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 import torch
 
 ROOM = 64  # places a buffer gets past what it holds: the rows move to a new buffer every ROOM steps, not every step
+PAD = 3  # zeros kept after each row's last place (module docstring)
+ZEROED = 16  # places zeroed at once after the last: a write every 13 steps
 
 
 class Slots:
@@ -37,12 +42,16 @@ class Slots:
     @torch.inference_mode()  # the buffers are inference tensors, written only in inference mode
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.rows, self.start, self.end = keys.shape[0], 0, 0
-        self.buffers = _buffers(keys, values, keys.shape[0], keys.shape[-2])
+        self.both = _buffers(keys, values, keys.shape[0], keys.shape[-2])
+        self.zeroed = 0  # the rows' places are zeros from `end` up to here
+        self.buffers = self.both.unbind()
         self.append(keys, values)
 
-    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def views(self, after: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values, with `after` (at most PAD) of the zeros after their last places."""
         keys, values = self.buffers
-        return keys[:self.rows, :, self.start:self.end], values[:self.rows, :, self.start:self.end]
+        end = self.end + after
+        return keys[:self.rows, :, self.start:end], values[:self.rows, :, self.start:end]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`keys` and `values` (rows, heads, new places) after each row's own."""
@@ -50,11 +59,12 @@ class Slots:
             with torch.inference_mode():
                 return self.append(keys, values)
         added = keys.shape[-2]
-        if self.end + added > self.buffers[0].shape[-2]:
+        if self.end + added + PAD > self.buffers[0].shape[-2]:
             self._move(self.rows, self.end - self.start + added)
         for buffer, new in zip(self.buffers, (keys, values)):
             buffer[:self.rows, :, self.end:self.end + added] = new
         self.end += added
+        self._zeros_after()
 
     @torch.inference_mode()
     def keep(self, order: list[int], cut: int) -> None:
@@ -80,15 +90,26 @@ class Slots:
             buffer[:self.rows, :, start:self.start] = 0  # the running rows' new padding
             buffer[self.rows:rows, :, start:self.end - places] = 0
             buffer[self.rows:rows, :, self.end - places:self.end] = new
+        self.both[:, self.rows:rows, :, self.end:self.zeroed] = 0  # as the running rows' after theirs
         self.rows, self.start = rows, start
+        self._zeros_after()
 
     def _move(self, rows: int, width: int) -> None:
         """Into new buffers for `rows` rows and `width` places (and ROOM), the rows held ending at `width`."""
         held = self.end - self.start
-        buffers = _buffers(*self.buffers, rows, width)
-        for buffer, old in zip(buffers, self.views()):
+        both = _buffers(*self.buffers, rows, width)
+        for buffer, old in zip(both.unbind(), self.views()):
             buffer[:self.rows, :, width - held:width] = old
-        self.buffers, self.start, self.end = buffers, width - held, width
+        self.both, self.buffers, self.start, self.end = both, both.unbind(), width - held, width
+        self.zeroed = width
+        self._zeros_after()
+
+    def _zeros_after(self) -> None:
+        """At least PAD places of zeros after the rows' last, written ZEROED places at a time (a write a step cost
+        ~3 us a layer)."""
+        if self.end + PAD > self.zeroed:
+            self.zeroed = min(self.end + ZEROED, self.both.shape[-2])
+            self.both[:, :self.rows, :, self.end:self.zeroed] = 0  # keys' and values' in one write
 
 
 def refilled(kept: list[int]) -> list[int]:
@@ -103,12 +124,12 @@ def refilled(kept: list[int]) -> list[int]:
     return order
 
 
-def _buffers(keys: torch.Tensor, values: torch.Tensor, rows: int, places: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two buffers like `keys` and `values`, for `rows` rows and `places` places and ROOM more; not zeroed: a
-    view holds only places written (a row's own, or the zeros join writes as its padding), and a new buffer's
-    memory is the system's until written (zeroing a 16-row buffer's room touched every page of it: most of a
-    join's time, RESULTS.md)."""
-    return tuple(t.new_empty(rows, t.shape[1], places + ROOM, t.shape[-1]) for t in (keys, values))
+def _buffers(keys: torch.Tensor, values: torch.Tensor, rows: int, places: int) -> torch.Tensor:
+    """Buffers for `keys` and `values` (one tensor: keys, values), for `rows` rows and `places` places and ROOM
+    more; not zeroed: a view holds only places written (a row's own, the zeros join writes as its padding, the
+    PAD zeros after), and a new buffer's memory is the system's until written (zeroing a 16-row buffer's room
+    touched every page of it: most of a join's time, RESULTS.md)."""
+    return keys.new_empty(2, rows, keys.shape[1], places + ROOM, keys.shape[-1])
 
 
 @functools.cache

@@ -68,7 +68,7 @@ class RowSettings:
     logprobs: int | None = None  # each token made scored, with this many likeliest alternatives (None: not)
     score_prompt: bool = False  # the prompt's own tokens scored too (the server's echo with logprobs)
     # its text must be the same beside any others (a seed given, or greedy): in the form of seeded texts its
-    # attention is computed alone (stepping.each_row_alone); False (the server's unseeded sampled requests):
+    # attention is computed alone (row_attention.each_row_alone); False (the server's unseeded sampled requests):
     # the batch's attention (a 355M step of 16 rows a ninth to a seventh faster: RESULTS.md)
     repeatable: bool = True
 

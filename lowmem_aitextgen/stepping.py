@@ -21,11 +21,10 @@ joining costs the others its tokens' share of the products, not a pass over the 
 | attention     | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
 |               | is padded), causal over a prompt, the family's scaling; GPT-Neo's local layers within      |
 |               | window_size places (a step: the last ones).  Where the projections compute each token      |
-|               | alone (the form of seeded texts), a row whose text must repeat (Part.alone) attends in a    |
-|               | call of its own over its own places, the call it makes alone: torch's CPU kernel sums a     |
-|               | row's places in another order beside padding, and with two threads in another order at one |
-|               | row than at several (a seeded text at 355M came out different in a list; RESULTS.md, "The   |
-|               | seed rule at 355M"); a 16-row step costs a seventh more, so other rows attend as the batch  |
+|               | alone (the form of seeded texts), a row whose text must repeat (Part.alone) attends as it   |
+|               | does alone (row_attention.py: a call of its own, or one for rows of its own places, over    |
+|               | the cache's zeros after them); other rows attend as the batch (a call a row costs a 16-row  |
+|               | step a seventh more)                                                                        |
 | GELU          | GPT-2's tanh approximation as one operation (F.gelu, approximate="tanh") in place of        |
 |               | transformers' eight: the same function, rounded differently                                 |
 | cache         | the engine's cache (kv_cache.py: written in place)                                          |
@@ -35,6 +34,7 @@ joining costs the others its tokens' share of the products, not a pass over the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -42,6 +42,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .row_attention import RowOwn, each_row_alone
 
 TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation")
 
@@ -148,8 +150,10 @@ class Step:
             query, key, value = (t.view(rows, new, self.heads, self.head_size).transpose(1, 2) for t in projected)
         keys, values = part.cache.update(key, value, index)
         (seen, local), owns = masks
+        slots = getattr(part.cache.layers[index], "slots", None) if owns else None
+        after = None if slots is None else slots.views  # row_attention.py: the zeros after, one-token rows read
         if len(owns) == rows:
-            out = each_row_alone(query, keys, values, list(owns.values()), window, scale)
+            out = each_row_alone(query, keys, values, list(owns.values()), window, scale, after)
             return out.transpose(1, 2).reshape(rows * new, -1)
         seen_keys, seen_values = keys, values
         if window is not None and new == 1:  # one token: its window is the last places (padding is left)
@@ -161,48 +165,14 @@ class Step:
         out = F.scaled_dot_product_attention(query, seen_keys, seen_values, attn_mask=seen, scale=scale)
         for row, own in owns.items():  # some rows alone, beside others attending as the batch
             out[row:row + 1] = each_row_alone(query[row:row + 1], keys[row:row + 1], values[row:row + 1], [own],
-                                              window, scale)
+                                              window, scale, after and functools.partial(_row_of, after, row))
         return out.transpose(1, 2).reshape(rows * new, -1)
 
 
-class RowOwn(NamedTuple):
-    """One row of a part as its attention takes it alone: its `tokens` (the last of the part's new ones), its
-    `places` (the last of the cache's) and seen_places's masks over them (None, None for one token)."""
-
-    tokens: int
-    places: int
-    seen: torch.Tensor | None
-    local: torch.Tensor | None
-    index: torch.Tensor | None  # its places where they are not the cache's last ones (a prefix row padded)
-
-
-def each_row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, owns: list[RowOwn],
-                   window: int | None, scale: float) -> torch.Tensor:
-    """Attention (rows, heads, new, head size) of the rows `owns` describes (in order), a call a row, each over
-    its own places with its own tokens: the call the row makes decoded alone; a padding token's output is zeros
-    (nothing reads it)."""
-    if len(owns) == 1:  # one row: its call's output as it is (a split and a cat of one cost half the call)
-        return _row_alone(query, keys, values, owns[0], window, scale)
-    return torch.cat([_row_alone(*row, own, window, scale)
-                      for *row, own in zip(query.split(1), keys.split(1), values.split(1), owns)])
-
-
-def _row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, own: RowOwn, window: int | None,
-               scale: float) -> torch.Tensor:
-    """each_row_alone's call for one row (query, keys and values of one row)."""
-    places, seen = own.places, own.seen
-    if window is not None and own.tokens == 1:  # one token: its window is its last places
-        places = min(places, window)
-    elif window is not None:
-        seen = own.local
-    if own.index is not None:  # copied together, as they lie alone
-        keys, values = keys[:, :, own.index[-places:]], values[:, :, own.index[-places:]]
-    elif places < keys.shape[2]:  # (a slice of everything costs as much as the call's arithmetic at batch 1)
-        keys, values = keys[:, :, -places:], values[:, :, -places:]
-    width = query.shape[2]
-    out = F.scaled_dot_product_attention(query if own.tokens == width else query[:, :, -own.tokens:], keys, values,
-                                         attn_mask=seen, scale=scale)
-    return out if own.tokens == width else F.pad(out, (0, 0, width - own.tokens, 0))
+def _row_of(views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], row: int, after: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row `row` of the keys and values `views(after)` gives."""
+    return tuple(t[row:row + 1] for t in views(after))
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int]]:

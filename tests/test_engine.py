@@ -207,46 +207,46 @@ class Recorded(Row):
 @pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
 def test_in_the_seeded_form_a_rows_scores_are_the_bits_it_gets_alone(trained, kind):
     """The form of seeded texts (int8, each token alone): a row's scores at every step are bit for bit those it
-    gets decoded alone, beside rows of other lengths (padded), joined and admitted mid-run, one row leaving, and
-    one row that need not be the same (an unseeded request's: the batch's attention) beside them.
-    torch's attention kernel summed a row's places in another order beside padding, and (two threads) at one
-    row than at several: a seeded text at 355M came out different in a list, and at this size some scores
-    differed in their last bits."""
+    gets decoded alone, beside rows of other lengths (padded) and of its own length (row_attention.py: one call
+    for them), joined and admitted mid-run, one row leaving, and one row that need not be the same (an unseeded
+    request's: the batch's attention) beside them.  torch's attention kernel summed a row's places in another
+    order beside padding, and (two threads) at one row than at several: a seeded text at 355M came out
+    different in a list, and at this size some scores differed in their last bits."""
     ai, _ = trained[kind]
     view = decoding.decoding_model(ai.model, "int8", True)
-    prompts = {"The for statement": 24, "x": 30, "import os, sys and then some of it": 12, "def f(": 18,
-               "a b c d e f g h i j k l m n o p q r s t u v": 20}
+    # (prompt, new tokens, seed): the first two of one length all along, the fourth unseeded
+    cases = [("The for statement", 24, 1), ("The for statement", 24, 2), ("x", 30, 3),
+             ("import os, sys and then some of it", 12, 4), ("def f(", 18, None),
+             ("a b c d e f g h i j k l m n o p q r s t u v", 20, 5)]
 
-    def row(prompt: str) -> Recorded:
+    def row(prompt: str, new: int, seed: int | None) -> Recorded:
         return Recorded(prompt_ids(ai.model, ai.tokenizer, prompt, None),
-                        RowSettings(max_new=prompts[prompt], temperature=0.9, seed=len(prompt),
-                                    repeatable=prompt != "def f("))
+                        RowSettings(max_new=new, temperature=0.9, seed=seed or 0, repeatable=seed is not None))
 
-    def alone(prompt: str) -> list[torch.Tensor]:
-        engine, made = Engine(view, ai.tokenizer, (-1,)), row(prompt)
+    def alone(case: tuple) -> list[torch.Tensor]:
+        engine, made = Engine(view, ai.tokenizer, (-1,)), row(*case)
         engine.join([made])
         engine.run()
         return made.given
 
     engine = Engine(view, ai.tokenizer, (-1,))
-    rows = {prompt: row(prompt) for prompt in prompts}
-    first, second, third, fourth, fifth = rows.values()
-    engine.join([first, second])
+    rows = [row(*case) for case in cases]
+    engine.join(rows[:3])
     for _ in range(4):
         engine.step()
-    engine.join([third])
+    engine.join([rows[3]])
     for _ in range(3):
         engine.step()
-    engine.admit([fourth, fifth])
+    engine.admit(rows[4:])
     engine.run()
-    assert len(rows["def f("].given) == prompts["def f("]
-    for prompt, made in rows.items():
+    assert len(rows[4].given) == cases[4][1]
+    for case, made in zip(cases, rows):
         if not made.settings.repeatable:
             continue
-        expected = alone(prompt)
-        assert len(made.given) == len(expected) == prompts[prompt]
+        expected = alone(case)
+        assert len(made.given) == len(expected) == case[1]
         differing = [step for step, (a, b) in enumerate(zip(made.given, expected)) if not torch.equal(a, b)]
-        assert not differing, (prompt, differing)
+        assert not differing, (case, differing)
 
 
 @pytest.mark.parametrize("how", ["join", "admit"])

@@ -24,11 +24,14 @@ def padded(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.cat((row.new_zeros(HEADS, width - row.shape[1], SIZE), row), 1) for row in rows])
 
 
-def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_and_moving_buffers():
+def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_and_moving_buffers(monkeypatch):
     """A long random run of steps, rows leaving (refilled's order, as the engine keeps them, the padding no row
     needs cut) and rows joining with shorter and longer prompts, past ROOM places (new buffers): after each, the
-    views are the rows' own keys and values right-aligned, and a slot reused shows nothing of the row that held
-    it."""
+    views are the rows' own keys and values right-aligned, followed by PAD zeros (row_attention.py reads them,
+    masked), and a slot reused shows nothing of the row that held it.  New buffers hold NaN where not written,
+    as memory reused may."""
+    made = kv_cache._buffers
+    monkeypatch.setattr(kv_cache, "_buffers", lambda *args: made(*args).fill_(float("nan")))
     generator = random.Random(0)
     keys, values = places(3, 4)
     slots = kv_cache.Slots(keys, values)
@@ -52,6 +55,8 @@ def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_
         held_keys, held_values = slots.views()
         assert torch.equal(held_keys, padded([k for k, _ in truth]))
         assert torch.equal(held_values, padded([v for _, v in truth]))
+        for held, after in zip((held_keys, held_values), slots.views(kv_cache.PAD)):
+            assert torch.equal(after, torch.cat((held, held.new_zeros(len(truth), HEADS, kv_cache.PAD, SIZE)), 2))
 
 
 def test_refilled_moves_only_the_last_rows_into_the_slots_left_free():
