@@ -40,8 +40,9 @@ CLIENTS = 8  # --clients
 MIXED = 8  # the mixed workload's short requests
 
 
-def start(folder: str, checkout: str | None = None) -> tuple[subprocess.Popen, str]:
-    """The server of this checkout, or of `checkout` (a worktree put first on its PYTHONPATH), and its URL."""
+def start(folder: str, checkout: str | None = None) -> tuple[subprocess.Popen, str, str]:
+    """The server of this checkout, or of `checkout` (a worktree put first on its PYTHONPATH), its URL and the
+    file its stderr goes to."""
     environment = dict(os.environ)
     if checkout is not None:
         environment["PYTHONPATH"] = os.pathsep.join([checkout, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -52,7 +53,7 @@ def start(folder: str, checkout: str | None = None) -> tuple[subprocess.Popen, s
     for line in iter(process.stdout.readline, ""):
         found = re.search(r"http://[\d.]+:\d+", line)
         if found:
-            return process, found.group(0)
+            return process, found.group(0), log
     raise RuntimeError("the server did not start")
 
 
@@ -224,20 +225,21 @@ def main() -> None:
         try:
             if args.against:
                 servers["against"] = start(folder, args.against)  # (the worktree's server)
-            for _, url in servers.values():
+            urls = {name: url for name, (_, url, _) in servers.items()}
+            for url in urls.values():
                 ask(url, folder, 8, 0)  # warm-up
             if args.against:
-                report |= {"the other checkout": args.against, **against({k: u for k, (_, u) in servers.items()}, folder,
-                                                            args.rounds)}
+                report |= {"the other checkout": args.against, **against(urls, folder, args.rounds)}
             else:
-                (process, url), = servers.values()
+                (process, url, _), = servers.values()
                 report["mixed workload"] = mixed(url, folder)
                 if not args.mixed:
                     report.update(throughput_and_memory(url, folder, process.pid, args.requests, args.rounds))
             print(json.dumps(report, indent=1), flush=True)
         finally:
-            for name, (process, _) in servers.items():
-                stop(process, os.path.join(folder, "server.log" if name == "this checkout" else "server-against.log"))
+            for process, _, log in servers.values():
+                stop(process, log)
+
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
