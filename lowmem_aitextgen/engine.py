@@ -228,6 +228,15 @@ class Engine:
             self.rows += rows
             self.scores, self.window = torch.cat((self.scores, scores)), torch.cat((self.window, window))
             self.positions = torch.cat((self.positions, following))
+        self._expect()
+
+    def _expect(self) -> None:
+        """The cache told what the rows present may still add (kv_cache.Slots.expect: room for a long text from the
+        start), within the context."""
+        more = min(self.context, max(row.settings.max_new - len(row.tokens) for row in self.rows))
+        for layer in self.cache.layers:
+            if getattr(layer, "slots", None) is not None:
+                layer.slots.expect(more)
 
     def _feed(self, tokens: torch.Tensor, joining: list[Row]) -> None:
         """The running rows fed `tokens` (rows, 1); `joining`'s prompts computed beside them, then joined."""

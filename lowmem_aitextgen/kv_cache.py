@@ -9,8 +9,13 @@ two buffers (`Slots`):
 
 | event          | what is written                                                                      |
 |----------------|--------------------------------------------------------------------------------------|
-| a step         | the new places, after the last (ROOM places to spare; then the rows move to a new    |
-|                | buffer, which keeps only the rows present: memory follows the rows within ROOM steps)|
+| a step         | the new places, after the last, in the buffer's room: ROOM places, or what the rows  |
+|                | present may still add where the engine says (`expect`: their max_new), so that a long|
+|                | text is not copied to a new buffer every ROOM steps (16 rows of 512 tokens: those    |
+|                | copies were 6-9% of a step, RESULTS.md); a full buffer moves the rows to a new one   |
+| memory follows | every ROOM steps, where the buffer holds rows gone or ROOM places no row needs, the  |
+| the rows       | rows move to a new buffer that keeps only the rows present and their places (room    |
+|                | never written is not resident: the system maps a page at its first write)            |
 | rows leave     | each of the last rows kept moves into a slot left free (one row's places each);      |
 |                | places no row needs any more are dropped from the view's left                        |
 | rows join      | their places into the slots after the running rows (a new buffer only where the rows |
@@ -29,7 +34,7 @@ from typing import Any
 
 import torch
 
-ROOM = 64  # places a buffer gets past what it holds: the rows move to a new buffer every ROOM steps, not every step
+ROOM = 64  # places a buffer gets past what it holds at least; steps between the moves that free rows gone
 PAD = 3  # zeros kept after each row's last place (module docstring)
 ZEROED = 16  # places zeroed at once after the last: a write every 13 steps
 
@@ -42,7 +47,9 @@ class Slots:
     @torch.inference_mode()  # the buffers are inference tensors, written only in inference mode
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.rows, self.start, self.end = keys.shape[0], 0, 0
-        self.both = _buffers(keys, values, keys.shape[0], keys.shape[-2])
+        self.reach = 0  # places the rows present may still add (expect): a new buffer's room past theirs
+        self.moved_at = 0  # `end` when the buffers were made
+        self.both = _buffers(keys, values, keys.shape[0], keys.shape[-2] + ROOM)
         self.zeroed = 0  # the rows' places are zeros from `end` up to here
         self.buffers = self.both.unbind()
         self.append(keys, values)
@@ -59,12 +66,23 @@ class Slots:
             with torch.inference_mode():
                 return self.append(keys, values)
         added = keys.shape[-2]
-        if self.end + added + PAD > self.buffers[0].shape[-2]:
+        if self.end + added + PAD > self.buffers[0].shape[-2] or self._frees_memory():
             self._move(self.rows, self.end - self.start + added)
         for buffer, new in zip(self.buffers, (keys, values)):
             buffer[:self.rows, :, self.end:self.end + added] = new
         self.end += added
+        self.reach = max(0, self.reach - added)
         self._zeros_after()
+
+    def expect(self, places: int) -> None:
+        """The rows present may add up to `places` more places: the next buffer made keeps room for what is left of
+        them (not a move now: rows joining one at a time would each move every row's places)."""
+        self.reach = places
+
+    def _frees_memory(self) -> bool:
+        """Whether a move now gives memory back: ROOM places added since the buffer was made, and it holds slots
+        of rows gone or ROOM places no row needs (module docstring: memory follows the rows)."""
+        return self.end - self.moved_at >= ROOM and (self.rows < self.buffers[0].shape[0] or self.start >= ROOM)
 
     @torch.inference_mode()
     def keep(self, order: list[int], cut: int) -> None:
@@ -95,13 +113,14 @@ class Slots:
         self._zeros_after()
 
     def _move(self, rows: int, width: int) -> None:
-        """Into new buffers for `rows` rows and `width` places (and ROOM), the rows held ending at `width`."""
+        """Into new buffers for `rows` rows and `width` places and room (ROOM, or what the rows may still add), the
+        rows held ending at `width`."""
         held = self.end - self.start
-        both = _buffers(*self.buffers, rows, width)
+        both = _buffers(*self.buffers, rows, width + max(ROOM, self.reach + PAD))
         for buffer, old in zip(both.unbind(), self.views()):
             buffer[:self.rows, :, width - held:width] = old
         self.both, self.buffers, self.start, self.end = both, both.unbind(), width - held, width
-        self.zeroed = width
+        self.zeroed = self.moved_at = width
         self._zeros_after()
 
     def _zeros_after(self) -> None:
@@ -125,11 +144,11 @@ def refilled(kept: list[int]) -> list[int]:
 
 
 def _buffers(keys: torch.Tensor, values: torch.Tensor, rows: int, places: int) -> torch.Tensor:
-    """Buffers for `keys` and `values` (one tensor: keys, values), for `rows` rows and `places` places and ROOM
-    more; not zeroed: a view holds only places written (a row's own, the zeros join writes as its padding, the
-    PAD zeros after), and a new buffer's memory is the system's until written (zeroing a 16-row buffer's room
-    touched every page of it: most of a join's time, RESULTS.md)."""
-    return keys.new_empty(2, rows, keys.shape[1], places + ROOM, keys.shape[-1])
+    """Buffers for `keys` and `values` (one tensor: keys, values), for `rows` rows and `places` places; not
+    zeroed: a view holds only places written (a row's own, the zeros join writes as its padding, the PAD zeros
+    after), and a new buffer's memory is the system's until written (zeroing a 16-row buffer's room touched every
+    page of it: most of a join's time, RESULTS.md)."""
+    return keys.new_empty(2, rows, keys.shape[1], places, keys.shape[-1])
 
 
 @functools.cache

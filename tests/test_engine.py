@@ -320,3 +320,38 @@ def test_a_hook_on_a_views_projection_runs_at_every_step_of_the_stepping_decoder
     finally:
         handle.remove()
     assert seen == [2 * len(prompt), 2, 2, 2], seen  # the prompts' tokens, then each step's (the 4th token ends)
+
+
+def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_file):
+    """The engine tells the cache what its rows may still add (their max_new): four rows of 300 tokens move each
+    layer's keys and values to a new buffer once (when the prompt's room is used), not every ROOM steps; the
+    tokens are those of the cache told nothing."""
+    from lowmem_aitextgen import kv_cache
+
+    torch.manual_seed(0)
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=400))
+    model, tokenizer = ai.model.eval(), ai.tokenizer
+    made = []
+
+    def texts() -> list[list[int]]:
+        engine = Engine(model, tokenizer, (-1,))
+        rows = [Row(torch.tensor([11, 22, 33 + i]), RowSettings(max_new=300, min_new=300, temperature=0))
+                for i in range(4)]
+        engine.join(rows)
+        buffers = set()
+        while engine.rows:
+            engine.step()
+            if engine.cache is not None:
+                buffers.add(engine.cache.layers[0].slots.both.data_ptr())
+        made.append(len(buffers))
+        return [row.tokens for row in rows]
+
+    told = texts()
+    expect = kv_cache.Slots.expect
+    kv_cache.Slots.expect = lambda self, places: None
+    try:
+        untold = texts()
+    finally:
+        kv_cache.Slots.expect = expect
+    assert told == untold
+    assert made[0] <= 2 < 300 // kv_cache.ROOM <= made[1]

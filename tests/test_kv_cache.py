@@ -48,6 +48,7 @@ def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_
             keys, values = places(generator.randint(1, 3), generator.choice((1, 2, 30, 90)))
             slots.join(keys, values)
             truth += list(zip(keys, values))
+            slots.expect(generator.choice((0, 10, 200)))  # as the engine says after rows join
         else:
             keys, values = places(len(truth), 1)
             slots.append(keys, values)
@@ -57,6 +58,38 @@ def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_
         assert torch.equal(held_values, padded([v for _, v in truth]))
         for held, after in zip((held_keys, held_values), slots.views(kv_cache.PAD)):
             assert torch.equal(after, torch.cat((held, held.new_zeros(len(truth), HEADS, kv_cache.PAD, SIZE)), 2))
+
+
+def stepped(slots: kv_cache.Slots, steps: int, rows: int) -> int:
+    """`steps` places appended to `rows` rows; how many new buffers the slots made meanwhile."""
+    made = 0
+    for _ in range(steps):
+        before = slots.both
+        slots.append(*places(rows, 1))
+        made += slots.both is not before
+    return made
+
+
+def test_a_buffer_keeps_room_for_what_the_rows_may_still_add():
+    """Told the rows may add 300 places, the slots replace their buffer once (when the first one's ROOM is used)
+    and not every ROOM places after; told nothing, every ROOM places."""
+    told, untold = kv_cache.Slots(*places(2, 4)), kv_cache.Slots(*places(2, 4))
+    told.expect(300)
+    assert stepped(told, 300, 2) == 1
+    assert stepped(untold, 300, 2) >= 300 // kv_cache.ROOM
+
+
+def test_memory_follows_the_rows_however_much_room_a_buffer_has():
+    """With room for hundreds of places, rows gone or places no row needs any more are still given back within
+    ROOM places: the next buffer holds only the rows present and their places."""
+    slots = kv_cache.Slots(*places(4, 4))
+    slots.expect(1000)
+    stepped(slots, kv_cache.ROOM, 4)  # the first buffer's room used: a buffer with room for the rest
+    slots.keep([0], 0)
+    assert stepped(slots, kv_cache.ROOM, 1) == 1 and slots.both.shape[1] == 1
+    stepped(slots, kv_cache.ROOM, 1)
+    slots.keep([0], slots.end - slots.start - 2)  # all but the last two places dropped
+    assert stepped(slots, kv_cache.ROOM, 1) == 1 and slots.start < kv_cache.ROOM
 
 
 def test_refilled_moves_only_the_last_rows_into_the_slots_left_free():
