@@ -231,8 +231,8 @@ class Engine:
         self._expect()
 
     def _expect(self) -> None:
-        """The cache told what the rows present may still add (kv_cache.Slots.expect: room for a long text from the
-        start), within the context."""
+        """The cache told what the rows present may still add, within the context (kv_cache.Slots.expect: the room
+        of the next buffer it makes)."""
         more = min(self.context, max(row.settings.max_new - len(row.tokens) for row in self.rows))
         for layer in self.cache.layers:
             if getattr(layer, "slots", None) is not None:

@@ -13,7 +13,7 @@ from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import corpus_text, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, decoding, hardware
+from lowmem_aitextgen import aitextgen, decoding, hardware, kv_cache
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
 from lowmem_aitextgen.sampling import Row, RowSettings
@@ -322,12 +322,10 @@ def test_a_hook_on_a_views_projection_runs_at_every_step_of_the_stepping_decoder
     assert seen == [2 * len(prompt), 2, 2, 2], seen  # the prompts' tokens, then each step's (the 4th token ends)
 
 
-def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_file):
+def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_file, monkeypatch):
     """The engine tells the cache what its rows may still add (their max_new): four rows of 300 tokens move each
     layer's keys and values to a new buffer once (when the prompt's room is used), not every ROOM steps; the
     tokens are those of the cache told nothing."""
-    from lowmem_aitextgen import kv_cache
-
     torch.manual_seed(0)
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=400))
     model, tokenizer = ai.model.eval(), ai.tokenizer
@@ -347,11 +345,7 @@ def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_fil
         return [row.tokens for row in rows]
 
     told = texts()
-    expect = kv_cache.Slots.expect
-    kv_cache.Slots.expect = lambda self, places: None
-    try:
-        untold = texts()
-    finally:
-        kv_cache.Slots.expect = expect
+    monkeypatch.setattr(kv_cache.Slots, "expect", lambda self, places: None)
+    untold = texts()
     assert told == untold
     assert made[0] <= 2 < 300 // kv_cache.ROOM <= made[1]
