@@ -12,6 +12,9 @@ runs): its vendored llama.cpp is built with cmake (llama-bench, llama-batched-be
 -march=native) and its convert_hf_to_gguf.py converts each saved folder to F16 and Q8_0.  llama.cpp's batch 1
 is llama-bench's tg128 (and pp16 for the first token: the prompt's time plus one token's); its batch 8 is
 llama-batched-bench's 8 parallel sequences (S_TG).  Both use every core (-t: torch's thread count).
+--no-repack passes llama.cpp's own switch that keeps its weights as loaded: on a CPU with AMX its build repacks
+Q8_0 for AMX tiles, and on the Intel Xeon VM of 2026-12-01 that path dies of SIGILL at its first tile instruction
+(tilezero, in a worker thread), so llama.cpp is measured there on its AVX512-VNNI kernels.
 """
 
 from __future__ import annotations
@@ -74,10 +77,10 @@ def converted(source: str, folder: str, outtype: str) -> str:
     return out
 
 
-def llama_bench(bin_dir: str, gguf: str, threads: int) -> dict[str, float]:
+def llama_bench(bin_dir: str, gguf: str, threads: int, repack: bool = True) -> dict[str, float]:
     """llama-bench's batch 1: tokens/s over 128 new tokens, and a 16-token prompt's first token (seconds)."""
     result = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-p", str(PROMPT_TOKENS), "-n",
-                             str(NEW), "-t", str(threads), "-r", "1", "-o", "json"],
+                             str(NEW), "-t", str(threads), "-r", "1", "-o", "json", "--repack", str(int(repack))],
                             capture_output=True, text=True, check=True)
     rows = json.loads(result.stdout)
     decode = next(r for r in rows if r["n_gen"] > 0)["avg_ts"]
@@ -85,11 +88,12 @@ def llama_bench(bin_dir: str, gguf: str, threads: int) -> dict[str, float]:
     return {"tokens/s": decode, "first token s": PROMPT_TOKENS / prompt + 1 / decode}
 
 
-def llama_batched(bin_dir: str, gguf: str, threads: int, batch: int) -> dict[str, float]:
+def llama_batched(bin_dir: str, gguf: str, threads: int, batch: int, repack: bool = True) -> dict[str, float]:
     """llama-batched-bench's `batch` parallel sequences: their tokens/s together over 128 new tokens each."""
     result = subprocess.run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-c", str(batch * 256),
                              "-npp", str(PROMPT_TOKENS), "-ntg", str(NEW), "-npl", str(batch), "-t", str(threads),
-                             "--output-format", "jsonl"], capture_output=True, text=True, check=True)
+                             "--output-format", "jsonl", *([] if repack else ["--no-repack"])],
+                            capture_output=True, text=True, check=True)
     row = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     return {"tokens/s": row["speed_tg"], "first token s": row["t_pp"] + row["t_tg"] / NEW}
 
@@ -123,8 +127,8 @@ def sixteen_bit_paths(folder: str, prompt: str) -> dict[str, Callable[[int, int]
             "ours, bf16 not packed": lambda b, n: bf16(unpacked, None, b, n)}
 
 
-def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int, sixteen: bool = False
-              ) -> Iterator[dict]:
+def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int, sixteen: bool = False,
+              repack: bool = True) -> Iterator[dict]:
     """Every path's medians for one size, batch 1 and 8, the paths alternating within each round."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as folder:
@@ -150,8 +154,8 @@ def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int
                 for name, run in ours_paths.items():
                     samples[name].append(timed(run, batch))
                 for name, gguf in ggufs.items():
-                    samples[name].append(llama_bench(bin_dir, gguf, threads) if batch == 1 else
-                                         llama_batched(bin_dir, gguf, threads, batch))
+                    samples[name].append(llama_bench(bin_dir, gguf, threads, repack) if batch == 1 else
+                                         llama_batched(bin_dir, gguf, threads, batch, repack))
             for name, runs in samples.items():
                 yield {"size": size, "batch": batch, "path": name,
                        **{key: round(statistics.median(s[key] for s in runs), 3) for key in runs[0]}}
@@ -166,13 +170,15 @@ def main() -> None:
                         "this many layers (1558M's fp32 generate() takes minutes a round)")
     parser.add_argument("--sixteen", action="store_true", help="ours in bf16 too (decoding='bf16', packed and "
                         "not), against llama.cpp's F16: a CPU with native bf16")
+    parser.add_argument("--no-repack", action="store_true", help="llama.cpp's weights kept as loaded (its "
+                        "--repack 0): its AMX repacking dies of SIGILL on some VMs (module docstring)")
     parser.add_argument("--out", default=None, help="a JSONL file the rows are appended to")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     source, bin_dir = llamacpp(args.work)
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
     for size in args.sizes:
-        for row in size_rows(size, args.rounds, source, bin_dir, args.fp32_up_to, args.sixteen):
+        for row in size_rows(size, args.rounds, source, bin_dir, args.fp32_up_to, args.sixteen, not args.no_repack):
             print(json.dumps(row), flush=True)
             if args.out:
                 with open(args.out, "a", encoding="utf-8") as out:
