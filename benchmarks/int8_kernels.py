@@ -1,12 +1,17 @@
 """The int8 matrix products torch offers on this CPU, per call, against ours (issue 54, item 2): a 355M GPT-2's
 projections as a chain of 24 Linears (1024 -> 4096 -> 1024 ..., each weight its own, 100 MB of int8: read
-from memory, as in decoding), at 1 and 16 rows.
+from memory, as in decoding), at 1, 16 and 64 rows (a step of one text, of 16, a prompt); --generate: our
+default seeded generate() end to end on each of our two kernels (int8_kernels.py) and in bf16, 355M, 128 new
+tokens, batch 1 and 8, alternating round by round.
 
     python benchmarks/int8_kernels.py
+    python benchmarks/int8_kernels.py --generate --rounds 3
 
 | path                      | what runs                                                                       |
 |---------------------------|---------------------------------------------------------------------------------|
-| ours                      | decoding.TokenwiseInt8Linear: fbgemm's given-scale kernel (torch.ao's ops)      |
+| ours                      | int8_kernels.TokenwiseInt8Linear: fbgemm's given-scale kernel (torch.ao's ops)  |
+| ours, oneDNN              | the same Linear on oneDNN's qlinear_pointwise, called eagerly (the kernel pt2e  |
+|                           | lowers to below; ours where torch.ao's ops are gone): the same bits             |
 | torch.ao dynamic          | quantize_dynamic's Linear: fbgemm's linear_dynamic (the unseeded form)          |
 | torchao Int8DynAct        | torchao's Int8DynamicActivationInt8WeightConfig, eager (quantize_)               |
 | torchao Int8DynAct, compiled | the same under torch.compile                                                  |
@@ -20,18 +25,24 @@ compile time.  A path that fails says why instead.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
+import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
+from unittest import mock
 
-import torch
-from torch import nn
+sys.path.insert(0, os.path.dirname(__file__))
 
-from lowmem_aitextgen import hardware
-from lowmem_aitextgen.decoding import TokenwiseInt8Linear
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lowmem_aitextgen import hardware  # noqa: E402
+from lowmem_aitextgen.int8_kernels import OneDNNProduct, TokenwiseInt8Linear  # noqa: E402
 
 LAYERS, WIDTH, INNER = 24, 1024, 4096
 
@@ -56,8 +67,8 @@ def per_call(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> fl
     return round(statistics.median(times), 1)
 
 
-def ours() -> nn.Module:
-    return nn.Sequential(*(TokenwiseInt8Linear(linear) for linear in chain()))
+def ours(kernel: type | None = None) -> nn.Module:
+    return nn.Sequential(*(TokenwiseInt8Linear(linear, kernel) for linear in chain()))
 
 
 def torch_ao_dynamic() -> nn.Module:
@@ -102,12 +113,13 @@ def compiled(model: nn.Module, x: torch.Tensor) -> tuple[Callable, float]:
     return function, round(time.perf_counter() - start, 1)
 
 
-def main() -> None:
-    print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
-    for rows in (1, 16):
+def per_call_rows() -> None:
+    """Each path's µs a Linear at 1, 16 and 64 rows."""
+    for rows in (1, 16, 64):
         x = torch.randn(rows, WIDTH)
         makers: dict[str, Callable[[], tuple[Callable, float | None]]] = {
             "ours": lambda: (ours(), None),
+            "ours, oneDNN": lambda: (ours(OneDNNProduct), None),
             "torch.ao dynamic": lambda: (torch_ao_dynamic(), None),
             "torchao Int8DynAct": lambda: (torchao_eager(), None),
             "torchao Int8DynAct, compiled": lambda: compiled(torchao_eager(), x),
@@ -126,6 +138,48 @@ def main() -> None:
                 row = {"rows": rows, "path": name, "failed": f"{type(failure).__name__}: {str(failure)[:300]}"}
             print(json.dumps(row, ensure_ascii=False), flush=True)
             torch._dynamo.reset()
+
+
+def generate_rows(rounds: int) -> None:
+    """Our default seeded generate() (355M, 128 new tokens) with its int8 view on fbgemm's kernel and on oneDNN's
+    (made while torch.ao's ops are hidden, as a torch without them), and in bf16 (the form planned without torch.ao's
+    ops before oneDNN's kernel, where bf16 is native), alternating: tokens/s, the median of rounds."""
+    import tempfile
+
+    import generate_speed
+    from llamacpp_speed import timed
+    from transformers import GPT2Config
+
+    from lowmem_aitextgen import aitextgen
+
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        aitextgen(config=GPT2Config(**generate_speed.SIZES["355M"])).save(folder)
+        int8, bf16 = generate_speed.ours("auto", 1), generate_speed.ours("bf16", 1)
+        paths = {name: (aitextgen(model_folder=folder), form) for name, form in
+                 (("int8 on fbgemm", int8), ("int8 on oneDNN", int8), ("bf16", bf16))}
+        with mock.patch.object(hardware, "INT8_OPS", (*hardware.INT8_OPS, "hidden")):
+            int8(paths["int8 on oneDNN"][0], None, 1, 1)  # its view made on oneDNN's kernel, kept for the calls below
+        for batch in (1, 8):
+            samples: dict[str, list[dict]] = {name: [] for name in paths}
+            for round_ in range(rounds):
+                for name in sorted(paths, reverse=round_ % 2 == 1):
+                    ai, run = paths[name]
+                    run(ai, None, batch, 8)
+                    samples[name].append(timed(lambda b, n, ai=ai, run=run: run(ai, None, b, n), batch))
+            for name, runs in samples.items():
+                print(json.dumps({"size": "355M", "batch": batch, "path": f"ours, seeded, {name}",
+                                  **{k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}}),
+                      flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--generate", action="store_true", help="generate() end to end on each of our kernels")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
+    generate_rows(args.rounds) if args.generate else per_call_rows()
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def without_kernel(view: object) -> None:
 
     for module in view.modules():
         if isinstance(module, decoding.TokenwiseInt8Linear):
-            module._kernel = lambda x, scale, zero, packed, width=module.out_features: x.new_zeros(x.shape[0], width)
+            module.product = lambda x, width=module.out_features: x.new_zeros(x.shape[0], width)
 
 
 def worker(size: str, kernel: bool = True) -> None:

@@ -23,9 +23,11 @@ int8 is torch's dynamic quantization of every projection and the LM head (weight
 activations int8 per tensor, at run time: the rows of a batch share a range, so a text decoded beside others
 may differ from the one decoded alone by rounding where two tokens are near equally likely; per-channel
 weights measured 30% slower a projection at batch 1).  Where a text must be the same in any batch (the
-server's seeded requests), `tokenwise` quantizes each token's activations alone (TokenwiseInt8Linear).  The
-kernels are torch.ao.quantization's and fbgemm's, which torch has deprecated: on a torch without one of them
-(hardware.missing_int8_kernels) the plan takes the next form, naming what is missing.
+server's seeded requests), `tokenwise` quantizes each token's activations alone (int8_kernels.py's
+TokenwiseInt8Linear).  The kernels are fbgemm's through torch.ao.quantization, which torch has deprecated: on a
+torch without them (hardware.missing_int8_kernels) every projection is a TokenwiseInt8Linear on oneDNN's kernel
+(what torchao's x86 int8 path lowers to; the same integer products), and without both the plan takes the next
+form, naming what is missing.
 GPT-2's projections are transformers' Conv1D, which torch's quantizer skips, so the view holds them as
 nn.Linear.  Per-tensor activation scales lose the small channels where a few channels are tens of times
 larger than the rest, as in the released GPT-2 (LLM.int8(),
@@ -66,6 +68,7 @@ from torch import nn
 
 from . import hardware
 from .engine import Decoder, as_decoder
+from .int8_kernels import TokenwiseInt8Linear
 from .packed16 import pack_projections
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -95,7 +98,7 @@ def _int8_here(device: str, model: nn.Module) -> str | None:
     if device == "gpu":
         return "int8 decoding runs on the CPU; on a GPU use decoding='auto' (16 bits)"
     if not hardware.cpu().int8_kernels:
-        missing = hardware.missing_int8_kernels()
+        missing = hardware.missing_int8_kernels() + hardware.missing_onednn_int8_kernels()  # both kernels'
         return (f"this torch lacks {', '.join(missing)}, which int8 decoding calls" if missing else
                 "torch's int8 kernels are for CPUs, and this one has none")
     if getattr(model.config, "model_type", None) not in SMOOTHED:
@@ -118,6 +121,8 @@ def _fp16_here(device: str, model: nn.Module) -> str | None:
 
 
 def _int8_because(device: str) -> str:
+    if hardware.missing_int8_kernels():  # int8_kernels.py: oneDNN's products, the same bits, slower at batch 1
+        return f"{hardware.cpu().name} has int8 kernels (oneDNN's: this torch lacks torch.ao's fbgemm ones)"
     return f"{hardware.cpu().name} has int8 kernels: 3-4x fp32 here"
 
 
@@ -546,57 +551,18 @@ def with_int8_head(view: nn.Module, tokenwise: bool = False) -> nn.Module:
 
 def int8_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:
     """`linear` in int8: torch's dynamic quantized Linear (the activations' range that of the whole batch:
-    the fastest), or TokenwiseInt8Linear (a text the same in any batch)."""
-    if tokenwise:
-        return TokenwiseInt8Linear(linear)
+    the fastest), or TokenwiseInt8Linear (a text the same in any batch; every projection's where torch.ao's ops
+    are missing, on oneDNN's kernel)."""
+    if tokenwise or hardware.missing_int8_kernels():
+        module = TokenwiseInt8Linear(linear)
+        carry_hooks(linear, module)
+        return module
     holder = nn.Module()  # the quantizer swaps a module's children, not the module it is given
     holder.linear = linear
     with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice: not the user's business
         warnings.simplefilter("ignore")
         torch.ao.quantization.quantize_dynamic(holder, {nn.Linear}, dtype=torch.qint8, inplace=True)
     return holder.linear
-
-
-TOKEN_SCALE, TOKEN_ZERO = 2 / 126, 64  # [-1, 1] onto 1..127: 7 bits, as torch's x86 dynamic form (reduce_range)
-
-
-class TokenwiseInt8Linear(nn.Module):
-    """A Linear in int8 whose output for a token does not depend on the other tokens of the batch.
-
-    torch's dynamic quantized Linear (fbgemm's kernels, used here too) quantizes its input with the range of
-    the whole input tensor, so a text's tokens were rounded differently beside other texts than alone.  Here
-    each token's activations are divided by their largest size, so each spans [-1, 1], and quantized with one
-    fixed scale (TOKEN_SCALE) by fbgemm's kernel that takes the scale it is given
-    (quantized.linear_with_input_q_dq_qweight_dq_output_fp32): the integer product is exact, and the token's
-    size is multiplied back.  7 bits, as torch's dynamic form on x86: an 8-bit activation times an int8 weight,
-    summed in pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  Costs four elementwise
-    operations a call (RESULTS.md): the form of a seeded or greedy call and of the server, where a text must be
-    the same in any batch.  Weights int8 per tensor, as torch's are."""
-
-    each_token_alone = True  # read by stepping.Step: its attention then computes each row alone too
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach()
-        with warnings.catch_warnings():  # torch's notice that quantized tensors are deprecated: not the user's
-            warnings.simplefilter("ignore")
-            scale = float(weight.abs().max().clamp(min=1e-8)) / 127
-            self._packed = torch.ops.quantized.linear_prepack(
-                torch.quantize_per_tensor(weight.float(), scale, 0, torch.qint8), None)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # the overload's C++ function: the op's packet checks its arguments in Python each call, and the overload
-        # (a TorchBind op: the packed weight is a script object) looks for export's fake objects in them (0.8 ms
-        # each a 355M step, RESULTS.md); none is ever given here
-        overload = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
-        self._kernel = getattr(overload, "_op", overload)
-        carry_hooks(linear, self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # linalg.vector_norm(inf): 10x slower; arguments by position: torch parses keywords in ~0.2 us each
-        size = x.abs().amax(-1, True).clamp_min_(1e-12)
-        out, bias = self._kernel(x / size, TOKEN_SCALE, TOKEN_ZERO, self._packed), self.bias
-        return out.mul_(size) if bias is None else torch.addcmul(bias, out, size)
 
 
 def linear_of(conv: nn.Module) -> nn.Linear:

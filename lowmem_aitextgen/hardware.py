@@ -19,7 +19,8 @@ What is read, and why each fact matters:
 |                              |                                            | earlier model in a notebook)    |
 | native bf16 / fp16 (GPU)     | capability: bf16 from 8.0, fp16 from 5.3   | mixed precision and which dtype |
 | native bf16 (CPU)            | oneDNN's AVX512-BF16/AMX check             | bf16 autocast, or fp32          |
-| int8 kernels (CPU)           | torch.backends.quantized.supported_engines | decoding in int8 (decoding.py)  |
+| int8 kernels (CPU)           | supported_engines, fbgemm's and oneDNN's   | decoding in int8 (decoding.py), |
+|                              | ops (missing_*int8_kernels)                | on which kernel (int8_kernels)  |
 | available memory (CPU)       | MemAvailable, a cgroup's limit less usage, | the CPU budget                  |
 |                              | and this process's resident size           |                                 |
 
@@ -89,7 +90,7 @@ class CPU:
     bf16_native: bool  # AVX512-BF16 or AMX: without them bf16 math is emulated, slower than fp32
     available: int | None = None  # MemAvailable, at most a cgroup's limit less its usage
     resident: int | None = None  # this process's resident size
-    int8_kernels: bool = True  # torch's quantized int8 matmul (fbgemm/x86 on x86-64: AVX2 suffices)
+    int8_kernels: bool = True  # torch's int8 matmul: fbgemm's or oneDNN's (int8_kernels.py; AVX2 suffices)
 
     def __str__(self) -> str:
         return f"{self.name} ({'native' if self.bf16_native else 'no native'} bf16)"
@@ -190,20 +191,33 @@ def _cpu_bf16_native() -> bool:
 
 
 def _int8_kernels() -> bool:
-    return bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)) and not missing_int8_kernels()
+    return not missing_int8_kernels() or not missing_onednn_int8_kernels()
 
 
-# What decoding.py's int8 form calls.  torch.ao.quantization is deprecated (torch 2.13 warns that it will be
-# removed); where any of these is gone, decoding plans another form instead of failing, and
+# What int8_kernels.py's fbgemm kernel and decoding.py's batch-range form call.  torch.ao.quantization is deprecated
+# (torch 2.13 warns that it will be removed); where any of these is gone, int8 decodes on oneDNN's ops below, and
 # tests/test_decoding.py fails on that torch naming what went.
 INT8_OPS = ("linear_dynamic", "linear_prepack", "linear_with_input_q_dq_qweight_dq_output_fp32")
+# What int8_kernels.py's oneDNN kernel calls (torch.ops.onednn): the ops torchao's x86 int8 path lowers to.
+ONEDNN_INT8_OPS = ("qlinear_prepack", "qlinear_pointwise")
 
 
 def missing_int8_kernels() -> list[str]:
-    """The int8 kernels and functions decoding.py calls that this torch lacks (empty: int8 decodes here)."""
+    """The fbgemm kernels and torch.ao functions decoding.py calls that this torch lacks (empty: they are here)."""
     missing = [f"torch.ops.quantized.{name}" for name in INT8_OPS if not _has_op("quantized", name)]
     if not callable(getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)):
         missing.append("torch.ao.quantization.quantize_dynamic")
+    if not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):
+        missing.append("fbgemm (torch.backends.quantized.supported_engines)")
+    return missing
+
+
+def missing_onednn_int8_kernels() -> list[str]:
+    """The oneDNN int8 ops int8_kernels.py calls that this torch lacks (empty: int8 decodes here without
+    torch.ao's)."""
+    missing = [f"torch.ops.onednn.{name}" for name in ONEDNN_INT8_OPS if not _has_op("onednn", name)]
+    if not torch.backends.mkldnn.is_available() or "onednn" not in torch.backends.quantized.supported_engines:
+        missing.append("oneDNN (torch.backends.quantized.supported_engines)")
     return missing
 
 

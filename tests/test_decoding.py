@@ -13,7 +13,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, decoding, hardware, packed16
+from lowmem_aitextgen import aitextgen, decoding, hardware, int8_kernels, packed16
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
@@ -62,11 +62,11 @@ def test_without_int8_kernels_a_cpu_decodes_in_bf16_where_native_else_fp32(ai):
 
 
 def test_the_int8_kernels_decoding_calls_are_in_this_torch():
-    """Fails on a torch that dropped one (torch.ao.quantization is deprecated): decoding then plans another form
-    (the test below), slower, and the int8 form must move to what torch keeps (issue 54)."""
-    assert hardware.missing_int8_kernels() == [], "this torch dropped an int8 kernel decoding.py calls"
-    engines = {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)
-    assert hardware.cpu().int8_kernels == bool(engines)
+    """Fails on a torch that dropped one: without torch.ao's fbgemm ops int8 decodes on oneDNN's (slower at a batch
+    of one), without both decoding plans another form (the tests below)."""
+    assert hardware.missing_int8_kernels() == [], "this torch dropped an fbgemm kernel or torch.ao function"
+    assert hardware.missing_onednn_int8_kernels() == [], "this torch dropped a oneDNN int8 op int8_kernels.py calls"
+    assert hardware.cpu().int8_kernels
 
 
 def test_the_packed_bf16_kernels_a_cpus_bf16_view_calls_are_in_this_torch():
@@ -116,13 +116,33 @@ def test_without_the_packed_kernels_a_bf16_view_keeps_its_modules_and_computes(a
     assert torch.allclose(got, expected, atol=0.1), float((got - expected).abs().max())
 
 
-def test_with_an_int8_kernel_gone_generate_decodes_in_another_form_and_names_it(ai, monkeypatch):
+def test_without_torch_aos_int8_ops_int8_decodes_on_onednns_the_same_texts(ai, folder, tokenizer_file,
+                                                                           monkeypatch):
+    """torch.ao's quantize_dynamic gone (torch says it will remove it): every projection of either int8 view is a
+    tokenwise Linear on oneDNN's kernel (int8_kernels.py), and a seeded text is the one fbgemm's view gives."""
+    calls = dict(n=3, max_length=16, seed=7, temperature=0.9, return_as_list=True, nonempty_output=False)
+    on_fbgemm = ai.generate(**calls)
     monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")  # as a torch without it
     assert hardware.missing_int8_kernels() == ["torch.ao.quantization.quantize_dynamic"]
+    plan = decoding.plan_decoding(ai.model)
+    assert hardware.cpu().int8_kernels and plan.form == "int8" and "oneDNN's" in plan.describe()
+    for tokenwise in (True, False):
+        view = decoding.decoding_model(ai.model, "int8", tokenwise).model
+        linears = [m for m in view.modules() if isinstance(m, decoding.TokenwiseInt8Linear)]
+        assert len(linears) == 4 * view.config.n_layer + 1  # every projection and the LM head
+        assert all(isinstance(m.product, int8_kernels.OneDNNProduct) for m in linears)
+    fresh = aitextgen(model_folder=folder, tokenizer_file=tokenizer_file)  # its views made on oneDNN's kernel
+    assert fresh.generate(**calls) == on_fbgemm
+    assert len(fresh.generate(n=2, max_length=12, return_as_list=True, nonempty_output=False)) == 2  # unseeded
+
+
+def test_without_both_int8_kernels_generate_decodes_in_another_form_and_names_them(ai, monkeypatch):
+    monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")  # as a torch without it
+    monkeypatch.setattr(hardware, "ONEDNN_INT8_OPS", (*hardware.ONEDNN_INT8_OPS, "_gone"))  # and one of these
     assert not hardware.cpu().int8_kernels and decoding.plan_decoding(ai.model).form in ("bf16", "fp32")
     assert len(ai.generate(n=2, max_length=12, seed=1, return_as_list=True, nonempty_output=False)) == 2
     assert len(ai.generate(n=2, max_length=12, return_as_list=True, nonempty_output=False)) == 2
-    with pytest.raises(ValueError, match="lacks torch.ao.quantization.quantize_dynamic"):
+    with pytest.raises(ValueError, match="lacks torch.ao.quantization.quantize_dynamic, torch.ops.onednn._gone"):
         ai.generate(max_length=12, decoding="int8")
 
 

@@ -16,6 +16,7 @@ from conftest import corpus_text, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, decoding, hardware, kv_cache
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
+from lowmem_aitextgen.int8_kernels import OneDNNProduct
 from lowmem_aitextgen.sampling import Row, RowSettings
 
 pytestmark = pytest.mark.edges  # transformers' cache and forward arguments, peft's virtual tokens
@@ -97,18 +98,42 @@ def test_greedy_tokens_are_the_trained_models_own_forward_in_every_form(trained,
         base_scores = truth_loop(truth_model.get_base_model(), ids, 1, -1)[1][0]
         assert float((base_scores - scores[0]).abs().max()) > 3 * max(decoding.SCORE_ERROR.values())
     for form in forms():
-        error = 0.0 if form == "exact" else decoding.SCORE_ERROR[form]
-        for tokenwise in (True, False) if form == "int8" else (False,):  # seeded calls' view, and unseeded ones'
-            view = truth_model if form == "exact" else decoding.decoding_model(truth_model, form, tokenwise)
-            first = first_scores(view, ai, ids)
-            assert float((first - scores[0]).abs().max()) <= max(error, 1e-4), (kind, where, form, tokenwise)
-        text = ai.generate(prompt=PROMPT, max_new_tokens=NEW, do_sample=False, decoding=form, return_as_list=True,
-                           nonempty_output=False, skip_special_tokens=False, lstrip=False)[0]
-        sure = sure_steps(scores, error)
-        expected = ai.tokenizer.decode(ids.tolist() + truth[:sure])
-        assert text.startswith(expected), (kind, where, form, sure, text, expected)
-        if sure == len(truth):
-            assert text == ai.tokenizer.decode(ids.tolist() + truth), (kind, where, form)
+        assert_decodes_the_truth(ai, truth_model, ids, (truth, scores), form, (kind, where))
+
+
+def assert_decodes_the_truth(ai, truth_model, ids: torch.Tensor, truth_and_scores: tuple[list[int], list], form: str,
+                             label: tuple) -> None:
+    """In `form`, the engine's first scores (of both int8 views: seeded calls' and unseeded ones') within the form's
+    error of the truth's, and generate()'s greedy text the truth's wherever its top two are further apart."""
+    truth, scores = truth_and_scores
+    error = 0.0 if form == "exact" else decoding.SCORE_ERROR[form]
+    for tokenwise in (True, False) if form == "int8" else (False,):  # seeded calls' view, and unseeded ones'
+        view = truth_model if form == "exact" else decoding.decoding_model(truth_model, form, tokenwise)
+        first = first_scores(view, ai, ids)
+        assert float((first - scores[0]).abs().max()) <= max(error, 1e-4), (*label, form, tokenwise)
+    text = ai.generate(prompt=PROMPT, max_new_tokens=NEW, do_sample=False, decoding=form, return_as_list=True,
+                       nonempty_output=False, skip_special_tokens=False, lstrip=False)[0]
+    sure = sure_steps(scores, error)
+    expected = ai.tokenizer.decode(ids.tolist() + truth[:sure])
+    assert text.startswith(expected), (*label, form, sure, text, expected)
+    if sure == len(truth):
+        assert text == ai.tokenizer.decode(ids.tolist() + truth), (*label, form)
+
+
+@pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
+def test_on_onednns_int8_kernel_greedy_tokens_are_the_trained_models_own_forward(trained, tokenizer_file, kind,
+                                                                                 monkeypatch):
+    """Where torch lacks torch.ao's fbgemm ops, the int8 form computes on oneDNN's kernel (int8_kernels.py): read
+    from its folder (a new object, so that no view made on fbgemm's kernel is reused), against the truth."""
+    monkeypatch.setattr(hardware, "INT8_OPS", (*hardware.INT8_OPS, "_gone"))  # as a torch that dropped one
+    ai = aitextgen(model_folder=trained[kind][1], tokenizer_file=tokenizer_file)
+    truth_model = ai.model.eval()
+    ids = prompt_ids(truth_model, ai.tokenizer, PROMPT, None)
+    view = decoding.decoding_model(truth_model, "int8", True).model
+    products = [m.product for m in view.modules() if isinstance(m, decoding.TokenwiseInt8Linear)]
+    assert products and all(isinstance(p, OneDNNProduct) for p in products)
+    assert_decodes_the_truth(ai, truth_model, ids, truth_loop(truth_model, ids, NEW, ai.tokenizer.eos_token_id),
+                             "int8", (kind, "oneDNN"))
 
 
 def first_scores(view, ai, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""The int8 matrix products a decoding view's projections call, and the Linear that calls them with each token's
+activations quantized alone, so that a text is the same in any batch (the form of seeded calls and the server).
+
+Two kernels take the same integers and compute their products exactly (int32 sums); the first whose ops this
+torch has is used (hardware.missing_int8_kernels, hardware.missing_onednn_int8_kernels):
+
+| kernel | ops                                             | why                                                  |
+|--------|-------------------------------------------------|------------------------------------------------------|
+| fbgemm | torch.ops.quantized (torch.ao.quantization's,   | the fastest at a batch of one on every CPU measured  |
+|        | which torch 2.13 says it will remove)           | (RESULTS.md: Intel Xeon with AMX, 1.4-2x oneDNN's)   |
+| oneDNN | torch.ops.onednn.qlinear_prepack and            | what torchao's x86 int8 path (pt2e with              |
+|        | qlinear_pointwise                               | X86InductorQuantizer) lowers to, so kept while that  |
+|        |                                                 | path is: int8 decoding outlives torch.ao's ops       |
+
+oneDNN's operands are rounded here by plain operations as fbgemm rounds them (a weight times its scale's float
+inverse; an activation by one fused multiply-add with the zero point, emulated in float64), and its integer sums
+are dequantized here as fbgemm dequantizes them, so both kernels give the same bits (on oneDNN's AMX, AVX512-VNNI
+and AVX2 kernels and fbgemm's AVX512 and AVX2 ones): a text is the same on either, and oneDNN's quality is the
+tokenwise form's measured one (decoding.MEASURED_QUALITY).  In either, a row's output is its own alone or in any
+batch (tests/test_int8_kernels.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import hardware
+
+TOKEN_SCALE, TOKEN_ZERO = 2 / 126, 64  # [-1, 1] onto 1..127: 7 bits, as torch's x86 dynamic form (reduce_range)
+# the float32 inverse of the float32 scale, which fbgemm multiplies by
+TOKEN_INVERSE = float(1 / torch.tensor(TOKEN_SCALE, dtype=torch.float32))
+
+
+def weight_scale(weight: torch.Tensor) -> float:
+    """A weight's int8 scale, per tensor (weights per channel measured 30% slower a projection at batch 1)."""
+    return float(weight.abs().max().clamp(min=1e-8)) / 127
+
+
+class FbgemmProduct:
+    """fbgemm's kernel that takes the activations' scale it is given
+    (quantized.linear_with_input_q_dq_qweight_dq_output_fp32): it quantizes them and multiplies in one call."""
+
+    name = "fbgemm"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        with warnings.catch_warnings():  # torch's notice that quantized tensors are deprecated: not the user's
+            warnings.simplefilter("ignore")
+            quantized = torch.quantize_per_tensor(weight.float(), weight_scale(weight), 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        # the overload's C++ function: the op's packet checks its arguments in Python each call, and the overload
+        # (a TorchBind op: the packed weight is a script object) looks for export's fake objects in them (0.8 ms
+        # each a 355M step, RESULTS.md); none is ever given here
+        overload = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
+        self._op = getattr(overload, "_op", overload)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 product of `x` (each token within [-1, 1]) quantized with TOKEN_SCALE and the weight."""
+        return self._op(x, TOKEN_SCALE, TOKEN_ZERO, self.packed)
+
+
+class OneDNNProduct:
+    """oneDNN's int8 matrix product (u8 activations, s8 weights), its operands rounded as fbgemm's.  oneDNN is given
+    scales of 1, so it returns each integer sum as a float (exact below 2^24, else rounded to nearest): the
+    dequantizing multiply is done here, once, as fbgemm does it (by the float32 product of the two scales), because
+    oneDNN's own order of the scales' multiplies depends on the shape and the rows of a call."""
+
+    name = "oneDNN"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        scale = weight_scale(weight)
+        single = torch.tensor(scale, dtype=torch.float32)
+        integers = (weight.detach().float() * float(1 / single)).round_().clamp_(-128, 127).to(torch.int8)
+        self.packed = torch.ops.onednn.qlinear_prepack(integers, None)  # an opaque tensor in oneDNN's layout
+        self.ones = torch.ones(weight.shape[0])
+        self.zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+        self.scale = float(torch.tensor(TOKEN_SCALE, dtype=torch.float32) * single)
+        overload = torch.ops.onednn.qlinear_pointwise.default
+        self._op = getattr(overload, "_op", overload)  # the C++ function, as fbgemm's (arguments checked there)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 product of `x` (each token within [-1, 1]) quantized with TOKEN_SCALE and the weight."""
+        sums = self._op(activations_uint8(x), 1.0, TOKEN_ZERO, self.packed, self.ones, self.zeros, None, 1.0, 0,
+                        torch.float32, "none", [], "")
+        return sums.mul_(self.scale)
+
+    def __deepcopy__(self, memo: dict) -> OneDNNProduct:
+        # oneDNN's packed weight cannot be copied (its storage is opaque); it is never written, so copies share it
+        return self
+
+
+def activations_uint8(x: torch.Tensor) -> torch.Tensor:
+    """`x` (within [-1, 1]) as fbgemm quantizes it: round(x * TOKEN_INVERSE + TOKEN_ZERO), the multiply-add rounded
+    once to float32 (its fused multiply-add; exact in float64, then rounded), ties to even."""
+    return x.double().mul_(TOKEN_INVERSE).add_(TOKEN_ZERO).float().round_().clamp_(0, 255).to(torch.uint8)
+
+
+def product_kernel() -> type:
+    """The kernel this torch computes int8 products with: fbgemm's where torch.ao's ops are here, else oneDNN's."""
+    if not hardware.missing_int8_kernels():
+        return FbgemmProduct
+    if not hardware.missing_onednn_int8_kernels():
+        return OneDNNProduct
+    raise RuntimeError(f"this torch lacks {', '.join(hardware.missing_int8_kernels())} and "
+                       f"{', '.join(hardware.missing_onednn_int8_kernels())}: no int8 product can be computed here")
+
+
+class TokenwiseInt8Linear(nn.Module):
+    """A Linear in int8 whose output for a token does not depend on the other tokens of the batch.
+
+    torch's dynamic quantized Linear quantizes its input with the range of the whole input tensor, so a text's
+    tokens were rounded differently beside other texts than alone.  Here each token's activations are divided by
+    their largest size, so each spans [-1, 1], and quantized with one fixed scale (TOKEN_SCALE) by a kernel that
+    takes the scale it is given (module docstring): the integer product is exact, and the token's size is
+    multiplied back.  7 bits, as torch's dynamic form on x86: an 8-bit activation times an int8 weight, summed in
+    pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  Costs four elementwise operations a call
+    (RESULTS.md): the form of a seeded or greedy call and of the server, where a text must be the same in any
+    batch.  Weights int8 per tensor, as torch's are; `kernel`: FbgemmProduct or OneDNNProduct (default: this
+    torch's, product_kernel)."""
+
+    each_token_alone = True  # read by stepping.Step: its attention then computes each row alone too
+
+    def __init__(self, linear: nn.Linear, kernel: type | None = None) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.product: Any = (kernel or product_kernel())(weight)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # linalg.vector_norm(inf): 10x slower; arguments by position: torch parses keywords in ~0.2 us each
+        size = x.abs().amax(-1, True).clamp_min_(1e-12)
+        out, bias = self.product(x / size), self.bias
+        return out.mul_(size) if bias is None else torch.addcmul(bias, out, size)
