@@ -7,7 +7,8 @@ torch has is used (hardware.missing_int8_kernels, hardware.missing_onednn_int8_k
 | kernel | ops                                             | why                                                  |
 |--------|-------------------------------------------------|------------------------------------------------------|
 | fbgemm | torch.ops.quantized (torch.ao.quantization's,   | the fastest at a batch of one on every CPU measured  |
-|        | which torch 2.13 says it will remove)           | (RESULTS.md: Intel Xeon with AMX, 1.4-2x oneDNN's)   |
+|        | which torch 2.13 says it will remove)           | (Intel Xeon with AMX: 2x oneDNN's a call, 1.6x end   |
+|        |                                                 | to end, RESULTS.md)                                  |
 | oneDNN | torch.ops.onednn.qlinear_prepack and            | what torchao's x86 int8 path (pt2e with              |
 |        | qlinear_pointwise                               | X86InductorQuantizer) lowers to, so kept while that  |
 |        |                                                 | path is: int8 decoding outlives torch.ao's ops       |
