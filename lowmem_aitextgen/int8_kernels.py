@@ -74,8 +74,7 @@ class OneDNNProduct:
     def __init__(self, weight: torch.Tensor) -> None:
         scale = weight_scale(weight)
         single = torch.tensor(scale, dtype=torch.float32)
-        integers = (weight.detach().float() * float(1 / single)).round_().clamp_(-128, 127).to(torch.int8)
-        self.packed = torch.ops.onednn.qlinear_prepack(integers, None)  # an opaque tensor in oneDNN's layout
+        self.packed = torch.ops.onednn.qlinear_prepack(weight_int8(weight, scale), None)  # oneDNN's opaque layout
         self.ones = torch.ones(weight.shape[0])
         self.zeros = torch.zeros(weight.shape[0], dtype=torch.long)
         self.scale = float(torch.tensor(TOKEN_SCALE, dtype=torch.float32) * single)
@@ -91,6 +90,13 @@ class OneDNNProduct:
     def __deepcopy__(self, memo: dict) -> OneDNNProduct:
         # oneDNN's packed weight cannot be copied (its storage is opaque); it is never written, so copies share it
         return self
+
+
+def weight_int8(weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """`weight` in int8 at `scale` as torch's quantize_per_tensor rounds it: times the float32 inverse of the float32
+    scale, to nearest even."""
+    inverse = float(1 / torch.tensor(scale, dtype=torch.float32))
+    return (weight.detach().float() * inverse).round_().clamp_(-128, 127).to(torch.int8)
 
 
 def activations_uint8(x: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,7 @@ def test_onednns_operands_are_the_integers_fbgemm_multiplies():
     weight = torch.randn(512, 256) * 0.02
     scale = int8_kernels.weight_scale(weight)
     expected = torch.quantize_per_tensor(weight, scale, 0, torch.qint8).int_repr()
-    inverse = float(1 / torch.tensor(scale, dtype=torch.float32))
-    assert torch.equal((weight * inverse).round_().clamp_(-128, 127).to(torch.int8), expected)
+    assert torch.equal(int8_kernels.weight_int8(weight, scale), expected)
 
 
 def exact_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
