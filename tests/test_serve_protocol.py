@@ -169,6 +169,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def serves(port: int, within: float = 30) -> bool:
+    """Whether a server answers /health on `port` within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return False
+
+
 def test_two_servers_racing_for_one_port_the_loser_exits_non_zero_naming_it(tmp_path, tokenizer_file):
     port = free_port()
     folder = model_folder(tmp_path / "model", n_positions=64)
@@ -176,14 +187,12 @@ def test_two_servers_racing_for_one_port_the_loser_exits_non_zero_naming_it(tmp_
                f"--port={port}"]
     racers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        ended = []
-        for racer in racers:
-            try:
-                racer.wait(timeout=60)
-                ended.append(racer)
-            except subprocess.TimeoutExpired:
-                pass
+        deadline = time.monotonic() + 60
+        while all(racer.poll() is None for racer in racers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = [racer for racer in racers if racer.poll() is not None]
         assert len(ended) == 1, "exactly one of two servers on one port ends"
+        assert serves(port), "the other server holds the port and answers"
         loser = ended[0]
         error = loser.stderr.read()
         assert loser.returncode == 2 and f"--port={port}" in error and "cannot listen there" in error
@@ -328,13 +337,7 @@ def test_two_replicas_behind_nginx_share_requests_and_a_sigterm_loses_none(tmp_p
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        assert serves(port, 20), "nginx answers"
         plain = client.completions.create(model=folder, prompt="def", max_tokens=8, seed=3)
         streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
             model=folder, prompt="def", max_tokens=8, seed=3, stream=True))
