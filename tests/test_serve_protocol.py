@@ -170,13 +170,16 @@ def free_port() -> int:
 
 
 def serves(port: int, within: float = 30) -> bool:
-    """Whether a server answers /health on `port` within `within` seconds."""
+    """Whether /health on `port` answers 200 within `within` seconds (refused connections and other answers, as a
+    proxy's 502 before its upstream is up, tried again)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return True
         except httpx.TransportError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     return False
 
 
