@@ -155,3 +155,61 @@ def test_a_rows_softmax_and_cumulative_sum_are_its_own_bits_beside_others(rows):
     together = scores.softmax(-1).cumsum(-1, dtype=torch.float64)
     for i in range(rows):
         assert torch.equal(together[i], scores[i].softmax(-1).double().cumsum(0))
+
+
+def warped(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' own TopK then TopP warpers over the whole vocabulary (1-D logits)."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    logits = logits[None]
+    if top_k:
+        logits = TopKLogitsWarper(top_k)(None, logits)
+    if top_p < 1.0:
+        logits = TopPLogitsWarper(top_p)(None, logits)
+    return logits[0]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (1, 1.0), (40, 0.9), (1000, 0.5), (0, 0.9), (0, 0.5), (0, 0.99)])
+def test_top_k_and_top_p_keep_among_the_likeliest_what_transformers_warpers_keep(top_k, top_p):
+    """likeliest_kept against transformers' warpers over GPT-2's whole vocabulary, logits peaked and flatter:
+    the same tokens, but for the one at top_p's edge where the two sums of probabilities round apart."""
+    from lowmem_aitextgen.sampling import likeliest_kept
+
+    generator = torch.Generator().manual_seed(top_k)
+    for scale in (3.0, 6.0, 12.0):
+        logits = torch.randn(50257, generator=generator) * scale
+        kept = likeliest_kept(logits, top_k, top_p)
+        assert kept is not None or (not top_k and scale == 3.0)  # flat: top_p needs more than the candidates
+        if kept is None:
+            continue
+        values, ids = kept
+        assert torch.equal(values, logits[ids]) and bool((values[:-1] >= values[1:]).all())
+        truth = warped(logits, top_k, top_p)
+        apart = set(ids.tolist()) ^ set(torch.isfinite(truth).nonzero()[:, 0].tolist())
+        probabilities = (logits if not top_k else truth).softmax(0).double()
+        for token in apart:  # at the edge: the likelier tokens' mass within rounding of top_p
+            assert abs(float(probabilities[probabilities > probabilities[token]].sum()) - top_p) < 1e-6, token
+        assert len(apart) <= 1
+
+
+def test_a_draw_among_the_kept_picks_what_the_whole_vocabulary_draw_picks():
+    """The same stream's uniform numbers pick the same tokens among what is kept as over the whole vocabulary with
+    transformers' warpers (the inverse CDF in the order of the ids)."""
+    from lowmem_aitextgen.sampling import _draw, _draw_among, likeliest_kept
+
+    logits = torch.randn(50257, generator=torch.Generator().manual_seed(5)) * 4  # top_p 0.9: 358 tokens kept
+    for top_k, top_p in [(50, 1.0), (50, 0.8), (0, 0.9)]:
+        ours, theirs = torch.Generator().manual_seed(top_k), torch.Generator().manual_seed(top_k)
+        probabilities = warped(logits, top_k, top_p).softmax(-1)
+        picks = [_draw_among(*likeliest_kept(logits, top_k, top_p), ours) for _ in range(300)]
+        assert picks == [_draw(probabilities, theirs) for _ in range(300)]
+        assert len(set(picks)) > 5
+
+
+def test_every_token_tied_with_the_k_th_stays_as_transformers_keeps_it():
+    """A tie at the k-th place keeps every tied token (TopK removes only those below the k-th logit): ten equal
+    logits and top_k=3, each of the ten drawn."""
+    logits = torch.full((1000,), -5.0)
+    logits[100:110] = 4.0
+    row = Row(torch.tensor([1]), RowSettings(max_new=1, top_k=3, seed=0))
+    assert {row.next_token(logits, ()) for _ in range(400)} == set(range(100, 110))
