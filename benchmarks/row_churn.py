@@ -7,6 +7,7 @@ decoder is measured in one run on this noisy machine.
     python benchmarks/row_churn.py --against /tmp/before --size 124M --jobs 8,64,32
     python benchmarks/row_churn.py --against /tmp/before --jobs 16,64,16,15      # a burst of 16 requests
     python benchmarks/row_churn.py --against /tmp/before --jobs 16,64,48,1,1     # unseeded requests' rows
+    python benchmarks/row_churn.py --against /tmp/before --settings top_k=50 top_p=0.9   # each row's sampling
 
 Each job `rows,new,total[,group[,sampled]]`: at most `rows` rows decode together, each of `new` tokens
 (end-of-text impossible), new rows joining at the next step after one ends (up to `group` at once, 1 by default;
@@ -15,6 +16,7 @@ rows of unseeded requests, which need not be the same beside others (a seeded re
 attention computed alone, where the checkout has RowSettings.repeatable); tokens/s of each checkout,
 the rounds alternating (each checkout in a process of its own, the model built once), medians of --rounds.
 GPT-2 of the size (random weights, seed 0), the int8 form each token alone (the server's and a seeded call's).
+`--settings`: RowSettings fields every row takes (numbers), e.g. generate()'s default top_k=50.
 
 `--without-kernel`: every int8 product returns zeros at once (the kernel is not called), so what is timed is the
 rest of a step (the engine, the stepping decoder, the elementwise operations, the cache, attention, sampling):
@@ -48,7 +50,7 @@ def without_kernel(view: object) -> None:
             module.product = lambda x, width=module.out_features: x.new_zeros(x.shape[0], width)
 
 
-def worker(size: str, kernel: bool = True) -> None:
+def worker(size: str, kernel: bool = True, settings: dict[str, int | float] | None = None) -> None:
     """Build the model and its view once; then, for each job read from stdin, print its tokens/s."""
     import torch
     from transformers import GPT2Config
@@ -69,7 +71,7 @@ def worker(size: str, kernel: bool = True) -> None:
         unseeded = {"repeatable": False} if sampled and "repeatable" in RowSettings.__dataclass_fields__ else {}
 
         def row() -> Row:
-            return Row(prompt, RowSettings(max_new=new, min_new=new, seed=next(seeds), **unseeded))
+            return Row(prompt, RowSettings(max_new=new, min_new=new, seed=next(seeds), **unseeded, **(settings or {})))
 
         # as the server joins rows: within the next step where the engine can (admit), else between steps
         admit = getattr(engine, "admit", engine.join)
@@ -102,13 +104,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--without-kernel", action="store_true",
                         help="int8 products give zeros without the kernel: time the rest of a step (module docstring)")
+    parser.add_argument("--settings", nargs="*", default=[], metavar="FIELD=NUMBER",
+                        help="RowSettings fields of every row (module docstring)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    settings = {field: float(value) if "." in value else int(value)
+                for field, value in (setting.split("=", 1) for setting in args.settings)}
     if args.worker:
-        return worker(args.worker, kernel=not args.without_kernel)
+        return worker(args.worker, kernel=not args.without_kernel, settings=settings)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this checkout": here, "against": os.path.abspath(args.against)}
     flags = ["--without-kernel"] if args.without_kernel else []
+    flags += ["--settings", *args.settings] if args.settings else []
     workers = {name: subprocess.Popen([sys.executable, __file__, "--against", tree, "--worker", args.size, *flags],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                       env={**os.environ, "PYTHONPATH": tree})  # that tree's package first
@@ -123,7 +130,8 @@ def main() -> None:
                 workers[name].stdin.flush()
                 rates[name].append(float(workers[name].stdout.readline()))
         medians = {name: statistics.median(r) for name, r in rates.items()}
-        print(json.dumps({"size": args.size, "kernel": not args.without_kernel, "job rows,new,total": job,
+        print(json.dumps({"size": args.size, "kernel": not args.without_kernel, "settings": settings,
+                          "job rows,new,total": job,
                           "tokens/s (medians)": medians,
                           "this / against": round(medians["this checkout"] / medians["against"], 3),
                           "rounds": rates}), flush=True)
