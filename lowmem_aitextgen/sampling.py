@@ -3,18 +3,19 @@ stops, so that a text is the same whether it is decoded alone or beside others (
 generate() and the server both make them).
 
 transformers' sampling draws every row of a batch from one random stream, so a seeded row's text depends on
-which rows share its batch, and its temperature, top_p and stop strings are one per batch.  Here each row
-draws from a torch.Generator of its own, seeded by one rule (`row_seed`: the call's seed, the prompt's index,
-the choice's index), with its own settings, and stops on its own (its length, its stop strings, end-of-text,
-a stopping criterion, or its client gone).  What each row's model outputs must not depend on the other rows
-either: decoding.py's int8 form quantizes each token's activations alone for that.  The rows whose settings
-only scale and draw (most: no penalty, processor, top-k or top-p) are picked in one pass for all of them
+which rows share its batch, and its temperature, top_p and stop strings are one per batch.  Here each row draws
+from a torch.Generator of its own, seeded by one rule (`row_seed`: the call's seed, the prompt's index, the
+choice's index), with its own settings, and stops on its own (its length, its stop strings, end-of-text, a
+stopping criterion, or its client gone).  What each row's model outputs must not depend on the other rows
+either: decoding.py's int8 form quantizes each token's activations alone for that.  The rows whose settings only
+scale and draw (most: no penalty, processor, top-k or top-p) are picked in one pass for all of them
 (next_tokens), each row's arithmetic the one it gets alone.  top_k and top_p keep what transformers' warpers
-keep, found among the likeliest tokens (likeliest_kept: the k-th logit, or the likeliest until they hold
-top_p), and the token is drawn among those alone: a pick with top_p sorted the whole vocabulary (GPT-2's 50,257
-tokens: 5 ms on the CPU, RESULTS.md) and top_k alone wrote it over three more times.  The draw is the same
-inverse CDF in the order of the ids; its probabilities are the softmax over what is kept, rounded as a softmax
-over fewer numbers rounds.
+keep (at top_p's edge up to rounding: the likelier tokens' probabilities summed in float64 here, in float32 from
+the least likely up there), found among the likeliest tokens (likeliest_kept: the k-th logit, or the likeliest
+until they hold top_p), and the token is drawn among those alone: a pick with top_p sorted the whole vocabulary
+(GPT-2's 50,257 tokens: 5 ms on the CPU, RESULTS.md) and top_k alone wrote it over three more times.  The draw
+is the same inverse CDF in the order of the ids; its probabilities are the softmax over what is kept, rounded as
+a softmax over fewer numbers rounds.
 
 | setting            | applied                                          | as in                                   |
 |--------------------|--------------------------------------------------|-----------------------------------------|
