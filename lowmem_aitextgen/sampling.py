@@ -13,9 +13,9 @@ scale and draw (most: no penalty, processor, top-k or top-p) are picked in one p
 keep (at top_p's edge up to rounding: the likelier tokens' probabilities summed in float64 here, in float32 from
 the least likely up there), found among the likeliest tokens (likeliest_kept: the k-th logit, or the likeliest
 until they hold top_p), and the token is drawn among those alone: a pick with top_p sorted the whole vocabulary
-(GPT-2's 50,257 tokens: 5 ms on the CPU, RESULTS.md) and top_k alone wrote it over three more times.  The draw
-is the same inverse CDF in the order of the ids; its probabilities are the softmax over what is kept, rounded as
-a softmax over fewer numbers rounds.
+(GPT-2's 50,257 tokens: 5 ms on the CPU, RESULTS.md) and top_k alone made four more passes over it (a mask, its
+fill, a softmax, a cumulative sum).  The draw is the same inverse CDF in the order of the ids; its probabilities
+are the softmax over what is kept, rounded as a softmax over fewer numbers rounds.
 
 | setting            | applied                                          | as in                                   |
 |--------------------|--------------------------------------------------|-----------------------------------------|
