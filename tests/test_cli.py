@@ -144,8 +144,11 @@ def test_generate_takes_a_file_of_prompts_and_streams_until_ctrl_c(tmp_path, tok
     assert [t[:3] for t in texts] == ["def", "def", "cla", "cla"]
 
     exe = os.path.join(os.path.dirname(sys.executable), "lowmem_aitextgen")
+    # SIGINT as a terminal delivers it, whoever started the tests: a job a shell starts in the background
+    # inherits SIGINT ignored, and Python then leaves it ignored
     process = subprocess.Popen([exe, "generate", *common, "--stream", "--prompt=def", "--max_length=100000",
-                                "--suppress_tokens=[0]"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                "--suppress_tokens=[0]"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert process.stdout.read(3) == b"def"  # printed as it is made, long before 100,000 tokens
         process.send_signal(signal.SIGINT)
