@@ -257,23 +257,22 @@ def likeliest_kept(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torc
         if values[top_k] == values[top_k - 1]:
             return None
         values, ids = values[:top_k], ids[:top_k]
-        probabilities = values.softmax(0)  # of what top_k keeps
+        if top_p >= 1.0:
+            return values, ids
+        held = values.softmax(0).double().cumsum(0)  # the probability of what top_k keeps, likeliest first
     elif top_p < 1.0:
         everything = logits.softmax(0)
         for wanted in CANDIDATES:
             values, ids = logits.topk(min(wanted, size))
-            probabilities = everything[ids]
-            if float(probabilities.double().sum()) >= top_p:
+            held = everything[ids].double().cumsum(0)
+            if float(held[-1]) >= top_p:
                 break
         else:
             return None
     else:
         return None
-    if top_p < 1.0:  # kept while the likelier ones hold less than top_p (TopP: its ascending sum above 1 - top_p)
-        held = probabilities.double().cumsum(0)
-        kept = 1 + int((held[:-1] < top_p).sum())
-        values, ids = values[:kept], ids[:kept]
-    return values, ids
+    kept = 1 + int((held[:-1] < top_p).sum())  # while the likelier hold less than top_p (TopP: above 1 - top_p)
+    return values[:kept], ids[:kept]
 
 
 def _draw_among(values: torch.Tensor, ids: torch.Tensor, generator: torch.Generator) -> int:
