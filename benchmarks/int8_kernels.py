@@ -1,8 +1,8 @@
 """The int8 matrix products torch offers on this CPU, per call, against ours (issue 54, item 2): a 355M GPT-2's
 projections as a chain of 24 Linears (1024 -> 4096 -> 1024 ..., each weight its own, 100 MB of int8: read
-from memory, as in decoding), at 1, 16 and 64 rows (a step of one text, of 16, a prompt); --generate: our
-default seeded generate() end to end on each of our two kernels (int8_kernels.py) and in bf16, 355M, 128 new
-tokens, batch 1 and 8, alternating round by round.
+from memory, as in decoding), at 1, 8, 16 and 64 rows (`--rows`: a step of one text, of 8, of 16, a prompt);
+--generate: our default seeded generate() end to end on each of our two kernels (int8_kernels.py) and in bf16,
+355M, 128 new tokens, batch 1 and 8, alternating round by round.
 
     python benchmarks/int8_kernels.py
     python benchmarks/int8_kernels.py --generate --rounds 3
@@ -15,12 +15,17 @@ tokens, batch 1 and 8, alternating round by round.
 | torch.ao dynamic          | quantize_dynamic's Linear: fbgemm's linear_dynamic (the unseeded form)          |
 | torchao Int8DynAct        | torchao's Int8DynamicActivationInt8WeightConfig, eager (quantize_)               |
 | torchao Int8DynAct, compiled | the same under torch.compile                                                  |
+| ..., max-autotune         | the same compiled with mode="max-autotune": inductor's C++ GEMM template (AMX or |
+|                           | AVX-512 micro-kernels) where it beats the aten kernel                            |
+| torchao Int8WeightOnly,   | int8 weights, bf16 activations (not quantized), max-autotune: the template's     |
+| bf16, max-autotune        | int8-weight GEMM                                                                 |
 | pt2e x86 inductor         | torch.export, torchao's X86InductorQuantizer (dynamic), convert_pt2e, compiled  |
 |                           | with inductor's freezing: oneDNN's int8 kernels                                  |
 | fp32, bf16                | nn.Linear, for scale                                                             |
 
-Reports µs a Linear (the chain's time over 24), the median of 5 runs of 10 chains, and each compiled path's
-compile time.  A path that fails says why instead.
+Reports µs a Linear (the chain's time over 24), the median of 5 runs of 10 chains, each compiled path's
+compile time, and whether a row's output is the bits it gets alone (the seed rule's need: a text the same in any
+batch; a compiled path compiles its one-row call anew).  A path that fails says why instead.
 """
 
 from __future__ import annotations
@@ -85,6 +90,15 @@ def torchao_eager() -> nn.Module:
     return model
 
 
+def torchao_weight_only() -> nn.Module:
+    """torchao's int8 weights on a bf16 chain: its activations are bf16, not quantized."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = chain().to(torch.bfloat16)
+    quantize_(model, Int8WeightOnlyConfig())
+    return model
+
+
 def pt2e(rows: int) -> nn.Module:
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
@@ -100,29 +114,42 @@ def pt2e(rows: int) -> nn.Module:
     return convert_pt2e(prepared)
 
 
-def compiled(model: nn.Module, x: torch.Tensor) -> tuple[Callable, float]:
-    """`model` under torch.compile (inductor's freezing: weights folded, as the pt2e tutorial asks), and the
-    seconds its first call took."""
+def compiled(model: nn.Module, x: torch.Tensor, mode: str | None = None) -> tuple[Callable, float]:
+    """`model` under torch.compile in `mode` (inductor's freezing: weights folded, as the pt2e tutorial asks),
+    and the seconds its first call took."""
     import torch._inductor.config as inductor
 
     inductor.freezing = True
-    function = torch.compile(model)
+    function = torch.compile(model, mode=mode)
     start = time.perf_counter()
     with torch.inference_mode():
         function(x)
     return function, round(time.perf_counter() - start, 1)
 
 
-def per_call_rows() -> None:
-    """Each path's µs a Linear at 1, 16 and 64 rows."""
-    for rows in (1, 16, 64):
+def row_is_own(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool | str:
+    """Whether the first row's output among all of `x`'s is the bits it gets alone (why not known, where the path
+    cannot take one row: an export of `x`'s shape)."""
+    with torch.inference_mode():
+        try:
+            return torch.equal(run(x)[:1], run(x[:1]))
+        except Exception as failure:  # said in the row
+            return f"not known: {type(failure).__name__}"
+
+
+def per_call_rows(all_rows: list[int]) -> None:
+    """Each path's µs a Linear at each of `all_rows` rows."""
+    for rows in all_rows:
         x = torch.randn(rows, WIDTH)
+        x16 = x.to(torch.bfloat16)
         makers: dict[str, Callable[[], tuple[Callable, float | None]]] = {
             "ours": lambda: (ours(), None),
             "ours, oneDNN": lambda: (ours(OneDNNProduct), None),
             "torch.ao dynamic": lambda: (torch_ao_dynamic(), None),
             "torchao Int8DynAct": lambda: (torchao_eager(), None),
             "torchao Int8DynAct, compiled": lambda: compiled(torchao_eager(), x),
+            "torchao Int8DynAct, max-autotune": lambda: compiled(torchao_eager(), x, "max-autotune"),
+            "torchao Int8WeightOnly, bf16, max-autotune": lambda: compiled(torchao_weight_only(), x16, "max-autotune"),
             "pt2e x86 inductor": lambda: compiled(pt2e(rows), x),
             "fp32": lambda: (chain(), None),
             "bf16": lambda: (copy.deepcopy(chain()).to(torch.bfloat16), None),
@@ -130,10 +157,12 @@ def per_call_rows() -> None:
         for name, make in makers.items():
             try:
                 run, compile_s = make()
-                xin = x.to(torch.bfloat16) if name == "bf16" else x
+                xin = x16 if "bf16" in name else x
                 row = {"rows": rows, "path": name, "µs a Linear": per_call(run, xin)}
                 if compile_s is not None:
                     row["compile s"] = compile_s
+                if rows > 1:
+                    row["a row's bits its own"] = row_is_own(run, xin)
             except Exception as failure:  # a path this torch cannot take: said, the others still measured
                 row = {"rows": rows, "path": name, "failed": f"{type(failure).__name__}: {str(failure)[:300]}"}
             print(json.dumps(row, ensure_ascii=False), flush=True)
@@ -177,9 +206,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generate", action="store_true", help="generate() end to end on each of our kernels")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64], help="rows a call (per call)")
     args = parser.parse_args()
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
-    generate_rows(args.rounds) if args.generate else per_call_rows()
+    generate_rows(args.rounds) if args.generate else per_call_rows(args.rows)
 
 
 if __name__ == "__main__":
