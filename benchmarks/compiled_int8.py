@@ -40,12 +40,7 @@ def compiled_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:
 
     inductor.freezing = True  # weights folded into the graph: the template packs them once
     torch._dynamo.config.accumulated_recompile_limit = 100_000  # each Linear's graphs (own_code), all counted
-    fresh = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
-    with torch.no_grad():  # its own contiguous weights (a view's are views of a Conv1D's, transposed)
-        fresh.weight.copy_(linear.weight)
-        if linear.bias is not None:
-            fresh.bias.copy_(linear.bias)
-    holder = nn.Sequential(fresh.eval())
+    holder = nn.Sequential(linear.eval())  # (decoding.linear_of's Linear: its own contiguous weights)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize_(holder, Int8DynamicActivationInt8WeightConfig())
