@@ -46,7 +46,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from lowmem_aitextgen import aitextgen, hardware, stepping  # noqa: E402
 from lowmem_aitextgen.heap import release_freed_heap  # noqa: E402
-from lowmem_aitextgen.int8_kernels import TOKEN_INVERSE, TOKEN_SCALE, TOKEN_ZERO, TokenwiseInt8Linear  # noqa: E402
+from lowmem_aitextgen.int8_kernels import TOKEN_SCALE, TOKEN_ZERO, TokenwiseInt8Linear, activations_uint8  # noqa: E402
 
 OPS = "lowmem_compiled_step"
 _CALL = threading.local()  # the step a compiled graph's attention belongs to, while it runs
@@ -98,8 +98,8 @@ class Weights:
 def product(weights: Weights, x: torch.Tensor) -> torch.Tensor:
     """TokenwiseInt8Linear's output, computed from the integers fbgemm computes (module docstring)."""
     size = x.abs().amax(-1, True).clamp_min(1e-12)
-    rounded = (x / size).double().mul(TOKEN_INVERSE).add(TOKEN_ZERO).float().round().clamp(0, 255)
-    sums = torch._int_mm(rounded.sub(TOKEN_ZERO).to(torch.int8), weights.int8)
+    centred = activations_uint8(x / size).to(torch.int8).sub_(TOKEN_ZERO)  # 1..127 less the zero point
+    sums = torch._int_mm(centred, weights.int8)
     # written as inductor's int8 pattern reads it (the x scale, then the weight's), which it computes as fbgemm
     # does: the sums times the weight's scale, then times the size
     out = sums.float() * size * weights.scales
@@ -177,7 +177,7 @@ def templates_compiled_once() -> object:
         yield
 
 
-COMPILES: list[dict] = []
+PROMPT = "The meaning of a word is what it names"  # every path's, the references' too
 GRAPHS: dict[int, dict[int, object]] = {}
 
 
@@ -203,10 +203,9 @@ def together(original: object) -> object:
                 graphs[height] = compiled(step, height)
             peak = resident_mib()
             release_freed_heap()  # what compiling freed, given back: the graph's own memory is what stays
-            COMPILES.append({"rows": height, "compile s": round(time.perf_counter() - start, 1),
-                             "resident MiB once compiled": peak, "and after the freed heap is released":
-                             resident_mib()})
-            print(json.dumps(COMPILES[-1]), flush=True)
+            print(json.dumps({"rows": height, "compile s": round(time.perf_counter() - start, 1),
+                              "resident MiB once compiled": peak, "and after the freed heap is released":
+                              resident_mib()}), flush=True)
         x = (step.embeddings(part.ids) + step.positions(part.positions)).reshape(rows, -1)
         if rows < height:
             x = torch.cat([x, x.new_zeros(height - rows, x.shape[1])])
@@ -222,8 +221,8 @@ def together(original: object) -> object:
 
 def texts(ai: aitextgen, batch: int, new: int) -> list[str]:
     """The default seeded call's texts (the server's form: each token alone)."""
-    return ai.generate(n=batch, prompt="The meaning of a word is what it names", max_new_tokens=new,
-                       min_new_tokens=new, return_as_list=True, nonempty_output=False, seed=1)
+    return ai.generate(n=batch, prompt=PROMPT, max_new_tokens=new, min_new_tokens=new, return_as_list=True,
+                       nonempty_output=False, seed=1)
 
 
 def main() -> None:
@@ -287,7 +286,7 @@ def ours_path(ai: aitextgen, context: Callable[[], contextlib.AbstractContextMan
     import generate_speed
     import llamacpp_speed
 
-    seeded = generate_speed.ours("auto", 1)
+    seeded = generate_speed.ours("auto", 1, PROMPT)
 
     def run(batch: int) -> dict[str, float]:
         with context():
@@ -303,10 +302,9 @@ def references(folder: str, repack: bool) -> dict[str, Callable[[int], dict[str,
     source, bin_dir = llamacpp_speed.llamacpp(os.path.expanduser("~/.cache/lowmem_aitextgen/llamacpp"))
     gguf = llamacpp_speed.converted(source, folder, "q8_0")
     threads, reference = torch.get_num_threads(), aitextgen(model_folder=folder)
-    prompt = "The meaning of a word is what it names"
     return {
         "transformers fp32": lambda batch: llamacpp_speed.timed(
-            lambda b, n: generate_speed.transformers_fp32(reference, reference.model, b, n, prompt), batch),
+            lambda b, n: generate_speed.transformers_fp32(reference, reference.model, b, n, PROMPT), batch),
         "llama.cpp Q8_0": lambda batch: (llamacpp_speed.llama_bench(bin_dir, gguf, threads, repack) if batch == 1
                                          else llamacpp_speed.llama_batched(bin_dir, gguf, threads, batch, repack)),
     }
