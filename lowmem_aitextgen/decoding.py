@@ -44,12 +44,12 @@ text every time.  The plan fits the memory (DecodingMemory): the form's weights 
 the asked length; texts are decoded as many at a time as fit, and a length that does not fit even one text is
 refused before any work, naming one that does.
 
-Every device decodes eagerly in the batch engine (engine.py), its cache written in place; a view of a GPT-2 or
-GPT-Neo steps by stepping.py's decoder rather than transformers' forward (on an H100 1.3x transformers' eager
-fp16 at batch 1).  Compiling is not built into the engine: on this CPU torch.compile of the step measured slower
-than eager; on a GPU CUDA graphs over a static cache measured 2.6-4.3x our eager engine after 21-34 s of
-compiling each shape, which pays only where thousands of tokens follow one load, and needs shapes the engine's
-rows joining and leaving do not keep (RESULTS.md).
+Every device decodes in the batch engine (engine.py), its cache written in place; a view of a GPT-2 or GPT-Neo
+steps by stepping.py's decoder rather than transformers' forward (on an H100 1.3x transformers' eager fp16 at
+batch 1).  A call whose texts run enough steps to pay a compile (compiled_rows) has a seeded int8 view's
+one-token steps run as one inductor graph with the eager step's bits (compiled_step.py: CPUs with AMX); an
+unseeded call it pays for is planned in that seeded form.  On a GPU CUDA graphs over a static cache measured
+2.6-4.3x our eager engine after 21-34 s of compiling each shape, not built (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from . import hardware
+from .compiled_step import PEAK, pays, steps_of
 from .engine import Decoder, as_decoder
 from .int8_kernels import TokenwiseInt8Linear
 from .packed16 import pack_projections
@@ -168,6 +169,7 @@ class DecodePlan:
     view_after: int = 0  # tokens asked of the object before making the form's view pays (view_pays_after)
     room: str = ""  # the memory it was fitted to, for the INFO line
     tokenwise: bool = False  # int8: each token's activations quantized alone (TokenwiseInt8Linear)
+    graph_rows: int | None = 0  # texts at once that fit beside a compiled step's compile (None: not known)
 
     @property
     def view(self) -> str:
@@ -207,7 +209,17 @@ def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, f
     return DecodePlan(form=form, device=device, because=because, max_rows=rows,
                       file_batch=min(FILE_BATCH[device], rows or FILE_BATCH[device]),
                       view_after=memory.view_pays_after(form) if asked == "auto" else 0, room=memory.room_said,
-                      tokenwise=tokenwise)
+                      tokenwise=tokenwise, graph_rows=memory.rows_beside_graph(form))
+
+
+def compiled_rows(plan: DecodePlan, texts: int, at_once: int, length: int) -> int:
+    """The rows a call's one-token steps are compiled for (compiled_step.py; 0: none): the call's, where its plan
+    is int8 on the CPU (the graph is of a seeded view: generate() replans it so), its texts run enough steps for
+    a compile to pay, and the compile's peak fits the memory beside them."""
+    height = min(texts, at_once)
+    if plan.form != "int8" or plan.device != "cpu" or not pays(height, steps_of(texts, height, length)):
+        return 0
+    return height if plan.graph_rows is None or height <= plan.graph_rows else 0
 
 
 def decide_form(model: nn.Module, device: str, exact: bool, quality: Mapping[str, float],
@@ -344,6 +356,15 @@ class DecodingMemory:
             f"max_length={self.length}: one text decoded in {form} needs "
             f"{hardware.format_bytes(self.weights(form) + self.per_row(form))} beyond what this process holds, and "
             f"{hardware.format_bytes(self.room)} is free ({self.room_said}): {fix}.")
+
+    def rows_beside_graph(self, form: str) -> int | None:
+        """Texts that fit at once beside a compiled step's graph at its compile's peak (compiled_step.PEAK times
+        the int8 view's weights; 0 for other forms, None where the memory cannot be read)."""
+        if form != "int8":
+            return 0
+        if self.room is None:
+            return None
+        return max(0, int(self.room - self.weights(form) * (1 + PEAK)) // self.per_row(form))
 
     def view_pays_after(self, form: str) -> int:
         """Tokens before `form`'s view is worth making (VIEW_PAYS_AFTER): 0 where it decodes as held, or where

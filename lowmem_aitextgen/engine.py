@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import _compat, stepping
+from .compiled_step import compiled_stepper
 from .kv_cache import new_cache, refilled
 from .sampling import Row, next_tokens, scored
 
@@ -52,6 +53,7 @@ class Decoder:
     model: nn.Module
     prompt_learning: nn.Module | None = None
     view: bool = False
+    compiled_rows: int = 0  # a view's one-token steps of up to this many rows compiled (compiled_step.py; 0: none)
 
 
 def as_decoder(model: nn.Module | Decoder) -> Decoder:
@@ -111,7 +113,8 @@ class Engine:
         self.pad = next(t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
                                     0) if t is not None and 0 <= t)
         self.cache_keyword = _compat.cache_keyword(self.model)
-        self.stepper = stepping.stepper(self.model) if self.decoder.view else None
+        self.stepper = compiled_stepper(stepping.stepper(self.model), self.decoder.compiled_rows) \
+            if self.decoder.view else None
         self.rows: list[Row] = []
         self.joining: list[Row] = []  # admitted: their prompts computed within the next step (admit)
         self.cache: Any = None

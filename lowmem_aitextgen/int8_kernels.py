@@ -140,5 +140,7 @@ class TokenwiseInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # linalg.vector_norm(inf): 10x slower; arguments by position: torch parses keywords in ~0.2 us each
         size = x.abs().amax(-1, True).clamp_min_(1e-12)
-        out, bias = self.product(x / size), self.bias
-        return out.mul_(size) if bias is None else torch.addcmul(bias, out, size)
+        out = self.product(x / size).mul_(size)
+        # the bias added after, a rounding each (not addcmul's one fused multiply-add): the form a compiled step
+        # can give too (compiled_step.py: inductor's CPU code has no fused multiply-add), so texts are the same
+        return out if self.bias is None else out.add_(self.bias)

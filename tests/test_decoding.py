@@ -2,8 +2,10 @@
 benchmarks/generate_speed.py's, never a test's."""
 
 import copy
+import dataclasses
 import hashlib
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -13,7 +15,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, decoding, hardware, int8_kernels, packed16
+from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, packed16
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
@@ -539,3 +541,54 @@ def test_a_model_held_in_16_bits_decodes_in_int8_on_each_cpu_kind_and_never_by_e
         assert plan.form == "fp32" and plan.view_after == 0 and "emulation" in plan.because
     view = decoding.decoding_model(held, "int8").model
     assert next(view.parameters()).dtype == torch.float32 and next(held.parameters()).dtype == dtype  # untouched
+
+
+def test_a_calls_steps_are_compiled_only_where_they_pay_in_int8_on_the_cpu_and_the_compile_fits(ai):
+    """decoding.compiled_rows: a call's texts at its number of rows at once, compiled where they run
+    compiled_step.PAYS_AFTER steps (one or two rows: more), the plan is int8 on the CPU, and the compile's peak
+    fits beside the texts (DecodingMemory.rows_beside_graph, from the memory presented)."""
+    plan = dataclasses.replace(decoding.plan_decoding(ai.model), graph_rows=None)
+    few, many = compiled_step.PAYS_AFTER["one or two rows"], compiled_step.PAYS_AFTER["more"]
+    assert decoding.compiled_rows(plan, 8, 8, 100) == 0  # one batch of short texts
+    assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100), 8, 100) == 8
+    assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100) - 8, 8, 100) == 0
+    assert decoding.compiled_rows(plan, 3, 8, 100) == 0 and decoding.compiled_rows(plan, 1, 1, 1024) == 0
+    assert decoding.compiled_rows(plan, math.ceil(few / 100), 1, 100) == 1  # one at a time, many
+    for other in (dict(form="bf16"), dict(device="gpu"), dict(graph_rows=4)):
+        assert decoding.compiled_rows(dataclasses.replace(plan, **other), 10**4, 8, 100) == 0, other
+    memory = decoding.DecodingMemory(ai.model, "cpu", 64, read=True)
+    weights, row = memory.weights("int8"), memory.per_row("int8")
+    def presented(room: int) -> hardware.Hardware:  # a CPU whose room for decoding is `room` bytes
+        def cpu(available: int) -> hardware.CPU:
+            return hardware.CPU(name="CPU", bf16_native=True, available=available, resident=2**29)
+
+        with hardware.presenting(hardware.Hardware(cpu(2**33))):
+            beyond = 2**33 - decoding.DecodingMemory(ai.model, "cpu", 64, read=True).room
+        return hardware.Hardware(cpu(room + beyond))
+
+    for room, rows in ((weights + 3 * row, 0), (int(weights * (1 + compiled_step.PEAK)) + 3 * row + 1, 3)):
+        with hardware.presenting(presented(room)):
+            got = decoding.plan_decoding(ai.model, length=64)
+            assert (got.form, got.graph_rows) == ("int8", rows) and got.max_rows >= 3, room
+
+
+def test_a_file_of_many_texts_is_written_by_the_compiled_step_the_same_as_by_the_eager_one(ai, tmp_path,
+                                                                                         monkeypatch):
+    """generate_to_file and an unseeded generate() where compiling pays (the threshold lowered, so that a few
+    texts do): the step compiled once for the file's batch (fewer rows, as texts end, beside zero rows), the file
+    byte for byte the eager step's; an unseeded call replanned to the seeded view the graph is of."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    monkeypatch.setattr(compiled_step, "MEASURED_ISAS", (type(pick_vec_isa()).__name__,))
+    files, graphs = {}, {}
+    for how, after in (("eager", 10**9), ("compiled", 1)):
+        monkeypatch.setattr(compiled_step, "PAYS_AFTER", {"one or two rows": after, "more": after})
+        files[how] = tmp_path / f"{how}.txt"
+        ai.generate_to_file(n=12, batch_size=4, max_length=40, seed=3, destination_path=str(files[how]))
+        held = [compiled_step._GRAPHS.get(decoder.model) for _, decoder in ai._decoding._views.values()]
+        graphs[how] = [(g[0], g[1] is not None) for g in held if g is not None]
+        ai._decoding.forget()  # the next call's view made anew: no graph held for it
+    assert files["compiled"].read_bytes() == files["eager"].read_bytes()
+    assert graphs == {"eager": [], "compiled": [(4, True)]}
+    texts = ai.generate(n=3, max_length=40, return_as_list=True, nonempty_output=False)
+    assert len(texts) == 3 and ai._decoding.plan.tokenwise

@@ -6,6 +6,7 @@ decoding="exact"; in a fast form, equal wherever the truth's top two scores are 
 form's measured error (decoding.SCORE_ERROR).  Tiny models trained a few steps, on the CPU."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import corpus_text, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, decoding, hardware, kv_cache
+from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, kv_cache
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
 from lowmem_aitextgen.int8_kernels import OneDNNProduct
@@ -374,3 +375,79 @@ def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_fil
     untold = texts()
     assert told == untold
     assert made[0] <= 2 < 300 // kv_cache.ROOM <= made[1]
+
+
+def measured_anywhere(monkeypatch) -> None:
+    """The compiled step's gain taken as measured on this CPU's kind of inductor code, so that it is compiled here."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    monkeypatch.setattr(compiled_step, "MEASURED_ISAS", (type(pick_vec_isa()).__name__,))
+
+
+def compiled_and_eager_run(ai, view: Decoder, compiled: int) -> tuple[list[Recorded], Engine]:
+    """Seeded greedy rows of three lengths through an engine decoding `view` with its one-token steps compiled for
+    `compiled` rows (0: eager): one leaving early, one admitted into its slot mid-run."""
+    engine = Engine(dataclasses.replace(view, compiled_rows=compiled), ai.tokenizer, (-1,))
+    cases = [(PROMPT, NEW), ("x", 4), ("import os, sys and then some", NEW), ("def f(", 8)]
+    rows = [Recorded(prompt_ids(ai.model, ai.tokenizer, p, None), RowSettings(max_new=new, temperature=0))
+            for p, new in cases]
+    engine.join(rows[:3])
+    for _ in range(6):
+        engine.step()
+    engine.admit(rows[3:])
+    engine.run()
+    return rows, engine
+
+
+@pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
+def test_a_compiled_step_gives_the_eager_steps_bits_and_the_trained_models_own_tokens(trained, kind, capfd,
+                                                                                      monkeypatch):
+    """compiled_step.py: a seeded int8 view's one-token steps as one inductor graph give each row's scores bit for
+    bit as the eager stepping decoder does (rows of several lengths, one leaving, one admitted, fewer rows than
+    the graph's), so its greedy tokens are the trained model's own forward's wherever the eager form's are;
+    compiling prints nothing.  On every CPU kind, though it is compiled by default only where its gain is
+    measured (compiled_step.MEASURED_ISAS)."""
+    ai, _ = trained[kind]
+    measured_anywhere(monkeypatch)
+    truth_model = ai.model.eval()
+    view = decoding.decoding_model(truth_model, "int8", True)
+    compiled, engine = compiled_and_eager_run(ai, view, 3)
+    assert isinstance(engine.stepper, compiled_step.CompiledStep)
+    assert compiled_step._GRAPHS[view.model][1] is not None  # compiled, checked and kept
+    eager, _ = compiled_and_eager_run(ai, view, 0)
+    for made, expected in zip(compiled, eager):
+        assert len(made.given) == len(expected.given) and made.tokens == expected.tokens
+        assert all(torch.equal(a, b) for a, b in zip(made.given, expected.given)), kind
+    ids = compiled[0].prompt
+    truth, scores = truth_loop(truth_model, ids, NEW, -1)
+    sure = sure_steps(scores, decoding.SCORE_ERROR["int8"])
+    assert compiled[0].tokens[:sure] == truth[:sure] and sure > 0
+    out, err = capfd.readouterr()
+    assert out == err == "", (out, err)
+
+
+def test_a_compiled_step_falls_back_to_the_eager_one_without_a_cpp_compiler_or_where_it_differs(trained,
+                                                                                                monkeypatch, caplog):
+    """Where inductor cannot build its C++ (the compiler hidden) or the graph's logits differ from the eager step's
+    by a bit (here: its body run uncompiled, whose products round in another order), the view decodes by the
+    eager step, its tokens unchanged, said once."""
+    ai, _ = trained["full"]
+    measured_anywhere(monkeypatch)
+    eager_rows, _ = compiled_and_eager_run(ai, decoding.decoding_model(ai.model, "int8", True), 0)
+    def uncompiled(step: object, rows: int) -> object:  # the graph's body, run as it is written
+        weights = {id(m): compiled_step.Weights(m) for m in map(compiled_step._module_of,
+                                                                compiled_step._projections(step))}
+        return lambda x: compiled_step.body(step, weights, x)
+
+    hidden = {"C++ compiler": ("torch._inductor.config.cpp.cxx", ("/nowhere/c++",)),
+              "logits": (compiled_step, "compiled_graph", uncompiled)}
+    for what, patch in hidden.items():
+        with monkeypatch.context() as patched:
+            patched.setattr(*patch)
+            caplog.clear()
+            view = decoding.decoding_model(ai.model, "int8", True)  # a view of its own: no graph held yet
+            rows, _ = compiled_and_eager_run(ai, view, 3)
+            assert compiled_step._GRAPHS[view.model] == (3, None), what
+            assert [r.tokens for r in rows] == [r.tokens for r in eager_rows], what
+            said = [r.getMessage() for r in caplog.records if "eager step" in r.getMessage()]
+            assert len(said) == 1, (what, said)
