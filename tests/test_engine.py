@@ -7,6 +7,7 @@ form's measured error (decoding.SCORE_ERROR).  Tiny models trained a few steps, 
 
 import copy
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -439,11 +440,12 @@ def test_a_compiled_step_falls_back_to_the_eager_one_without_a_cpp_compiler_or_w
                                                                 compiled_step._projections(step))}
         return lambda x: compiled_step.body(step, weights, x)
 
-    hidden = {"C++ compiler": ("torch._inductor.config.cpp.cxx", ("/nowhere/c++",)),
-              "logits": (compiled_step, "compiled_graph", uncompiled)}
-    for what, patch in hidden.items():
-        with monkeypatch.context() as patched:
-            patched.setattr(*patch)
+    from torch._inductor import config
+
+    hidden = {"C++ compiler": lambda: config.patch({"cpp.cxx": ("/nowhere/c++",)}),  # inductor's own undo
+              "logits": lambda: mock.patch.object(compiled_step, "compiled_graph", uncompiled)}
+    for what, hide in hidden.items():
+        with hide():
             caplog.clear()
             view = decoding.decoding_model(ai.model, "int8", True)  # a view of its own: no graph held yet
             rows, _ = compiled_and_eager_run(ai, view, 3)
@@ -451,3 +453,4 @@ def test_a_compiled_step_falls_back_to_the_eager_one_without_a_cpp_compiler_or_w
             assert [r.tokens for r in rows] == [r.tokens for r in eager_rows], what
             said = [r.getMessage() for r in caplog.records if "eager step" in r.getMessage()]
             assert len(said) == 1, (what, said)
+    assert config.cpp.cxx != ("/nowhere/c++",)  # restored: later compiles find the compiler
