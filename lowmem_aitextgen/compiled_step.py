@@ -4,8 +4,9 @@ inductor graph whose tokens are the eager step's, bit for bit, where a call runs
 How the graph keeps eager's bits: each projection is computed from the integers fbgemm computes (the token's
 activations divided by their size and rounded as fbgemm rounds them, `torch._int_mm` of the same int8 weight,
 the same float32 scale).  Integer sums are exact in any order, so inductor may hand them to its C++ GEMM
-template (mode max-autotune, weights frozen: its int8 pattern reads `sums * size * scales`) and the output is
-unchanged; what inductor would round otherwise is left to aten's own kernels (the layer norms and GELU are not
+template (mode max-autotune with that template its only choice, weights frozen: its int8 pattern reads
+`sums * size * scales`; oneDNN's kernel, the other choice, orders the scales' multiplies by shape) and the output
+is unchanged; what inductor would round otherwise is left to aten's own kernels (the layer norms and GELU are not
 decomposed), and the attention over the engine's cache is a custom op calling the stepping decoder's own.  A
 graph is made for one number of rows (its `height`); fewer rows run beside zero rows, and a one-row step as two
 (in a one-row graph inductor folds the token's size into the product's scale, which rounds differently).  The
@@ -82,8 +83,10 @@ def not_compilable(step: Step) -> str | None:
         return "a module it would bypass has hooks"
     if any(layer.act is not _tanh_gelu for layer in step.layers):
         return "only GPT-2's tanh GELU is compiled"
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+    except ImportError:  # a torch without inductor (or one that moved it)
+        return "this torch has no inductor to compile with"
     isa = type(pick_vec_isa()).__name__
     return None if isa in MEASURED_ISAS else f"its gain is measured only where inductor's code is {MEASURED_ISAS} " \
         f"(here {isa})"
