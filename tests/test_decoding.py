@@ -545,7 +545,7 @@ def test_a_model_held_in_16_bits_decodes_in_int8_on_each_cpu_kind_and_never_by_e
 
 def test_a_calls_steps_are_compiled_only_where_they_pay_in_int8_on_the_cpu_and_the_compile_fits(ai):
     """decoding.compiled_rows: a call's texts at its number of rows at once, compiled where they run
-    compiled_step.PAYS_AFTER steps (one or two rows: more), the plan is int8 on the CPU, and the compile's peak
+    compiled_step.PAYS_AFTER steps (more of one or two rows), the plan is int8 on the CPU, and the compile's peak
     fits beside the texts (DecodingMemory.rows_beside_graph, from the memory presented)."""
     plan = dataclasses.replace(decoding.plan_decoding(ai.model), graph_rows=None)
     few, many = compiled_step.PAYS_AFTER["one or two rows"], compiled_step.PAYS_AFTER["more"]
@@ -558,6 +558,7 @@ def test_a_calls_steps_are_compiled_only_where_they_pay_in_int8_on_the_cpu_and_t
         assert decoding.compiled_rows(dataclasses.replace(plan, **other), 10**4, 8, 100) == 0, other
     memory = decoding.DecodingMemory(ai.model, "cpu", 64, read=True)
     weights, row = memory.weights("int8"), memory.per_row("int8")
+
     def presented(room: int) -> hardware.Hardware:  # a CPU whose room for decoding is `room` bytes
         def cpu(available: int) -> hardware.CPU:
             return hardware.CPU(name="CPU", bf16_native=True, available=available, resident=2**29)
