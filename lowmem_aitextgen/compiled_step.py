@@ -16,7 +16,7 @@ first call checks the graph against the eager step on scratch rows and drops it 
 | what            | measured (355M, Intel Xeon with AMX, 2 cores; RESULTS.md, sixteenth session)                 |
 |-----------------|----------------------------------------------------------------------------------------------|
 | saves           | 0.99-1.20x the eager step at batch 1 (two runs), 1.24-1.30x at batch 8 (3.6-3.8x transformers'|
-|                 | fp32), 1.17x an unseeded call's eager step (torch's dynamic int8) at batch 8                 |
+|                 | fp32), ~1.17x an unseeded call's eager step (torch's dynamic int8) at batch 8 (two runs)     |
 | costs           | 48-56 s of compiling a graph, every process (inductor's cache does not serve it); its packed  |
 |                 | weights, ~1.3x the view's int8 weights, while the view lives; ~5x them at the compile's peak  |
 | pays (`pays`)   | a call running PAYS_AFTER steps at its number of rows: generate_to_file or generate() of many |
