@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .heap import release_freed_heap
-from .int8_kernels import TOKEN_SCALE, TOKEN_ZERO, FbgemmProduct, TokenwiseInt8Linear, activations_uint8
+from .int8_kernels import TOKEN_ZERO, FbgemmProduct, TokenwiseInt8Linear, activations_uint8, sums_scale
 from .kv_cache import new_cache
 from .stepping import Part, Step, _tanh_gelu, seen_places
 
@@ -129,8 +129,8 @@ class CompiledStep(Step):
             graph = self._checked(compiled_graph(self, self.height))
             logger.info(f"Compiled it in {time.perf_counter() - start:.0f} s.")
         except Exception as error:  # a C++ compiler missing, inductor's internals changed: the eager step
-            logger.warning(f"Decoding with the eager step: compiling it failed ({type(error).__name__}: "
-                           f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}).")
+            said = (str(error).strip().splitlines() or [""])[0]
+            logger.warning(f"Decoding with the eager step: compiling it failed ({type(error).__name__}: {said}).")
         finally:
             release_freed_heap()  # what compiling freed, given back: the graph's own memory is what stays
         _GRAPHS[self.model] = (self.height, graph)
@@ -183,10 +183,8 @@ class Weights:
 
     def __init__(self, linear: TokenwiseInt8Linear) -> None:
         weight, _ = torch.ops.quantized.linear_unpack(linear.product.packed)
-        combined = torch.tensor(TOKEN_SCALE, dtype=torch.float32) * torch.tensor(weight.q_scale(),
-                                                                                 dtype=torch.float32)
         self.int8 = weight.int_repr().t()
-        self.scales = combined.expand(weight.shape[0]).contiguous()
+        self.scales = sums_scale(weight.q_scale()).expand(weight.shape[0]).contiguous()
         self.bias = linear.bias
 
 

@@ -73,11 +73,10 @@ class OneDNNProduct:
 
     def __init__(self, weight: torch.Tensor) -> None:
         scale = weight_scale(weight)
-        single = torch.tensor(scale, dtype=torch.float32)
         self.packed = torch.ops.onednn.qlinear_prepack(weight_int8(weight, scale), None)  # oneDNN's opaque layout
         self.ones = torch.ones(weight.shape[0])
         self.zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-        self.scale = float(torch.tensor(TOKEN_SCALE, dtype=torch.float32) * single)
+        self.scale = float(sums_scale(scale))
         overload = torch.ops.onednn.qlinear_pointwise.default
         self._op = getattr(overload, "_op", overload)  # the C++ function, as fbgemm's (arguments checked there)
 
@@ -90,6 +89,12 @@ class OneDNNProduct:
     def __deepcopy__(self, memo: dict) -> OneDNNProduct:
         # oneDNN's packed weight cannot be copied (its storage is opaque); it is never written, so copies share it
         return self
+
+
+def sums_scale(scale: float) -> torch.Tensor:
+    """The float32 factor fbgemm dequantizes a product's integer sums by, for a weight at `scale`: the float32
+    TOKEN_SCALE times the float32 weight scale (OneDNNProduct's, and compiled_step's graph's)."""
+    return torch.tensor(TOKEN_SCALE, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
 
 
 def weight_int8(weight: torch.Tensor, scale: float) -> torch.Tensor:

@@ -207,3 +207,13 @@ def fake_hub_cache(cache_dir, repo_id, model, tokenizer=None):
     os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write(commit)
+
+
+def compiled_step_measured_here(monkeypatch) -> None:
+    """compiled_step's gain taken as measured on this CPU's kind of inductor code, so that it compiles here (by
+    default only where it is measured: compiled_step.MEASURED_ISAS)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from lowmem_aitextgen import compiled_step
+
+    monkeypatch.setattr(compiled_step, "MEASURED_ISAS", (type(pick_vec_isa()).__name__,))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import realistic, tiny_gpt2_config
+from conftest import compiled_step_measured_here, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, packed16
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
@@ -578,9 +578,7 @@ def test_a_file_of_many_texts_is_written_by_the_compiled_step_the_same_as_by_the
     """generate_to_file and an unseeded generate() where compiling pays (the threshold lowered, so that a few
     texts do): the step compiled once for the file's batch (fewer rows, as texts end, beside zero rows), the file
     byte for byte the eager step's; an unseeded call replanned to the seeded view the graph is of."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    monkeypatch.setattr(compiled_step, "MEASURED_ISAS", (type(pick_vec_isa()).__name__,))
+    compiled_step_measured_here(monkeypatch)
     files, graphs = {}, {}
     for how, after in (("eager", 10**9), ("compiled", 1)):
         monkeypatch.setattr(compiled_step, "PAYS_AFTER", {"one or two rows": after, "more": after})

@@ -14,7 +14,7 @@ import torch
 from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
-from conftest import corpus_text, realistic, tiny_gpt2_config
+from conftest import compiled_step_measured_here, corpus_text, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, kv_cache
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
@@ -378,13 +378,6 @@ def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_fil
     assert made[0] <= 2 < 300 // kv_cache.ROOM <= made[1]
 
 
-def measured_anywhere(monkeypatch) -> None:
-    """The compiled step's gain taken as measured on this CPU's kind of inductor code, so that it is compiled here."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    monkeypatch.setattr(compiled_step, "MEASURED_ISAS", (type(pick_vec_isa()).__name__,))
-
-
 def compiled_and_eager_run(ai, view: Decoder, compiled: int) -> tuple[list[Recorded], Engine]:
     """Seeded greedy rows of three lengths through an engine decoding `view` with its one-token steps compiled for
     `compiled` rows (0: eager): one leaving early, one admitted into its slot mid-run."""
@@ -409,7 +402,7 @@ def test_a_compiled_step_gives_the_eager_steps_bits_and_the_trained_models_own_t
     compiling prints nothing.  On every CPU kind, though it is compiled by default only where its gain is
     measured (compiled_step.MEASURED_ISAS)."""
     ai, _ = trained[kind]
-    measured_anywhere(monkeypatch)
+    compiled_step_measured_here(monkeypatch)
     truth_model = ai.model.eval()
     view = decoding.decoding_model(truth_model, "int8", True)
     compiled, engine = compiled_and_eager_run(ai, view, 3)
@@ -433,7 +426,7 @@ def test_a_compiled_step_falls_back_to_the_eager_one_without_a_cpp_compiler_or_w
     by a bit (here: its body run uncompiled, whose products round in another order), the view decodes by the
     eager step, its tokens unchanged, said once."""
     ai, _ = trained["full"]
-    measured_anywhere(monkeypatch)
+    compiled_step_measured_here(monkeypatch)
     eager_rows, _ = compiled_and_eager_run(ai, decoding.decoding_model(ai.model, "int8", True), 0)
 
     def uncompiled(step: object, rows: int) -> object:  # the graph's body, run as it is written
