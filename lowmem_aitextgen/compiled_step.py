@@ -13,17 +13,19 @@ graph is made for one number of rows (its `height`); fewer rows run beside zero 
 first call checks the graph against the eager step on scratch rows and drops it where a single bit differs
 (another CPU's kernels, another torch): a text is the same compiled or not.
 
-| what            | measured (355M, Intel Xeon with AMX, 2 cores; RESULTS.md, sixteenth session)                 |
-|-----------------|----------------------------------------------------------------------------------------------|
-| saves           | 0.99-1.20x the eager step at batch 1 (two runs), 1.24-1.30x at batch 8 (3.6-3.8x transformers'|
-|                 | fp32), ~1.17x an unseeded call's eager step (torch's dynamic int8) at batch 8 (two runs)     |
-| costs           | 48-56 s of compiling a graph, every process (inductor's cache does not serve it); its packed  |
-|                 | weights, ~1.3x the view's int8 weights, while the view lives; ~5x them at the compile's peak  |
+| what            | measured (Intel Xeon with AMX, 2 cores; RESULTS.md, sixteenth and seventeenth sessions)       |
+|-----------------|-----------------------------------------------------------------------------------------------|
+| saves           | 355M: 0.99-1.20x the eager step at batch 1 (two runs), 1.24-1.30x at batch 8 (3.6-3.8x        |
+|                 | transformers' fp32), ~1.17x an unseeded call's eager step (torch's dynamic int8) at batch 8;  |
+|                 | 1558M: 1.04x at batch 1, 1.29x at batch 8 (4.4x transformers' fp32)                           |
+| costs           | 48-56 s of compiling a graph at 355M, ~73-83 s at 1558M, every process (inductor's cache does |
+|                 | not serve it); its packed weights, ~1.3x the view's int8 weights, while the view lives; ~5x   |
+|                 | them at the compile's peak                                                                    |
 | pays (`pays`)   | a call running PAYS_AFTER steps at its number of rows: generate_to_file or generate() of many |
 |                 | texts; never a short call, a stream, or the server (rows vary; a compile would stall it)      |
 | not compiled    | other forms (torch's dynamic int8, 16 bits), oneDNN's kernel, hooked modules, non-tanh GELU,  |
 |                 | a CPU without AMX (MEASURED_ISAS: the gain unmeasured there), a missing C++ compiler or any   |
-|                 | failure to compile: the eager step, said once a view                                         |
+|                 | failure to compile: the eager step, said once a view                                          |
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from .stepping import Part, Step, _tanh_gelu, seen_places
 logger = logging.getLogger("lowmem_aitextgen")
 
 # steps at one number of rows after which a graph's compile pays (355M: 48-56 s; a step 0-6.5 ms quicker at one row
-# in two runs, 9.7 ms at eight than an unseeded call's eager step; compile time and saving both grow with the
-# layers' products, so the counts hold across sizes roughly)
+# in two runs, 9.7 ms at eight than an unseeded call's eager step; 1558M: ~73-83 s, 3.5 ms at one row and 42 ms at
+# eight than the seeded eager step: it pays there after ~21,000 and ~2,000 steps, so the counts hold at one row and
+# are cautious at several)
 PAYS_AFTER = {"one or two rows": 20000, "more": 6000}
 MEASURED_ISAS = ("VecAMX",)  # inductor's code for the CPUs whose gain is measured (RESULTS.md)
 PEAK = 5.2  # the compile's peak over the view's int8 weights (kept after: ~1.3x, within it; RESULTS.md)
