@@ -4,7 +4,7 @@ the stepping decoder's attention (its cache written, the scaled_dot_product_atte
 them), timed by wrapping Step._attend and the attention calls with a clock.
 
     python benchmarks/attention_share.py --rounds 2
-    python benchmarks/attention_share.py --rounds 2 --kv bf16   # a probe: the cache held in bf16
+    python benchmarks/attention_share.py --rounds 3 --kv fp32 bf16   # and a probe: the cache held in bf16
 
 --kv bf16 is a probe of a form not built (quality unmeasured): the cache's buffers made in bf16, each
 query cast to bf16 for the attention and its output back to fp32 (prompts too), by patching kv_cache's buffers and
@@ -98,6 +98,19 @@ def bf16_cache() -> Iterator[None]:
         yield
 
 
+def timed(ai: object, batch: int, new: int, step: str, kv: str) -> dict[str, float]:
+    """One seeded call of `batch` texts of `new` tokens by the eager or compiled step with the cache in `kv`."""
+    clock = Clock()
+    with (ALWAYS if step == "compiled step" else NEVER), (bf16_cache() if kv == "bf16" else contextlib.nullcontext()), \
+            clock.timing():
+        start = time.perf_counter()
+        texts(ai, batch, new)
+        seconds = time.perf_counter() - start
+    return {"tokens/s": batch * new / seconds, "step ms": seconds / new * 1e3,
+            "attention ms a step": clock.attend / new * 1e3, "its kernel ms a step": clock.kernel / new * 1e3,
+            "us a layer's call": clock.attend / max(1, clock.calls) * 1e6}
+
+
 def main() -> None:
     import generate_speed
 
@@ -106,28 +119,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new", type=int, default=128, help="new tokens a text")
-    parser.add_argument("--kv", choices=["fp32", "bf16"], default="fp32", help="the cache's dtype (bf16: a probe)")
+    parser.add_argument("--kv", choices=["fp32", "bf16"], nargs="+", default=["fp32"],
+                        help="the cache's dtypes, alternating round by round (bf16: a probe)")
     args = parser.parse_args()
-    print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "kv": args.kv}))
-    with tempfile.TemporaryDirectory() as folder, (bf16_cache() if args.kv == "bf16" else contextlib.nullcontext()):
+    print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
+    paths = [(step, kv) for step in ("eager", "compiled step") for kv in args.kv]
+    with tempfile.TemporaryDirectory() as folder:
         generate_speed.saved_gpt2(args.size, folder)
         for batch in args.batches:
             ai = compiled_object(folder, batch)
-            rows: dict[str, list[dict[str, float]]] = {"eager": [], "compiled step": []}
+            rows: dict[tuple[str, str], list[dict[str, float]]] = {path: [] for path in paths}
             for round_ in range(args.rounds):
-                for name in sorted(rows, reverse=round_ % 2 == 1):
-                    clock = Clock()
-                    with (ALWAYS if name == "compiled step" else NEVER), clock.timing():
-                        start = time.perf_counter()
-                        texts(ai, batch, args.new)
-                        seconds = time.perf_counter() - start
-                    rows[name].append({"tokens/s": batch * args.new / seconds, "step ms": seconds / args.new * 1e3,
-                                       "attention ms a step": clock.attend / args.new * 1e3,
-                                       "its kernel ms a step": clock.kernel / args.new * 1e3,
-                                       "us a layer's call": clock.attend / max(1, clock.calls) * 1e6})
-            for name, runs in rows.items():
-                print(json.dumps({"size": args.size, "batch": batch, "kv": args.kv, "path": name,
+                for path in (paths if round_ % 2 == 0 else paths[::-1]):
+                    rows[path].append(timed(ai, batch, args.new, *path))
+            for (step, kv), runs in rows.items():
+                print(json.dumps({"size": args.size, "batch": batch, "kv": kv, "path": step,
                                   **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]}}),
                       flush=True)
             del ai
