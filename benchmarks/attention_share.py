@@ -81,15 +81,19 @@ def bf16_cache() -> Iterator[None]:
         mask = masks(places, pad)
         return None if mask is None else mask.to(torch.bfloat16)
 
+    @functools.lru_cache(maxsize=None)
+    def together(heads: int, head_size: int) -> bool:
+        """row_attention.together_exact, found once a call (its probe's rows are float32: the float32 masks)."""
+        with mock.patch.object(row_attention, "_masked_after", masks):
+            return row_attention.together_exact(heads, head_size)
+
     def each_row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, owns: list, window: int | None,
                        scale: float, after: object = None) -> torch.Tensor:
         cast = query.to(keys.dtype)
         if after is None:
             runs = [(row, row + 1, None) for row in range(len(owns))]
         else:  # as each_row_alone's float32 path: rows of one length together where the probe finds them exact
-            with mock.patch.object(row_attention, "_masked_after", masks):  # (the probe's rows are float32)
-                together = row_attention.together_exact(query.shape[1], query.shape[-1])
-            runs = row_attention._runs(owns, window, together)
+            runs = row_attention._runs(owns, window, together(query.shape[1], query.shape[-1]))
         return row_attention._in_runs(cast, keys, values, owns, window, scale, after, runs).to(query.dtype)
 
     with mock.patch.object(kv_cache, "_buffers", buffers), \
