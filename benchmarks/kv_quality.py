@@ -1,0 +1,95 @@
+"""Held-out loss through the stepping decoder with its key-value cache in fp32 and in bf16 (issue 54): what holding
+the cache in 16 bits costs in quality, where a forward's held-out loss cannot show it (a forward keeps its keys
+and values in its own dtype, never rounded through a cache).
+
+    python benchmarks/kv_quality.py --seeds 3 --steps 300
+
+The model is benchmarks/quality_tiers.py's (4 blocks, 128 wide, bytes of Python's documentation topics, blocks of
+64), and the same model carrying the released GPT-2's activation outliers (decoding.carry_outliers), as
+generate_quality.py has them.  Each held-out block is teacher-forced a token at a time through stepping.Step over
+the seeded int8 view (each token's activations quantized alone: the form a seeded call and the server decode in),
+eight blocks a step, the cache written as the engine writes it; "bf16 cache" is attention_share.py's probe (the
+buffers in bf16, each query cast for the attention and its output back).  Rows: each form's loss over fp32's
+forward (the quality bound, decoding.QUALITY_BOUND, is 1%), the bf16 cache's over the fp32 cache's, and the
+largest difference of a log-probability between the two caches (decoding.SCORE_ERROR bounds a form's scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from attention_share import bf16_cache  # noqa: E402
+from generate_quality import CHANNELS  # noqa: E402
+from quality_tiers import corpora, held_out_loss, pretrained  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from lowmem_aitextgen import decoding, stepping  # noqa: E402
+from lowmem_aitextgen.kv_cache import new_cache  # noqa: E402
+
+ROWS = 8  # held-out blocks a step
+
+
+def stepped_scores(view: torch.nn.Module, blocks: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities (blocks, places - 1, vocabulary) each of `blocks` (the first 64, as held_out_loss's)
+    gets for its next tokens, its tokens fed one a step."""
+    step, scores = stepping.Step(view), []
+    with torch.inference_mode():
+        for ids in blocks[:64].split(ROWS):
+            rows, length = ids.shape
+            cache, logits = new_cache([]), []
+            for place in range(length - 1):
+                positions = torch.full((rows, 1), place)
+                mask = torch.ones(rows, place + 1, dtype=torch.long)
+                logits.append(step(ids[:, place:place + 1], positions, mask, cache)[:, 0])
+            scores.append(torch.stack(logits, 1).float().log_softmax(-1))
+    return torch.cat(scores)
+
+
+def loss_of(scores: torch.Tensor, blocks: torch.Tensor) -> float:
+    """held_out_loss's mean of each block's loss, from stepped_scores's `scores` of `blocks`."""
+    targets = blocks[:len(scores), 1:]
+    return float(F.nll_loss(scores.transpose(1, 2), targets, reduction="none").mean(1).mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--scale", type=float, default=40.0)
+    args = parser.parse_args()
+    first, _, held = corpora()
+    rows: dict[str, list[float]] = {}
+    for seed in range(args.seeds):
+        trained = pretrained(seed, first, args.steps).eval()
+        outliers = decoding.carry_outliers(copy.deepcopy(trained), CHANNELS, args.scale)
+        for name, model in (("trained", trained), (f"outliers x{args.scale:g}", outliers)):
+            fp32 = held_out_loss(model, held)
+            view = decoding.decoding_model(model, "int8", tokenwise=True).model
+            losses, scores = {}, {}
+            for cache, context in (("fp32 cache", contextlib.nullcontext()), ("bf16 cache", bf16_cache())):
+                with context:
+                    scores[cache] = stepped_scores(view, held)
+                losses[cache] = loss_of(scores[cache], held)
+                rows.setdefault(f"{name}, int8 stepped, {cache}, over fp32's forward", []).append(
+                    losses[cache] / fp32 - 1)
+            rows.setdefault(f"{name}, bf16 cache over fp32 cache", []).append(
+                losses["bf16 cache"] / losses["fp32 cache"] - 1)
+            apart = float((scores["bf16 cache"] - scores["fp32 cache"]).abs().max())
+            rows.setdefault(f"{name}, largest log-probability apart, bf16 against fp32 cache", []).append(apart)
+            print(json.dumps({"seed": seed, "model": name, "fp32 forward": round(fp32, 5),
+                              **{k: round(v, 5) for k, v in losses.items()}}), flush=True)
+    print(json.dumps({row: {"per seed": [round(v, 5) for v in values], "mean": round(statistics.fmean(values), 5),
+                            "worst": round(max(values), 5)} for row, values in rows.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
