@@ -6,8 +6,8 @@ them), timed by wrapping Step._attend and the attention calls with a clock.
     python benchmarks/attention_share.py --rounds 2
     python benchmarks/attention_share.py --rounds 3 --kv fp32 bf16   # and a probe: the cache held in bf16
 
---kv bf16 is a probe of a form not built (quality unmeasured): the cache's buffers made in bf16, each
-query cast to bf16 for the attention and its output back to fp32 (prompts too), by patching kv_cache's buffers and
+--kv bf16 (or fp16) is a probe of a form not built (its quality: kv_quality.py): the cache's buffers made in that
+dtype, each query cast to it for the attention and its output back to fp32 (prompts too), by patching kv_cache's buffers and
 row_attention's mask and entry point for this process.  The eager and the compiled step both call the stepping
 decoder's attention, so the compiled step's check against the eager step still holds.  Only the stepping decoder's
 path is patched: a prompt through transformers' forward (the exact form, a scored prompt) would meet a bf16 cache
@@ -35,6 +35,8 @@ from compiled_step import ALWAYS, NEVER, compiled_object, texts  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from lowmem_aitextgen import hardware, kv_cache, row_attention, stepping  # noqa: E402
+
+SIXTEEN = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the probe's dtypes
 
 
 class Clock:
@@ -69,17 +71,17 @@ class Clock:
 
 
 @contextlib.contextmanager
-def bf16_cache() -> Iterator[None]:
-    """The probe of a bf16 cache (module docstring)."""
+def sixteen_bit_cache(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
+    """The probe of a cache in bf16 or fp16 (module docstring)."""
     masks = row_attention._masked_after  # (the function patched below)
 
     def buffers(keys: torch.Tensor, values: torch.Tensor, rows: int, places: int) -> torch.Tensor:
-        return keys.new_empty(2, rows, keys.shape[1], places, keys.shape[-1], dtype=torch.bfloat16)
+        return keys.new_empty(2, rows, keys.shape[1], places, keys.shape[-1], dtype=dtype)
 
     @functools.lru_cache(maxsize=row_attention.BLOCK)
     def masked_after(places: int, pad: int) -> torch.Tensor | None:
         mask = masks(places, pad)
-        return None if mask is None else mask.to(torch.bfloat16)
+        return None if mask is None else mask.to(dtype)
 
     @functools.lru_cache(maxsize=None)
     def together(heads: int, head_size: int) -> bool:
@@ -105,8 +107,8 @@ def bf16_cache() -> Iterator[None]:
 def timed(ai: object, batch: int, new: int, step: str, kv: str) -> dict[str, float]:
     """One seeded call of `batch` texts of `new` tokens by the eager or compiled step with the cache in `kv`."""
     clock = Clock()
-    with (ALWAYS if step == "compiled step" else NEVER), (bf16_cache() if kv == "bf16" else contextlib.nullcontext()), \
-            clock.timing():
+    cache = contextlib.nullcontext() if kv == "fp32" else sixteen_bit_cache(SIXTEEN[kv])
+    with (ALWAYS if step == "compiled step" else NEVER), cache, clock.timing():
         start = time.perf_counter()
         texts(ai, batch, new)
         seconds = time.perf_counter() - start
@@ -123,8 +125,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new", type=int, default=128, help="new tokens a text")
-    parser.add_argument("--kv", choices=["fp32", "bf16"], nargs="+", default=["fp32"],
-                        help="the cache's dtypes, alternating round by round (bf16: a probe)")
+    parser.add_argument("--kv", choices=["fp32", *SIXTEEN], nargs="+", default=["fp32"],
+                        help="the cache's dtypes, alternating round by round (bf16, fp16: a probe)")
     args = parser.parse_args()
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
     paths = [(step, kv) for step in ("eager", "compiled step") for kv in args.kv]

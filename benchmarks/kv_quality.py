@@ -1,5 +1,5 @@
-"""Held-out loss through the stepping decoder with its key-value cache in fp32 and in bf16 (issue 54): what holding
-the cache in 16 bits costs in quality, where a forward's held-out loss cannot show it (a forward keeps its keys
+"""Held-out loss through the stepping decoder with its key-value cache in fp32 and in 16 bits (issue 54): what holding
+the cache in bf16 or fp16 costs in quality, where a forward's held-out loss cannot show it (a forward keeps its keys
 and values in its own dtype, never rounded through a cache).
 
     python benchmarks/kv_quality.py --seeds 3 --steps 300
@@ -8,10 +8,11 @@ The model is benchmarks/quality_tiers.py's (4 blocks, 128 wide, bytes of Python'
 64), and the same model carrying the released GPT-2's activation outliers (decoding.carry_outliers), as
 generate_quality.py has them.  Each held-out block is teacher-forced a token at a time through stepping.Step over
 the seeded int8 view (each token's activations quantized alone: the form a seeded call and the server decode in),
-eight blocks a step, the cache written as the engine writes it; "bf16 cache" is attention_share.py's probe (the
-buffers in bf16, each query cast for the attention and its output back).  Rows: each form's loss over fp32's
-forward (the quality bound, decoding.QUALITY_BOUND, is 1%), the bf16 cache's over the fp32 cache's, and the
-largest difference of a log-probability between the two caches (decoding.SCORE_ERROR bounds a form's scores).
+eight blocks a step, the cache written as the engine writes it; a 16-bit cache is attention_share.py's probe (the
+buffers in that dtype, each query cast to it for the attention and its output back).  Rows: each cache's loss over
+fp32's forward (the quality bound, decoding.QUALITY_BOUND, is 1%) and its worst place's KL divergence from the
+forward's next-token distribution; a 16-bit cache's loss over the fp32 cache's, and the largest difference of a
+log-probability between them (decoding.SCORE_ERROR bounds a form's scores at a first step).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from attention_share import bf16_cache  # noqa: E402
+from attention_share import SIXTEEN, sixteen_bit_cache  # noqa: E402
 from generate_quality import CHANNELS  # noqa: E402
 from quality_tiers import corpora, held_out_loss, pretrained  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
@@ -54,6 +55,17 @@ def stepped_scores(view: torch.nn.Module, blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat(scores)
 
 
+def forward_scores(model: torch.nn.Module, blocks: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities the model's own forward gives the same places as stepped_scores."""
+    with torch.no_grad():
+        return model(input_ids=blocks[:64]).logits[:, :-1].float().log_softmax(-1)
+
+
+def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) of each place, from log-probabilities."""
+    return (p.exp() * (p - q)).sum(-1)
+
+
 def loss_of(scores: torch.Tensor, blocks: torch.Tensor) -> float:
     """held_out_loss's mean of each block's loss, from stepped_scores's `scores` of `blocks`."""
     targets = blocks[:len(scores), 1:]
@@ -65,6 +77,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--scale", type=float, default=40.0)
+    parser.add_argument("--kv", choices=sorted(SIXTEEN), nargs="+", default=["bf16", "fp16"],
+                        help="the 16-bit caches probed beside fp32's")
     args = parser.parse_args()
     first, _, held = corpora()
     rows: dict[str, list[float]] = {}
@@ -75,16 +89,18 @@ def main() -> None:
             fp32 = held_out_loss(model, held)
             view = decoding.decoding_model(model, "int8", tokenwise=True).model
             losses, scores = {}, {}
-            for cache, context in (("fp32 cache", contextlib.nullcontext()), ("bf16 cache", bf16_cache())):
-                with context:
-                    scores[cache] = stepped_scores(view, held)
-                losses[cache] = loss_of(scores[cache], held)
-                rows.setdefault(f"{name}, int8 stepped, {cache}, over fp32's forward", []).append(
-                    losses[cache] / fp32 - 1)
-            rows.setdefault(f"{name}, bf16 cache over fp32 cache", []).append(
-                losses["bf16 cache"] / losses["fp32 cache"] - 1)
-            apart = float((scores["bf16 cache"] - scores["fp32 cache"]).abs().max())
-            rows.setdefault(f"{name}, largest log-probability apart, bf16 against fp32 cache", []).append(apart)
+            forward = forward_scores(model, held)
+            for kv in ("fp32", *args.kv):
+                with contextlib.nullcontext() if kv == "fp32" else sixteen_bit_cache(SIXTEEN[kv]):
+                    scores[kv] = stepped_scores(view, held)
+                losses[kv] = loss_of(scores[kv], held)
+                rows.setdefault(f"{name}, int8 stepped, {kv} cache, over fp32's forward", []).append(losses[kv] / fp32 - 1)
+                rows.setdefault(f"{name}, int8 stepped, {kv} cache, worst KL from fp32's forward", []).append(
+                    float(kl(forward, scores[kv]).max()))
+                if kv != "fp32":
+                    rows.setdefault(f"{name}, {kv} cache over fp32 cache", []).append(losses[kv] / losses["fp32"] - 1)
+                    rows.setdefault(f"{name}, largest log-probability apart, {kv} against fp32 cache", []).append(
+                        float((scores[kv] - scores["fp32"]).abs().max()))
             print(json.dumps({"seed": seed, "model": name, "fp32 forward": round(fp32, 5),
                               **{k: round(v, 5) for k, v in losses.items()}}), flush=True)
     print(json.dumps({row: {"per seed": [round(v, 5) for v in values], "mean": round(statistics.fmean(values), 5),
