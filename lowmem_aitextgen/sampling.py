@@ -8,8 +8,9 @@ from a torch.Generator of its own, seeded by one rule (`row_seed`: the call's se
 choice's index), with its own settings, and stops on its own (its length, its stop strings, end-of-text, a
 stopping criterion, or its client gone).  What each row's model outputs must not depend on the other rows
 either: decoding.py's int8 form quantizes each token's activations alone for that.  The rows whose settings only
-scale and draw (most: no penalty, processor, top-k or top-p) are picked in one pass for all of them
-(next_tokens), each row's arithmetic the one it gets alone.  top_k and top_p keep what transformers' warpers
+scale and draw (no penalty, processor, top-k or top-p), and those that add only top_k (generate()'s default, 50),
+are picked a few calls for all of them (next_tokens; 8 rows of top_k 50: half the time of a row at a time,
+RESULTS.md), each row's arithmetic the one it gets alone.  top_k and top_p keep what transformers' warpers
 keep (at top_p's edge up to rounding: the likelier tokens' probabilities summed in float64 here, in float32 from
 the least likely up there), found among the likeliest tokens (likeliest_kept: the k-th logit, or the likeliest
 until they hold top_p), and the token is drawn among those alone: a pick with top_p sorted the whole vocabulary
@@ -131,6 +132,13 @@ class Row:
         s = self.settings
         return s.repetition_penalty == 1.0 and not (s.processors or s.warpers or s.top_k) and s.top_p >= 1.0
 
+    def only_top_k(self, vocabulary: int) -> bool:
+        """Its pick is a plain row's with top_k among `vocabulary` tokens (generate()'s default: top_k 50), no
+        top_p.  next_tokens picks such rows together too."""
+        s = self.settings
+        return s.repetition_penalty == 1.0 and not (s.processors or s.warpers) and 0 < s.top_k < vocabulary \
+            and s.top_p >= 1.0
+
     def next_token(self, scores: torch.Tensor, eos: tuple[int, ...]) -> int:
         """The row's next token from the model's scores for it (1-D, the vocabulary)."""
         from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
@@ -216,33 +224,80 @@ def _criteria_met(criteria: tuple[Any, ...], ids: torch.Tensor, scores: torch.Te
 def next_tokens(rows: list[Row], scores: torch.Tensor, eos: tuple[int, ...]) -> list[int | None]:
     """Each row's next token (None for a row done) from its row of `scores` (rows, vocabulary), as
     Row.next_token picks it; `eos`: the end-of-text tokens of a row whose settings name none.  The plain rows
-    (Row.plain) are picked together, a few calls for all of them in place of a few a row: a row's division,
-    softmax and cumulative sum are computed as alone (each row's own arithmetic, whatever rows are beside it:
-    tests/test_sampling.py), its uniform number drawn from its own stream."""
-    plain = [i for i, row in enumerate(rows) if row.plain and not row.done]
-    others = set(range(len(rows))).difference(plain)
-    picks: dict[int, int | None] = {i: None if rows[i].done else rows[i].next_token(scores[i], rows[i].settings.eos
-                                                                                    or eos) for i in others}
+    (Row.plain) are picked together, and so are the rows that only add top_k (Row.only_top_k), a few calls for all
+    of them in place of a few a row: a row's division, softmax, top-k and cumulative sum are computed as alone (each
+    row's own arithmetic, whatever rows are beside it: tests/test_sampling.py), its uniform number drawn from its
+    own stream."""
+    live = [i for i, row in enumerate(rows) if not row.done]
+    plain = [i for i in live if rows[i].plain]
+    top_k = [i for i in live if not rows[i].plain and rows[i].only_top_k(scores.shape[-1])]
+    top_k = top_k if len(top_k) > 1 else []  # (one row: its own calls are quicker than the copies for several)
+    picks: dict[int, int | None] = {i: None for i in range(len(rows))}
+    for i in set(live).difference(plain, top_k):
+        picks[i] = rows[i].next_token(scores[i], rows[i].settings.eos or eos)
     if plain:  # indexing by a list copies: theirs to change
         picks.update(zip(plain, _picked_together([rows[i] for i in plain], scores[plain].float(), eos)))
+    if top_k:
+        picks.update(zip(top_k, _picked_among_top_k([rows[i] for i in top_k], scores[top_k].float(), eos)))
     return [picks[i] for i in range(len(rows))]
+
+
+def _barred(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
+    """`logits` (a row each of `rows`) with end-of-text impossible in each row still short of its min_new, as
+    Row.next_token bars it (transformers' MinNewTokensLength), changed in place."""
+    for j, row in enumerate(rows):
+        ends = row.settings.eos or eos
+        if ends and len(row.tokens) < row.settings.min_new:
+            logits[j, list(ends)] = -torch.inf
+    return logits
+
+
+def _scaled(rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
+    """`logits` (a row each of `rows`) divided by each row's temperature, each row's division as alone (x / 1.0 is
+    x: no call where no row scales)."""
+    temperatures = [row.settings.temperature for row in rows]
+    if all(t == 1.0 for t in temperatures):
+        return logits
+    return logits / torch.tensor(temperatures, dtype=logits.dtype)[:, None]
 
 
 def _picked_together(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
     """next_tokens's picks for plain rows, `logits` their scores (rows, vocabulary), changed in place."""
-    for j, row in enumerate(rows):  # transformers' MinNewTokensLength, as next_token bars end-of-text
-        ends = row.settings.eos or eos
-        if ends and len(row.tokens) < row.settings.min_new:
-            logits[j, list(ends)] = -torch.inf
-    temperatures = [row.settings.temperature for row in rows]
-    picks = {j: int(logits[j].argmax()) for j, t in enumerate(temperatures) if t == 0}
-    drawn = [j for j, t in enumerate(temperatures) if t != 0]
+    logits = _barred(rows, logits, eos)
+    picks = {j: int(logits[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
+    drawn = [j for j, row in enumerate(rows) if row.settings.temperature != 0]
     if drawn:
-        scaled = logits if len(drawn) == len(rows) else logits[drawn]
-        if any(temperatures[j] != 1.0 for j in drawn):  # x / 1.0 is x: no call where no row scales
-            scaled = scaled / torch.tensor([temperatures[j] for j in drawn], dtype=scaled.dtype)[:, None]
+        scaled = _scaled([rows[j] for j in drawn], logits if len(drawn) == len(rows) else logits[drawn])
         uniform = torch.cat([torch.rand(1, generator=rows[j].generator, dtype=torch.float64) for j in drawn])
         picks.update(zip(drawn, _drawn(scaled.softmax(-1), uniform).tolist()))
+    return [picks[j] for j in range(len(rows))]
+
+
+def _picked_among_top_k(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
+    """next_tokens's picks for rows that only add top_k (Row.only_top_k), `logits` their scores (rows, vocabulary),
+    changed in place: the likeliest of the rows of one top_k found by one topk call, each row's draw among what it
+    keeps as _draw_among draws it; a row tied at its k-th logit picked by next_token (transformers' warper)."""
+    logits = _barred(rows, logits, eos)
+    picks = {j: int(logits[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
+    drawn = [j for j, row in enumerate(rows) if row.settings.temperature != 0]
+    scaled = _scaled([rows[j] for j in drawn], logits if len(drawn) == len(rows) else logits[drawn])
+    for k in sorted({rows[j].settings.top_k for j in drawn}):
+        group = [n for n, j in enumerate(drawn) if rows[j].settings.top_k == k]
+        values, ids = (scaled if len(group) == len(drawn) else scaled[group]).topk(k + 1)
+        tied = (values[:, k] == values[:, k - 1]).tolist()
+        for n, tie in zip(group, tied):  # (its logits barred again by next_token: the same logits)
+            if tie:
+                picks[drawn[n]] = rows[drawn[n]].next_token(logits[drawn[n]], rows[drawn[n]].settings.eos or eos)
+        kept = [m for m, tie in enumerate(tied) if not tie]
+        if not kept:
+            continue
+        values, ids = (values[:, :k], ids[:, :k]) if len(kept) == len(group) else (values[kept, :k], ids[kept, :k])
+        order = ids.argsort(-1)  # the draw in the order of the ids, as _draw_among's
+        uniform = torch.cat([torch.rand(1, generator=rows[drawn[group[m]]].generator, dtype=torch.float64)
+                             for m in kept])
+        found = _drawn(values.gather(-1, order).softmax(-1), uniform)
+        tokens = ids.gather(-1, order.gather(-1, found[:, None]))[:, 0].tolist()
+        picks.update((drawn[group[m]], token) for m, token in zip(kept, tokens))
     return [picks[j] for j in range(len(rows))]
 
 

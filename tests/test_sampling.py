@@ -121,22 +121,29 @@ def test_a_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
 
 
 def test_rows_picked_together_pick_what_each_picks_alone():
-    """next_tokens's rows picked together (greedy, temperatures, end-of-text barred before min_new) beside rows
-    picked one by one (top-k, top-p) and a row done: each row's tokens are those Row.next_token picks for it
-    alone, from the same scores and the same stream, step after step."""
+    """next_tokens's rows picked together (plain rows: greedy, temperatures, end-of-text barred before min_new; rows
+    that only add top_k, of several k, greedy among them, one tied past its k-th logit at some steps) beside rows picked
+    one by one (top-p) and a row done: each row's tokens are those Row.next_token picks for it alone, from the same
+    scores and the same stream, step after step."""
     from lowmem_aitextgen.sampling import next_tokens
 
     settings = [RowSettings(max_new=50, temperature=t, seed=k, min_new=m, top_k=top_k, top_p=top_p)
                 for k, (t, m, top_k, top_p) in enumerate([(1.0, 0, 0, 1.0), (0.7, 5, 0, 1.0), (0.0, 3, 0, 1.0),
                                                           (1.3, 0, 0, 1.0), (0.9, 0, 40, 1.0), (1.0, 0, 0, 0.9),
-                                                          (0.05, 0, 0, 1.0), (2.5, 8, 0, 1.0)])]
+                                                          (0.05, 0, 0, 1.0), (2.5, 8, 0, 1.0), (0.7, 4, 40, 1.0),
+                                                          (1.0, 0, 5, 1.0), (0.0, 0, 40, 1.0), (1.3, 0, 1, 1.0),
+                                                          (0.7, 0, 299, 1.0), (0.8, 0, 40, 0.9), (0.7, 0, 40, 1.0)])]
     prompt = torch.tensor([1, 2, 3])
     together, alone = [Row(prompt, s) for s in settings], [Row(prompt, s) for s in settings]
     together[3].finish = alone[3].finish = "length"  # a row done: no pick, its stream untouched
-    assert [row.plain for row in together] == [True, True, True, True, False, False, True, True]
+    assert [row.plain for row in together] == [True, True, True, True, False, False, True, True] + [False] * 7
+    assert [row.only_top_k(300) for row in together] == [False] * 4 + [True, False, False, False] + [True] * 5 + \
+        [False, True]
     scores_of = torch.Generator().manual_seed(0)
-    for _ in range(10):
+    for step in range(10):
         scores = torch.randn(len(settings), 300, generator=scores_of) * 4
+        if step in (3, 4, 5, 6):  # row 9 (top_k 5): its 20 likeliest tied, every one kept (transformers' warper)
+            scores[9, scores[9].argsort(descending=True)[:20]] = scores[9].max()
         picked = next_tokens(together, scores, (7, 9))
         expected = [None if row.done else row.next_token(scores[i].clone(), (7, 9)) for i, row in enumerate(alone)]
         assert picked == expected
@@ -155,6 +162,20 @@ def test_a_rows_softmax_and_cumulative_sum_are_its_own_bits_beside_others(rows):
     together = scores.softmax(-1).cumsum(-1, dtype=torch.float64)
     for i in range(rows):
         assert torch.equal(together[i], scores[i].softmax(-1).double().cumsum(0))
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_a_rows_top_k_and_softmax_over_it_are_its_own_bits_beside_others(rows):
+    """What next_tokens rests on for rows that only add top_k: torch's topk over the vocabulary gives a row the
+    same values and ids alone and beside other rows, and a softmax over the kept the same bits (rows of 50, 51, 5)."""
+    scores = torch.randn(rows, 50257, generator=torch.Generator().manual_seed(rows)) * 6
+    for k in (50, 5, 1):
+        values, ids = scores.topk(k + 1)
+        together = values[:, :k].softmax(-1)
+        for i in range(rows):
+            alone_values, alone_ids = scores[i].topk(k + 1)
+            assert torch.equal(values[i], alone_values) and torch.equal(ids[i], alone_ids)
+            assert torch.equal(together[i], alone_values[:k].softmax(-1))
 
 
 def warped(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
