@@ -7,11 +7,11 @@ them), timed by wrapping Step._attend and the attention calls with a clock.
     python benchmarks/attention_share.py --rounds 3 --kv fp32 bf16   # and a probe: the cache held in bf16
 
 --kv bf16 (or fp16) is a probe of a form not built (its quality: kv_quality.py): the cache's buffers made in that
-dtype, each query cast to it for the attention and its output back to fp32 (prompts too), by patching kv_cache's buffers and
-row_attention's mask and entry point for this process.  The eager and the compiled step both call the stepping
-decoder's attention, so the compiled step's check against the eager step still holds.  Only the stepping decoder's
-path is patched: a prompt through transformers' forward (the exact form, a scored prompt) would meet a bf16 cache
-unprepared.
+dtype, each query cast to it for the attention and its output back to fp32 (prompts too), by patching kv_cache's
+buffers and row_attention's mask and entry point for this process.  The eager and the compiled step both call the
+stepping decoder's attention, so the compiled step's check against the eager step still holds.  Only the stepping
+decoder's path is patched: a prompt through transformers' forward (the exact form, a scored prompt) would meet a
+16-bit cache unprepared.
 """
 
 from __future__ import annotations

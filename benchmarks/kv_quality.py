@@ -94,7 +94,8 @@ def main() -> None:
                 with contextlib.nullcontext() if kv == "fp32" else sixteen_bit_cache(SIXTEEN[kv]):
                     scores[kv] = stepped_scores(view, held)
                 losses[kv] = loss_of(scores[kv], held)
-                rows.setdefault(f"{name}, int8 stepped, {kv} cache, over fp32's forward", []).append(losses[kv] / fp32 - 1)
+                rows.setdefault(f"{name}, int8 stepped, {kv} cache, over fp32's forward", []).append(
+                    losses[kv] / fp32 - 1)
                 rows.setdefault(f"{name}, int8 stepped, {kv} cache, worst KL from fp32's forward", []).append(
                     float(kl(forward, scores[kv]).max()))
                 if kv != "fp32":

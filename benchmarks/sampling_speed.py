@@ -47,8 +47,8 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name in sorted(paths, reverse=round_ % 2 == 1):
                 times[name].append(per_call_ms(paths[name]))
-        print(json.dumps({"rows": count, **{f"{name} ms": round(statistics.median(t), 3) for name, t in times.items()}}),
-              flush=True)
+        medians = {f"{name} ms": round(statistics.median(t), 3) for name, t in times.items()}
+        print(json.dumps({"rows": count, **medians}), flush=True)
 
 
 if __name__ == "__main__":
