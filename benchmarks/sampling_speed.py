@@ -1,22 +1,33 @@
 """A step's picks (sampling.next_tokens) for rows of generate()'s default settings (temperature 0.7, top_k 50) over
 GPT-2's 50,257 logits: the rows picked together against each row picked alone (Row.next_token, how such rows were
-picked before), alternating, the same picks.
+picked before), alternating, the same picks; --generate: generate() end to end (a 355M GPT-2, random weights, 128
+new tokens a text, seeded) with such rows picked together and a row at a time, alternating in one process, the same
+texts.
 
     python benchmarks/sampling_speed.py --rows 1 8 16 --rounds 3
+    python benchmarks/sampling_speed.py --generate --rows 8 16 --rounds 6
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
 from lowmem_aitextgen import hardware
 from lowmem_aitextgen.sampling import Row, RowSettings, next_tokens
+
+PROMPT = "The meaning of a word is what it names"
+A_ROW_AT_A_TIME = mock.patch.object(Row, "only_top_k", lambda row, vocabulary: False)  # next_tokens as it was
 
 VOCABULARY, CALLS = 50257, 50
 
@@ -30,12 +41,8 @@ def per_call_ms(pick: Callable[[], list], calls: int = CALLS) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
+def picks(args: argparse.Namespace) -> None:
+    """next_tokens's picks, together against a row at a time (module docstring)."""
     for count in args.rows:
         settings = [RowSettings(max_new=10**9, temperature=0.7, top_k=50, seed=i) for i in range(count)]
         together, alone = [Row(torch.tensor([1]), s) for s in settings], [Row(torch.tensor([1]), s) for s in settings]
@@ -49,6 +56,44 @@ def main() -> None:
                 times[name].append(per_call_ms(paths[name]))
         medians = {f"{name} ms": round(statistics.median(t), 3) for name, t in times.items()}
         print(json.dumps({"rows": count, **medians}), flush=True)
+
+
+def generated(args: argparse.Namespace) -> None:
+    """generate() end to end, the rows picked together against a row at a time (module docstring)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from generate_speed import saved_gpt2
+
+    from lowmem_aitextgen import aitextgen
+
+    paths = {"together": contextlib.nullcontext(), "a row at a time": A_ROW_AT_A_TIME}
+    with tempfile.TemporaryDirectory() as folder:
+        saved_gpt2("355M", folder)
+        ai = aitextgen(model_folder=folder)
+        for count in args.rows:
+            ai.generate(n=count, prompt=PROMPT, max_new_tokens=8, return_as_list=True, seed=1)  # the view made
+            speeds: dict[str, list[float]] = {name: [] for name in paths}
+            texts: dict[str, list[str]] = {}
+            for round_ in range(args.rounds):
+                for name in sorted(paths, reverse=round_ % 2 == 1):
+                    with paths[name]:
+                        start = time.perf_counter()
+                        texts[name] = ai.generate(n=count, prompt=PROMPT, max_new_tokens=128, min_new_tokens=128,
+                                                  return_as_list=True, nonempty_output=False, seed=1)
+                        speeds[name].append(count * 128 / (time.perf_counter() - start))
+            print(json.dumps({"rows": count, **{f"{name} tok/s": round(statistics.median(v), 1)
+                                                for name, v in speeds.items()},
+                              "rounds' ratios": [round(a / b, 3) for a, b in zip(*speeds.values())],
+                              "the same texts": texts["together"] == texts["a row at a time"]}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--generate", action="store_true", help="generate() end to end (module docstring)")
+    args = parser.parse_args()
+    print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
+    (generated if args.generate else picks)(args)
 
 
 if __name__ == "__main__":
