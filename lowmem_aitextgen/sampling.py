@@ -129,15 +129,18 @@ class Row:
     def plain(self) -> bool:
         """Its pick only bars end-of-text (min_new), scales and draws, or takes the likeliest: no penalty,
         processor, top-k, top-p or warper.  next_tokens picks such rows together."""
-        s = self.settings
-        return s.repetition_penalty == 1.0 and not (s.processors or s.warpers or s.top_k) and s.top_p >= 1.0
+        return self._scales_and_draws and not self.settings.top_k
 
     def only_top_k(self, vocabulary: int) -> bool:
         """Its pick is a plain row's with top_k among `vocabulary` tokens (generate()'s default: top_k 50), no
         top_p.  next_tokens picks such rows together too."""
+        return self._scales_and_draws and 0 < self.settings.top_k < vocabulary
+
+    @property
+    def _scales_and_draws(self) -> bool:
+        """No penalty, processor, warper or top_p: what a plain row and a row adding only top_k share."""
         s = self.settings
-        return s.repetition_penalty == 1.0 and not (s.processors or s.warpers) and 0 < s.top_k < vocabulary \
-            and s.top_p >= 1.0
+        return s.repetition_penalty == 1.0 and not (s.processors or s.warpers) and s.top_p >= 1.0
 
     def next_token(self, scores: torch.Tensor, eos: tuple[int, ...]) -> int:
         """The row's next token from the model's scores for it (1-D, the vocabulary)."""
@@ -229,16 +232,14 @@ def next_tokens(rows: list[Row], scores: torch.Tensor, eos: tuple[int, ...]) -> 
     row's own arithmetic, whatever rows are beside it: tests/test_sampling.py), its uniform number drawn from its
     own stream."""
     live = [i for i, row in enumerate(rows) if not row.done]
-    plain = [i for i in live if rows[i].plain]
-    top_k = [i for i in live if not rows[i].plain and rows[i].only_top_k(scores.shape[-1])]
-    top_k = top_k if len(top_k) > 1 else []  # (one row: its own calls are quicker than the copies for several)
+    top_k = [i for i in live if rows[i].only_top_k(scores.shape[-1])]
+    # (one row adding top_k: its own calls are quicker than the copies for several)
+    together = [i for i in live if rows[i].plain] + (top_k if len(top_k) > 1 else [])
     picks: dict[int, int | None] = {i: None for i in range(len(rows))}
-    for i in set(live).difference(plain, top_k):
+    for i in set(live).difference(together):
         picks[i] = rows[i].next_token(scores[i], rows[i].settings.eos or eos)
-    if plain:  # indexing by a list copies: theirs to change
-        picks.update(zip(plain, _picked_together([rows[i] for i in plain], scores[plain].float(), eos)))
-    if top_k:
-        picks.update(zip(top_k, _picked_among_top_k([rows[i] for i in top_k], scores[top_k].float(), eos)))
+    if together:  # indexing by a list copies: theirs to change
+        picks.update(zip(together, _picked_together([rows[i] for i in together], scores[together].float(), eos)))
     return [picks[i] for i in range(len(rows))]
 
 
@@ -262,43 +263,43 @@ def _scaled(rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
 
 
 def _picked_together(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
-    """next_tokens's picks for plain rows, `logits` their scores (rows, vocabulary), changed in place."""
-    logits = _barred(rows, logits, eos)
-    picks = {j: int(logits[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
-    drawn = [j for j, row in enumerate(rows) if row.settings.temperature != 0]
-    if drawn:
-        scaled = _scaled([rows[j] for j in drawn], logits if len(drawn) == len(rows) else logits[drawn])
-        uniform = torch.cat([torch.rand(1, generator=rows[j].generator, dtype=torch.float64) for j in drawn])
-        picks.update(zip(drawn, _drawn(scaled.softmax(-1), uniform).tolist()))
-    return [picks[j] for j in range(len(rows))]
-
-
-def _picked_among_top_k(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
-    """next_tokens's picks for rows that only add top_k (Row.only_top_k), `logits` their scores (rows, vocabulary),
-    changed in place: the likeliest of the rows of one top_k found by one topk call, each row's draw among what it
-    keeps as _draw_among draws it; a row tied at its k-th logit picked by next_token (transformers' warper)."""
+    """next_tokens's picks for plain rows and rows adding only top_k, `logits` their scores (rows, vocabulary),
+    changed in place: the rows of one top_k (0: none) drawn by a few calls for all of them; a row tied at its k-th
+    logit picked by next_token (transformers' warper keeps every tied token)."""
     logits = _barred(rows, logits, eos)
     picks = {j: int(logits[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
     drawn = [j for j, row in enumerate(rows) if row.settings.temperature != 0]
     scaled = _scaled([rows[j] for j in drawn], logits if len(drawn) == len(rows) else logits[drawn])
     for k in sorted({rows[j].settings.top_k for j in drawn}):
         group = [n for n, j in enumerate(drawn) if rows[j].settings.top_k == k]
-        values, ids = (scaled if len(group) == len(drawn) else scaled[group]).topk(k + 1)
-        tied = (values[:, k] == values[:, k - 1]).tolist()
-        for n, tie in zip(group, tied):  # (its logits barred again by next_token: the same logits)
-            if tie:
-                picks[drawn[n]] = rows[drawn[n]].next_token(logits[drawn[n]], rows[drawn[n]].settings.eos or eos)
-        kept = [m for m, tie in enumerate(tied) if not tie]
-        if not kept:
-            continue
-        values, ids = (values[:, :k], ids[:, :k]) if len(kept) == len(group) else (values[kept, :k], ids[kept, :k])
-        order = ids.argsort(-1)  # the draw in the order of the ids, as _draw_among's
-        uniform = torch.cat([torch.rand(1, generator=rows[drawn[group[m]]].generator, dtype=torch.float64)
-                             for m in kept])
-        found = _drawn(values.gather(-1, order).softmax(-1), uniform)
-        tokens = ids.gather(-1, order.gather(-1, found[:, None]))[:, 0].tolist()
-        picks.update((drawn[group[m]], token) for m, token in zip(kept, tokens))
+        among, members = scaled if len(group) == len(drawn) else scaled[group], [rows[drawn[n]] for n in group]
+        tokens = _drawn_among_top_k(members, among, k) if k else _drawn(among.softmax(-1), _uniform(members)).tolist()
+        for n, token in zip(group, tokens):  # (a tied row's logits barred again by next_token: the same logits)
+            j = drawn[n]
+            picks[j] = rows[j].next_token(logits[j], rows[j].settings.eos or eos) if token is None else token
     return [picks[j] for j in range(len(rows))]
+
+
+def _uniform(rows: list[Row]) -> torch.Tensor:
+    """A uniform number (float64) from each row's own stream."""
+    return torch.cat([torch.rand(1, generator=row.generator, dtype=torch.float64) for row in rows])
+
+
+def _drawn_among_top_k(rows: list[Row], logits: torch.Tensor, k: int) -> list[int | None]:
+    """Each row's token drawn among its `k` likeliest of `logits` (a row each of `rows`), as likeliest_kept and
+    _draw_among draw a row alone; None for a row tied at its k-th logit (it keeps more than k: left to next_token)."""
+    values, ids = logits.topk(k + 1)
+    tied = (values[:, k] == values[:, k - 1]).tolist()
+    kept = [m for m, tie in enumerate(tied) if not tie]
+    tokens: list[int | None] = [None] * len(rows)
+    if not kept:
+        return tokens
+    values, ids = (values[:, :k], ids[:, :k]) if len(kept) == len(rows) else (values[kept, :k], ids[kept, :k])
+    order = ids.argsort(-1)  # the draw in the order of the ids, as _draw_among's
+    found = _drawn(values.gather(-1, order).softmax(-1), _uniform([rows[m] for m in kept]))
+    for m, token in zip(kept, ids.gather(-1, order.gather(-1, found[:, None]))[:, 0].tolist()):
+        tokens[m] = token
+    return tokens
 
 
 def likeliest_kept(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
