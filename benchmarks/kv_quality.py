@@ -8,7 +8,7 @@ The model is benchmarks/quality_tiers.py's (4 blocks, 128 wide, bytes of Python'
 64), and the same model carrying the released GPT-2's activation outliers (decoding.carry_outliers), as
 generate_quality.py has them.  Each held-out block is teacher-forced a token at a time through stepping.Step over
 the seeded int8 view (each token's activations quantized alone: the form a seeded call and the server decode in),
-eight blocks a step, the cache written as the engine writes it; a 16-bit cache is attention_share.py's probe (the
+eight blocks a step, the cache written as the engine writes it; a 16-bit cache as the engine holds an int8 view's (kv_cache.py: the
 buffers in that dtype, each query cast to it for the attention and its output back).  Rows: each cache's loss over
 fp32's forward (the quality bound, decoding.QUALITY_BOUND, is 1%) and its worst place's KL divergence from the
 forward's next-token distribution; a 16-bit cache's loss over the fp32 cache's, and the largest difference of a
@@ -18,7 +18,6 @@ log-probability between them (decoding.SCORE_ERROR bounds a form's scores at a f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -28,7 +27,6 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from attention_share import SIXTEEN, sixteen_bit_cache  # noqa: E402
 from generate_quality import CHANNELS  # noqa: E402
 from quality_tiers import corpora, held_out_loss, pretrained  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
@@ -37,16 +35,17 @@ from lowmem_aitextgen import decoding, stepping  # noqa: E402
 from lowmem_aitextgen.kv_cache import new_cache  # noqa: E402
 
 ROWS = 8  # held-out blocks a step
+SIXTEEN = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 16-bit caches --kv names
 
 
-def stepped_scores(view: torch.nn.Module, blocks: torch.Tensor) -> torch.Tensor:
+def stepped_scores(view: torch.nn.Module, blocks: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """The log-probabilities (blocks, places - 1, vocabulary) each of `blocks` (the first 64, as held_out_loss's)
-    gets for its next tokens, its tokens fed one a step."""
+    gets for its next tokens, its tokens fed one a step, the cache in `dtype` (None: fp32, the activations')."""
     step, scores = stepping.Step(view), []
     with torch.inference_mode():
         for ids in blocks[:64].split(ROWS):
             rows, length = ids.shape
-            cache, logits = new_cache([]), []
+            cache, logits = new_cache([], dtype), []
             for place in range(length - 1):
                 positions = torch.full((rows, 1), place)
                 mask = torch.ones(rows, place + 1, dtype=torch.long)
@@ -78,7 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--scale", type=float, default=40.0)
     parser.add_argument("--kv", choices=sorted(SIXTEEN), nargs="+", default=["bf16", "fp16"],
-                        help="the 16-bit caches probed beside fp32's")
+                        help="the 16-bit caches measured beside fp32's")
     args = parser.parse_args()
     first, _, held = corpora()
     rows: dict[str, list[float]] = {}
@@ -91,8 +90,7 @@ def main() -> None:
             losses, scores = {}, {}
             forward = forward_scores(model, held)
             for kv in ("fp32", *args.kv):
-                with contextlib.nullcontext() if kv == "fp32" else sixteen_bit_cache(SIXTEEN[kv]):
-                    scores[kv] = stepped_scores(view, held)
+                scores[kv] = stepped_scores(view, held, SIXTEEN.get(kv))
                 losses[kv] = loss_of(scores[kv], held)
                 rows.setdefault(f"{name}, int8 stepped, {kv} cache, over fp32's forward", []).append(
                     losses[kv] / fp32 - 1)

@@ -110,9 +110,9 @@ class CompiledStep(Step):
     """A Step whose one-token steps of up to `height` rows run as one graph (module docstring); everything else
     (prompts, several parts, more rows, a graph dropped) the eager step's."""
 
-    def __init__(self, model: nn.Module, height: int) -> None:
+    def __init__(self, model: nn.Module, height: int, cache_dtype: torch.dtype | None = None) -> None:
         super().__init__(model)
-        self.height = height
+        self.height, self.cache_dtype = height, cache_dtype
 
     def together(self, parts: list[Part]) -> list[torch.Tensor]:
         part = parts[0]
@@ -144,9 +144,10 @@ class CompiledStep(Step):
         """`graph`, where its logits for scratch rows are the eager step's to the bit; else None, said why."""
         rows = self.height
         ids = torch.arange(rows)[:, None] * 7 % self.transformer.wte.weight.shape[0]
-        part = Part(ids, torch.arange(rows)[:, None], torch.ones(rows, 1, dtype=torch.long), new_cache([]))
+        part = Part(ids, torch.arange(rows)[:, None], torch.ones(rows, 1, dtype=torch.long),
+                    new_cache([], self.cache_dtype))
         expected = super().together([part])[0]
-        if torch.equal(self._run(graph, part._replace(cache=new_cache([]))), expected):
+        if torch.equal(self._run(graph, part._replace(cache=new_cache([], self.cache_dtype))), expected):
             return graph
         logger.warning("Decoding with the eager step: the compiled step's logits differ from it on this machine.")
         return None
@@ -166,8 +167,9 @@ class CompiledStep(Step):
         return logits[:rows, None]
 
 
-def compiled_stepper(step: Step | None, rows: int) -> Step | None:
-    """`step` compiled for up to `rows` rows where it can be (else `step` itself, said why once a view)."""
+def compiled_stepper(step: Step | None, rows: int, cache_dtype: torch.dtype | None = None) -> Step | None:
+    """`step` compiled for up to `rows` rows where it can be (else `step` itself, said why once a view); its
+    graph checked over a cache in `cache_dtype`, the engine's (None: the activations')."""
     if step is None or rows < 1:
         return step
     height = max(2, rows)  # module docstring: one row runs as two
@@ -175,7 +177,7 @@ def compiled_stepper(step: Step | None, rows: int) -> Step | None:
         return step
     why = not_compilable(step)
     if why is None:
-        return CompiledStep(step.model, height)
+        return CompiledStep(step.model, height, cache_dtype)
     logger.info(f"Decoding with the eager step: {why}.")
     _GRAPHS[step.model] = (height, None)
     return step

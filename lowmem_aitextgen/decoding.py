@@ -44,7 +44,8 @@ text every time.  The plan fits the memory (DecodingMemory): the form's weights 
 the asked length; texts are decoded as many at a time as fit, and a length that does not fit even one text is
 refused before any work, naming one that does.
 
-Every device decodes in the batch engine (engine.py), its cache written in place; a view of a GPT-2 or GPT-Neo
+Every device decodes in the batch engine (engine.py), its cache written in place (an int8 view's in bf16 where
+the CPU computes bf16 natively: `cache_dtype`, kv_cache.py's table); a view of a GPT-2 or GPT-Neo
 steps by stepping.py's decoder rather than transformers' forward (on an H100 1.3x transformers' eager fp16 at
 batch 1).  A call whose texts run enough steps to pay a compile (compiled_rows) has a seeded int8 view's
 one-token steps run as one inductor graph with the eager step's bits (compiled_step.py: CPUs with AMX); an
@@ -222,6 +223,13 @@ def compiled_rows(plan: DecodePlan, texts: int, at_once: int, length: int) -> in
     return height if plan.graph_rows is None or height <= plan.graph_rows else 0
 
 
+def cache_dtype(form: str) -> torch.dtype | None:
+    """The dtype of a `form` view's KV cache where the stepping decoder runs it (None: its activations'): bf16
+    for int8 (fp32 activations) on a CPU that computes bf16 natively (kv_cache.py's table: half the bytes, the
+    attention's kernel twice as quick there; emulated elsewhere, slower than fp32)."""
+    return torch.bfloat16 if FORM_RECORDS[form].quantized and hardware.cpu().bf16_native else None
+
+
 def decide_form(model: nn.Module, device: str, exact: bool, quality: Mapping[str, float],
                 tokenwise: bool = False) -> tuple[str, str]:
     """The fastest form this device computes natively whose measured quality (of its view: tokenwise, for int8)
@@ -329,7 +337,8 @@ class DecodingMemory:
         """Bytes one text needs at `length` tokens: its KV cache, logits and a forward's activations."""
         config, width = self.model.config, FORM_RECORDS[form].dtype.itemsize
         length = self.length if length is None else length
-        kv = 2 * config.num_hidden_layers * config.hidden_size * length * width  # transformers' standard names
+        held = (cache_dtype(form) or FORM_RECORDS[form].dtype).itemsize  # a cache element's bytes
+        kv = 2 * config.num_hidden_layers * config.hidden_size * length * held  # transformers' standard names
         return kv + LOGITS_COPIES * 4 * config.vocab_size + HIDDEN_PER_TOKEN * config.hidden_size * length * width
 
     def rows(self, form: str) -> int | None:
@@ -399,7 +408,7 @@ class DecodingView:
         object's model stays unread.  None where the folder's file cannot be read tensor by tensor."""
         def make() -> Decoder | None:
             view = int8_view_from(deferred, plan.tokenwise)
-            return None if view is None else Decoder(view, view=True)
+            return None if view is None else Decoder(view, view=True, cache_dtype=cache_dtype("int8"))
 
         return self._view(plan, ("folder", id(deferred)), make)
 
@@ -472,7 +481,7 @@ def decoding_model(model: nn.Module, form: str, tokenwise: bool = False) -> Deco
             return Decoder(base, decoder.prompt_learning)
     record = FORM_RECORDS[form]
     view = int8_view(base, tokenwise) if record.quantized else sixteen_bit_view(base, record.dtype)
-    return Decoder(view, decoder.prompt_learning, view=True)
+    return Decoder(view, decoder.prompt_learning, view=True, cache_dtype=cache_dtype(form))
 
 
 def sixteen_bit_view(model: nn.Module, dtype: torch.dtype) -> nn.Module:

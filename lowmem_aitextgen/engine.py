@@ -54,6 +54,7 @@ class Decoder:
     prompt_learning: nn.Module | None = None
     view: bool = False
     compiled_rows: int = 0  # a view's one-token steps of up to this many rows compiled (compiled_step.py; 0: none)
+    cache_dtype: torch.dtype | None = None  # a view's KV cache's dtype where it steps (kv_cache.py; None: its own)
 
 
 def as_decoder(model: nn.Module | Decoder) -> Decoder:
@@ -88,9 +89,9 @@ class Prefix:
         self.layers = [(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)) for k, v in states]
         self.length = self.layers[0][0].shape[-2]
 
-    def cache(self, rows: int) -> Any:
-        """A cache holding the prefix for `rows` rows."""
-        return new_cache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.layers])
+    def cache(self, rows: int, dtype: torch.dtype | None = None) -> Any:
+        """A cache in `dtype` (None: the prefix's) holding the prefix for `rows` rows."""
+        return new_cache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.layers], dtype)
 
 
 class Engine:
@@ -113,8 +114,9 @@ class Engine:
         self.pad = next(t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
                                     0) if t is not None and 0 <= t)
         self.cache_keyword = _compat.cache_keyword(self.model)
-        self.stepper = compiled_stepper(stepping.stepper(self.model), self.decoder.compiled_rows) \
-            if self.decoder.view else None
+        self.stepper = compiled_stepper(stepping.stepper(self.model), self.decoder.compiled_rows,
+                                        self.decoder.cache_dtype) if self.decoder.view else None
+        self.cache_dtype = self.decoder.cache_dtype if self.stepper is not None else None  # (the forward's: its own)
         self.rows: list[Row] = []
         self.joining: list[Row] = []  # admitted: their prompts computed within the next step (admit)
         self.cache: Any = None
@@ -195,22 +197,25 @@ class Engine:
         return rows
 
     def _encode(self, rows: list[Row], inputs: list[torch.Tensor], score: bool = False) -> None:
-        prompt = self._prompts(inputs, rows)
+        prompt = self._prompts(inputs, rows, None if score else self.cache_dtype)
         ids = prompt.ids
         logits, cache = self._forward(prompt, every=score)
         if score:  # all of the prompt's logits made (logits_to_keep=0) only for its scores
             for row, given, row_logits in zip(rows, inputs, logits):
                 row.prompt_scored = scored(row_logits[ids.shape[1] - len(given):-1], given[1:], row.settings.logprobs)
+            if self.cache_dtype is not None:  # the forward's cache in the engine's dtype, as the others' is
+                cache = new_cache([(layer.keys, layer.values) for layer in cache.layers], self.cache_dtype)
         self._add(rows, prompt._replace(cache=cache), logits[:, -1])
 
-    def _prompts(self, inputs: list[torch.Tensor], rows: list[Row]) -> stepping.Part:
+    def _prompts(self, inputs: list[torch.Tensor], rows: list[Row], dtype: torch.dtype | None) -> stepping.Part:
         """`rows`' prompts (`inputs`, token ids) as a step takes them: padded on the left to the longest, each
-        row's positions its own, after a prefix's virtual tokens (whose cache they start from)."""
+        row's positions its own, after a prefix's virtual tokens (whose cache they start from), their cache in
+        `dtype` (None: the activations')."""
         width = max(len(ids) for ids in inputs)
         ids = torch.stack([F.pad(r, (width - len(r), 0), value=self.pad) for r in inputs])
         mask = torch.stack([F.pad(torch.ones_like(r), (width - len(r), 0)) for r in inputs])
         positions = (mask.cumsum(1) - 1).clamp(min=0) + self.virtual
-        cache = self.prefix.cache(len(inputs)) if self.prefix is not None else new_cache([])
+        cache = self.prefix.cache(len(inputs), dtype) if self.prefix is not None else new_cache([], dtype)
         if self.prefix is not None:
             mask = torch.cat((torch.ones(len(inputs), self.virtual, dtype=mask.dtype), mask), dim=1)
         return stepping.Part(ids, positions, mask, cache, _alone(rows))
@@ -245,7 +250,7 @@ class Engine:
         """The running rows fed `tokens` (rows, 1); `joining`'s prompts computed beside them, then joined."""
         self.mask = torch.cat((self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype)), dim=1)
         if joining:
-            prompt = self._prompts([row.prompt[-self.context:] for row in joining], joining)
+            prompt = self._prompts([row.prompt[-self.context:] for row in joining], joining, self.cache_dtype)
             self.scores, scores = self._together([stepping.Part(tokens, self.positions[:, None], self.mask,
                                                                 self.cache, _alone(self.rows)), prompt])
         else:
@@ -278,7 +283,7 @@ class Engine:
         device = _device(self.model)
         ids, positions, mask, cache = part.ids, part.positions, part.mask, part.cache
         if cache is None:
-            cache = new_cache([])
+            cache = new_cache([], None if every else self.cache_dtype)
         with torch.inference_mode():
             if not every and self.stepper is not None:
                 logits = self.stepper(ids.to(device), positions.to(device), mask, cache, part.alone)

@@ -25,6 +25,18 @@ two buffers (`Slots`):
 | after the last | PAD places of zeros after every row's last, rewritten as places are added: a         |
 |                | repeatable row's one-token attention reads up to PAD of them, masked                 |
 |                | (row_attention.py; the buffers are not zeroed, and masked garbage could be NaN)      |
+
+The buffers' dtype is the keys' unless the engine names one (decoding.cache_dtype decides it): an int8 view
+computes in fp32, and at long texts its steps are bound by reading the cache, not the int8 weights (355M, 8
+rows, ~520 places: attention half of a compiled step; RESULTS.md, nineteenth session).  The stepping decoder
+attends in the cache's dtype, the output back in fp32 (stepping.py):
+
+| an int8 view's cache | bytes a place | attention kernel (8 rows, 355M's heads) | quality (benchmarks/kv_quality.py)     |
+|----------------------|---------------|-----------------------------------------|----------------------------------------|
+| fp32 (no native bf16)| 4             | 1x                                      | the int8 form's own                    |
+| bf16 (native bf16)   | 2             | ~2x quicker where the CPU computes bf16 | held-out loss unchanged; worst place's |
+|                      |               | natively (emulated elsewhere: slower)   | KL from fp32's forward 0.0003-0.012    |
+| fp16 (not taken)     | 2             | no quicker than fp32 on such a CPU      | within the int8 form's own             |
 """
 
 from __future__ import annotations
@@ -45,11 +57,12 @@ class Slots:
     the cache pads it with are zeros."""
 
     @torch.inference_mode()  # the buffers are inference tensors, written only in inference mode
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         self.rows, self.start, self.end = keys.shape[0], 0, 0
+        self.dtype = dtype or keys.dtype  # what the buffers hold (module docstring: the dtype)
         self.reach = 0  # places the rows present may still add (expect): a new buffer's room past theirs
         self.moved_at = 0  # `end` when the buffers were made
-        self.both = _buffers(keys, values, keys.shape[0], keys.shape[-2] + ROOM)
+        self.both = _buffers(keys, self.dtype, keys.shape[0], keys.shape[-2] + ROOM)
         self.zeroed = 0  # the rows' places are zeros from `end` up to here
         self.buffers = self.both.unbind()
         self.append(keys, values)
@@ -116,7 +129,7 @@ class Slots:
         """Into new buffers for `rows` rows and `width` places and room (ROOM, or what the rows may still add), the
         rows held ending at `width`."""
         held = self.end - self.start
-        both = _buffers(*self.buffers, rows, width + max(ROOM, self.reach + PAD))
+        both = _buffers(self.buffers[0], self.dtype, rows, width + max(ROOM, self.reach + PAD))
         for buffer, old in zip(both.unbind(), self.views()):
             buffer[:self.rows, :, width - held:width] = old
         self.both, self.buffers, self.start, self.end = both, both.unbind(), width - held, width
@@ -143,18 +156,20 @@ def refilled(kept: list[int]) -> list[int]:
     return order
 
 
-def _buffers(keys: torch.Tensor, values: torch.Tensor, rows: int, places: int) -> torch.Tensor:
-    """Buffers for `keys` and `values` (one tensor: keys, values), for `rows` rows and `places` places; not
+def _buffers(keys: torch.Tensor, dtype: torch.dtype, rows: int, places: int) -> torch.Tensor:
+    """Buffers in `dtype` for keys like `keys` and their values (one tensor: keys, values), for `rows` rows and
+    `places` places; not
     zeroed: a view holds only places written (a row's own, the zeros join writes as its padding, the PAD zeros
     after), and a new buffer's memory is the system's until written (zeroing a 16-row buffer's room touched every
     page of it: most of a join's time, RESULTS.md)."""
-    return keys.new_empty(2, rows, keys.shape[1], places, keys.shape[-1])
+    return keys.new_empty(2, rows, keys.shape[1], places, keys.shape[-1], dtype=dtype)
 
 
 @functools.cache
-def slot_layer() -> type:
-    """transformers' DynamicLayer whose keys and values are a `Slots`' views: a step writes its places in place
-    (transformers' forward and stepping.py's decoder both call `update`); `keep` and `join` are the engine's."""
+def slot_layer(dtype: torch.dtype | None = None) -> type:
+    """transformers' DynamicLayer whose keys and values are a `Slots`' views in `dtype` (None: the keys' own): a
+    step writes its places in place (transformers' forward and stepping.py's decoder both call `update`); `keep`
+    and `join` are the engine's."""
     from transformers.cache_utils import DynamicLayer
 
     class SlotLayer(DynamicLayer):
@@ -165,7 +180,7 @@ def slot_layer() -> type:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             if self.slots is None:
-                self.slots = Slots(key_states, value_states)
+                self.slots = Slots(key_states, value_states, dtype)
             else:
                 self.slots.append(key_states, value_states)
             self.keys, self.values = self.slots.views()
@@ -182,13 +197,13 @@ def slot_layer() -> type:
     return SlotLayer
 
 
-def new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+def new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None = None) -> Any:
     """transformers' DynamicCache of slot layers holding `layers` (keys, values) each (none: the model writes
-    them as it first runs)."""
+    them as it first runs), in `dtype` (None: the keys' own; only the stepping decoder reads another)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    cache.layer_class_to_replicate = slot_layer()  # the layers made as the model first writes each
+    cache.layer_class_to_replicate = slot_layer(dtype)  # the layers made as the model first writes each
     for i, (keys, values) in enumerate(layers):
         cache.update(keys, values, i)
     return cache

@@ -13,10 +13,11 @@ another path for an unaligned slice).  So:
 |------------------------------------|-------------------------------------------------------------------------|
 | one new token (a step, a prompt of | over its places and the 0-3 zeros after them (kv_cache.PAD) that make   |
 | one), up to 510 places, CPU, fp32  | them 2 modulo 4, those masked; neighbouring rows of the same places in  |
-|                                    | one call where a probe at first use finds each row's bits its own there |
-|                                    | (`together_exact`): 355M, 8 rows of one length ~7% more tokens a second |
-|                                    | 16 served clients ~7%; one row ~0.3 ms a token more (the mask and two   |
-|                                    | slices a layer: 1-4% of a 355M token; RESULTS.md, 2026-11-29, ninth)    |
+| or bf16 (an int8 view's cache)     | one call where a probe at first use finds each row's bits its own there |
+|                                    | (`together_exact`, each dtype): in fp32 at 355M, 8 rows of one length   |
+|                                    | ~7% more tokens a second, 16 served clients ~7%; one row ~0.3 ms a      |
+|                                    | token more (the mask and two slices a layer: 1-4% of a 355M token;      |
+|                                    | RESULTS.md, 2026-11-29, ninth)                                          |
 | a prefix row beside longer ones    | as above, its places gathered (its padding lies between its virtual     |
 |                                    | places and its tokens) and the zeros added: a call of its own           |
 | a prompt, past 510 places, another | a call of its own over its own places, the call it makes alone          |
@@ -35,6 +36,7 @@ from torch.nn import functional as F
 from .kv_cache import PAD
 
 BLOCK = 512  # the flash kernel's block of places: past it a slice's size is fixed by the block, not the places
+PADDED = (torch.float32, torch.bfloat16)  # the dtypes whose rows read the zeros after them (module docstring)
 
 
 class RowOwn(NamedTuple):
@@ -54,12 +56,12 @@ def each_row_alone(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     """Attention (rows, heads, new, head size) of the rows `owns` describes (in order), each as alone (module
     docstring); `after(n)`: the rows' keys and values with n (at most PAD) of the cache's zeros after them (None:
     no zeros to read); a padding token's output is zeros (nothing reads it)."""
-    if after is None or not query.is_cpu or query.dtype != torch.float32 or query.shape[-1] % 4:
+    if after is None or not query.is_cpu or query.dtype not in PADDED or query.shape[-1] % 4:
         runs = [(row, row + 1, None) for row in range(len(owns))]
     elif len(owns) == 1:  # (one row: its call as it is; a slice of every tensor costs as much as the call)
         runs = [(0, 1, _padded_places(owns[0], window))]
     else:
-        runs = _runs(owns, window, together_exact(query.shape[1], query.shape[-1]))
+        runs = _runs(owns, window, together_exact(query.shape[1], query.shape[-1], query.dtype))
     return _in_runs(query, keys, values, owns, window, scale, after, runs)
 
 
@@ -86,7 +88,7 @@ def _in_runs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, owns
             held = [t[start:end, :, width - places:width + pad] for t in padded]
         tokens = rows.shape[2]  # (a part's new tokens: the row's own is the last, its padding's output zeros)
         out = F.scaled_dot_product_attention(rows if tokens == 1 else rows[:, :, -1:], *held,
-                                             attn_mask=_masked_after(places, pad), scale=scale)
+                                             attn_mask=_masked_after(places, pad, rows.dtype), scale=scale)
         outs.append(out if tokens == 1 else F.pad(out, (0, 0, tokens - 1, 0)))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -113,31 +115,32 @@ def _padded_places(own: RowOwn, window: int | None) -> int | None:
     return places if places <= BLOCK - 2 else None
 
 
-@functools.lru_cache(maxsize=BLOCK)
-def _masked_after(places: int, pad: int) -> torch.Tensor | None:
-    """scaled_dot_product_attention's mask over `places` and `pad` places after them, those hidden."""
+@functools.lru_cache(maxsize=2 * BLOCK)
+def _masked_after(places: int, pad: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """scaled_dot_product_attention's mask in `dtype` (the query's) over `places` and `pad` places after them,
+    those hidden."""
     if not pad:
         return None
     with torch.inference_mode(False):  # (made once, read in and out of inference mode)
-        mask = torch.zeros(1, 1, 1, places + pad)
+        mask = torch.zeros(1, 1, 1, places + pad, dtype=dtype)
         mask[..., places:] = float("-inf")
     return mask
 
 
-def together_exact(heads: int, head_size: int) -> bool:
-    """Whether one call over several rows gives each its bits alone here (module docstring), at this number of
-    threads: found by trying it once."""
-    return _together_exact(heads, head_size, torch.get_num_threads())
+def together_exact(heads: int, head_size: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether one call over several rows in `dtype` gives each its bits alone here (module docstring), at this
+    number of threads: found by trying it once."""
+    return _together_exact(heads, head_size, torch.get_num_threads(), dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _together_exact(heads: int, head_size: int, threads: int) -> bool:
+def _together_exact(heads: int, head_size: int, threads: int, dtype: torch.dtype) -> bool:
     """together_exact's probe: two rows in one call and each alone, random keys (a generator of its own: the
     global one is the user's), over places of each residue modulo 4 and the longest."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode(False):
         for places in [*range(1, 17), BLOCK - 2]:
-            query, keys, values = (torch.rand(2, heads, length, head_size, generator=generator) - 0.5
+            query, keys, values = ((torch.rand(2, heads, length, head_size, generator=generator) - 0.5).to(dtype)
                                    for length in (1, places + PAD, places + PAD))
             keys[:, :, places:] = values[:, :, places:] = 0
 

@@ -27,7 +27,8 @@ joining costs the others its tokens' share of the products, not a pass over the 
 |               | step a seventh more)                                                                        |
 | GELU          | GPT-2's tanh approximation as one operation (F.gelu, approximate="tanh") in place of        |
 |               | transformers' eight: the same function, rounded differently                                 |
-| cache         | the engine's cache (kv_cache.py: written in place)                                          |
+| cache         | the engine's cache (kv_cache.py: written in place); one in fewer bits than the activations  |
+|               | (an int8 view's bf16 cache) attended in its dtype, the output back in the activations'      |
 | not stepped   | other families, GPT-2 with cross-attention, and a model with hooks on the modules bypassed  |
 |               | (the model, its blocks, attention, MLP, activation): transformers' forward, as before       |
 """
@@ -149,12 +150,14 @@ class Step:
         else:
             query, key, value = (t.view(rows, new, self.heads, self.head_size).transpose(1, 2) for t in projected)
         keys, values = part.cache.update(key, value, index)
+        dtype = query.dtype
+        query = query.to(keys.dtype)  # (a cache in bf16 beside fp32 activations: attended in bf16, kv_cache.py)
         (seen, local), owns = masks
         slots = getattr(part.cache.layers[index], "slots", None) if owns else None
         after = None if slots is None else slots.views  # row_attention.py: the zeros after, one-token rows read
         if len(owns) == rows:
             out = each_row_alone(query, keys, values, list(owns.values()), window, scale, after)
-            return out.transpose(1, 2).reshape(rows * new, -1)
+            return out.transpose(1, 2).reshape(rows * new, -1).to(dtype)
         seen_keys, seen_values = keys, values
         if window is not None and new == 1:  # one token: its window is the last places (padding is left)
             seen_keys, seen_values = keys[:, :, -window:], values[:, :, -window:]
@@ -166,7 +169,7 @@ class Step:
         for row, own in owns.items():  # some rows alone, beside others attending as the batch
             out[row:row + 1] = each_row_alone(query[row:row + 1], keys[row:row + 1], values[row:row + 1], [own],
                                               window, scale, after and functools.partial(_row_of, after, row))
-        return out.transpose(1, 2).reshape(rows * new, -1)
+        return out.transpose(1, 2).reshape(rows * new, -1).to(dtype)
 
 
 def _row_of(views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], row: int, after: int

@@ -63,6 +63,32 @@ def test_without_int8_kernels_a_cpu_decodes_in_bf16_where_native_else_fp32(ai):
             assert decoding.plan_decoding(ai.model).form == form
 
 
+def test_an_int8_views_cache_is_bf16_where_the_cpu_computes_it_natively_and_counted_so(ai):
+    """decoding.cache_dtype: an int8 view's KV cache in bf16 on a CPU with native bf16 (its attention's kernel
+    twice as quick there, kv_cache.py), fp32 elsewhere; the engine's buffers hold it so, and the memory a text
+    needs (the texts that fit at once) counts its bytes.  16-bit views keep their own dtype."""
+    from lowmem_aitextgen.engine import Engine
+    from lowmem_aitextgen.generation import prompt_ids
+    from lowmem_aitextgen.sampling import Row, RowSettings
+
+    config, per_row = ai.model.config, {}
+    for cpu, machine in hardware.CPUS.items():
+        with hardware.presenting(hardware.Hardware(machine)):
+            view = decoding.decoding_model(ai.model, "int8", True)
+            per_row[cpu] = decoding.DecodingMemory(ai.model, "cpu", 30, read=True).per_row("int8")
+            if machine.bf16_native:
+                assert decoding.decoding_model(ai.model, "bf16").cache_dtype is None  # its activations' own
+        engine = Engine(view, ai.tokenizer, (-1,))
+        engine.join([Row(prompt_ids(ai.model, ai.tokenizer, "def main", None), RowSettings(max_new=3))])
+        engine.step()
+        held = {layer.keys.dtype for layer in engine.cache.layers} | {layer.slots.both.dtype
+                                                                       for layer in engine.cache.layers}
+        assert held == {torch.bfloat16 if machine.bf16_native else torch.float32}, cpu
+        engine.close()
+    fp32_cache = 2 * config.n_layer * config.n_embd * 30 * 4
+    assert per_row["no native bf16"] - per_row["native bf16"] == fp32_cache // 2
+
+
 def test_the_int8_kernels_decoding_calls_are_in_this_torch():
     """Fails on a torch that dropped one: without torch.ao's fbgemm ops int8 decodes on oneDNN's (slower at a batch
     of one), without both decoding plans another form (the tests below)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from lowmem_aitextgen import kv_cache
@@ -24,17 +25,19 @@ def padded(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.cat((row.new_zeros(HEADS, width - row.shape[1], SIZE), row), 1) for row in rows])
 
 
-def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_and_moving_buffers(monkeypatch):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_and_moving_buffers(monkeypatch,
+                                                                                                   dtype):
     """A long random run of steps, rows leaving (refilled's order, as the engine keeps them, the padding no row
     needs cut) and rows joining with shorter and longer prompts, past ROOM places (new buffers): after each, the
     views are the rows' own keys and values right-aligned, followed by PAD zeros (row_attention.py reads them,
     masked), and a slot reused shows nothing of the row that held it.  New buffers hold NaN where not written,
-    as memory reused may."""
+    as memory reused may.  Held as given, and in bf16 (an int8 view's cache: each value rounded to it)."""
     made = kv_cache._buffers
     monkeypatch.setattr(kv_cache, "_buffers", lambda *args: made(*args).fill_(float("nan")))
     generator = random.Random(0)
     keys, values = places(3, 4)
-    slots = kv_cache.Slots(keys, values)
+    slots = kv_cache.Slots(keys, values, dtype)
     truth = [(k, v) for k, v in zip(keys, values)]
     for _ in range(3 * kv_cache.ROOM):
         event = generator.random()
@@ -54,8 +57,9 @@ def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_
             slots.append(keys, values)
             truth = [(torch.cat((k, nk), 1), torch.cat((v, nv), 1)) for (k, v), nk, nv in zip(truth, keys, values)]
         held_keys, held_values = slots.views()
-        assert torch.equal(held_keys, padded([k for k, _ in truth]))
-        assert torch.equal(held_values, padded([v for _, v in truth]))
+        assert held_keys.dtype == held_values.dtype == (dtype or torch.float32)
+        assert torch.equal(held_keys, padded([k for k, _ in truth]).to(held_keys.dtype))
+        assert torch.equal(held_values, padded([v for _, v in truth]).to(held_keys.dtype))
         for held, after in zip((held_keys, held_values), slots.views(kv_cache.PAD)):
             assert torch.equal(after, torch.cat((held, held.new_zeros(len(truth), HEADS, kv_cache.PAD, SIZE)), 2))
 
