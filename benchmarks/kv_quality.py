@@ -8,11 +8,12 @@ The model is benchmarks/quality_tiers.py's (4 blocks, 128 wide, bytes of Python'
 64), and the same model carrying the released GPT-2's activation outliers (decoding.carry_outliers), as
 generate_quality.py has them.  Each held-out block is teacher-forced a token at a time through stepping.Step over
 the seeded int8 view (each token's activations quantized alone: the form a seeded call and the server decode in),
-eight blocks a step, the cache written as the engine writes it; a 16-bit cache as the engine holds an int8 view's (kv_cache.py: the
-buffers in that dtype, each query cast to it for the attention and its output back).  Rows: each cache's loss over
-fp32's forward (the quality bound, decoding.QUALITY_BOUND, is 1%) and its worst place's KL divergence from the
-forward's next-token distribution; a 16-bit cache's loss over the fp32 cache's, and the largest difference of a
-log-probability between them (decoding.SCORE_ERROR bounds a form's scores at a first step).
+eight blocks a step, the cache written as the engine writes it; a 16-bit cache as the engine holds an int8
+view's (kv_cache.py: the buffers in that dtype, each query cast to it for the attention and its output back).
+Rows: each cache's loss over fp32's forward (the quality bound, decoding.QUALITY_BOUND, is 1%) and its worst
+place's KL divergence from the forward's next-token distribution; a 16-bit cache's loss over the fp32 cache's, and
+the largest difference of a log-probability between them (decoding.SCORE_ERROR bounds a form's scores at a first
+step).
 """
 
 from __future__ import annotations

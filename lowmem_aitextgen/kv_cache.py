@@ -31,12 +31,12 @@ computes in fp32, and at long texts its steps are bound by reading the cache, no
 rows, ~520 places: attention half of a compiled step; RESULTS.md, nineteenth session).  The stepping decoder
 attends in the cache's dtype, the output back in fp32 (stepping.py):
 
-| an int8 view's cache | bytes a place | attention kernel (8 rows, 355M's heads) | quality (benchmarks/kv_quality.py)     |
-|----------------------|---------------|-----------------------------------------|----------------------------------------|
-| fp32 (no native bf16)| 4             | 1x                                      | the int8 form's own                    |
-| bf16 (native bf16)   | 2             | ~2x quicker where the CPU computes bf16 | held-out loss unchanged; worst place's |
-|                      |               | natively (emulated elsewhere: slower)   | KL from fp32's forward 0.0003-0.012    |
-| fp16 (not taken)     | 2             | no quicker than fp32 on such a CPU      | within the int8 form's own             |
+| an int8 view's cache | bytes a place | attention kernel (8 rows, 355M's heads) | quality (kv_quality.py)             |
+|----------------------|---------------|-----------------------------------------|-------------------------------------|
+| fp32 (no native bf16)| 4             | 1x                                      | the int8 form's own                 |
+| bf16 (native bf16)   | 2             | ~2x quicker where the CPU computes bf16 | held-out loss unchanged; the worst  |
+|                      |               | natively (emulated elsewhere: slower)   | place's KL from the forward 0.012   |
+| fp16 (not taken)     | 2             | no quicker than fp32 on such a CPU      | within the int8 form's own          |
 """
 
 from __future__ import annotations
