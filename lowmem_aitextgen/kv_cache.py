@@ -158,10 +158,9 @@ def refilled(kept: list[int]) -> list[int]:
 
 def _buffers(keys: torch.Tensor, dtype: torch.dtype, rows: int, places: int) -> torch.Tensor:
     """Buffers in `dtype` for keys like `keys` and their values (one tensor: keys, values), for `rows` rows and
-    `places` places; not
-    zeroed: a view holds only places written (a row's own, the zeros join writes as its padding, the PAD zeros
-    after), and a new buffer's memory is the system's until written (zeroing a 16-row buffer's room touched every
-    page of it: most of a join's time, RESULTS.md)."""
+    `places` places; not zeroed: a view holds only places written (a row's own, the zeros join writes as its
+    padding, the PAD zeros after), and a new buffer's memory is the system's until written (zeroing a 16-row
+    buffer's room touched every page of it: most of a join's time, RESULTS.md)."""
     return keys.new_empty(2, rows, keys.shape[1], places, keys.shape[-1], dtype=dtype)
 
 
