@@ -178,7 +178,8 @@ class DecodePlan:
 
     def describe(self) -> str:
         fits = f"; up to {self.max_rows:,} texts at once fit {self.room}" if self.max_rows is not None else ""
-        return f"Decoding in {self.view} on the {self.device}: {self.because}{fits}."
+        cache = ", its KV cache in bf16" if self.device == "cpu" and cache_dtype(self.form) is not None else ""
+        return f"Decoding in {self.view}{cache} on the {self.device}: {self.because}{fits}."
 
 
 CHOICES = ("auto", "exact", *FORMS[1:])  # generate(decoding=...)

@@ -76,6 +76,8 @@ def test_an_int8_views_cache_is_bf16_where_the_cpu_computes_it_natively_and_coun
         with hardware.presenting(hardware.Hardware(machine)):
             view = decoding.decoding_model(ai.model, "int8", True)
             per_row[cpu] = decoding.DecodingMemory(ai.model, "cpu", 30, read=True).per_row("int8")
+            said = decoding.plan_decoding(ai.model, tokenwise=True).describe()
+            assert ("its KV cache in bf16" in said) == machine.bf16_native, said
             if machine.bf16_native:
                 assert decoding.decoding_model(ai.model, "bf16").cache_dtype is None  # its activations' own
         engine = Engine(view, ai.tokenizer, (-1,))
