@@ -282,8 +282,6 @@ class Engine:
         a prompt): a text's prompt and steps in one arithmetic, alone or beside others (stepping.py)."""
         device = _device(self.model)
         ids, positions, mask, cache = part.ids, part.positions, part.mask, part.cache
-        if cache is None:
-            cache = new_cache([], None if every else self.cache_dtype)
         with torch.inference_mode():
             if not every and self.stepper is not None:
                 logits = self.stepper(ids.to(device), positions.to(device), mask, cache, part.alone)

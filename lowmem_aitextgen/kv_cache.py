@@ -59,10 +59,9 @@ class Slots:
     @torch.inference_mode()  # the buffers are inference tensors, written only in inference mode
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         self.rows, self.start, self.end = keys.shape[0], 0, 0
-        self.dtype = dtype or keys.dtype  # what the buffers hold (module docstring: the dtype)
         self.reach = 0  # places the rows present may still add (expect): a new buffer's room past theirs
         self.moved_at = 0  # `end` when the buffers were made
-        self.both = _buffers(keys, self.dtype, keys.shape[0], keys.shape[-2] + ROOM)
+        self.both = _buffers(keys, dtype or keys.dtype, keys.shape[0], keys.shape[-2] + ROOM)  # (its dtype: docstring)
         self.zeroed = 0  # the rows' places are zeros from `end` up to here
         self.buffers = self.both.unbind()
         self.append(keys, values)
@@ -129,7 +128,7 @@ class Slots:
         """Into new buffers for `rows` rows and `width` places and room (ROOM, or what the rows may still add), the
         rows held ending at `width`."""
         held = self.end - self.start
-        both = _buffers(self.buffers[0], self.dtype, rows, width + max(ROOM, self.reach + PAD))
+        both = _buffers(self.buffers[0], self.both.dtype, rows, width + max(ROOM, self.reach + PAD))
         for buffer, old in zip(both.unbind(), self.views()):
             buffer[:self.rows, :, width - held:width] = old
         self.both, self.buffers, self.start, self.end = both, both.unbind(), width - held, width
