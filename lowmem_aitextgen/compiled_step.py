@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .heap import release_freed_heap
-from .int8_kernels import TOKEN_ZERO, FbgemmProduct, TokenwiseInt8Linear, activations_uint8, sums_scale
+from .int8_kernels import TOKEN_ZERO, FbgemmProduct, NativeProduct, TokenwiseInt8Linear, activations_uint8, sums_scale
 from .kv_cache import new_cache
 from .stepping import Part, Step, _tanh_gelu, seen_places
 
@@ -79,9 +79,9 @@ def steps_of(texts: int, at_once: int, length: int) -> int:
 def not_compilable(step: Step) -> str | None:
     """Why `step`'s one-token steps cannot be compiled with eager's bits (None: they can)."""
     projections = _projections(step)
-    if not all(isinstance(m, TokenwiseInt8Linear) and isinstance(m.product, FbgemmProduct)
-               for m in map(_module_of, projections)):
-        return "only a seeded int8 view on fbgemm's kernel is compiled"
+    if not all(isinstance(m, TokenwiseInt8Linear) and m.each_token_alone
+               and isinstance(m.product, (FbgemmProduct, NativeProduct)) for m in map(_module_of, projections)):
+        return "only a seeded int8 view on fbgemm's kernel or ours is compiled"
     norms = [n for layer in step.layers for n in (layer.ln_1, layer.ln_2)] + [step.final_norm]
     if not all(hasattr(c, "__self__") for c in (*projections, *norms)):  # stepping.called: a hooked module itself
         return "a module it would bypass has hooks"
@@ -185,12 +185,12 @@ def compiled_stepper(step: Step | None, rows: int, cache_dtype: torch.dtype | No
 
 class Weights:
     """A TokenwiseInt8Linear's int8 weight (in x out), the float32 scale of its sums (one a column, as inductor's
-    int8 pattern takes it) and its bias, read out of fbgemm's packed weight."""
+    int8 pattern takes it) and its bias, read out of its kernel's packed weight."""
 
     def __init__(self, linear: TokenwiseInt8Linear) -> None:
-        weight, _ = torch.ops.quantized.linear_unpack(linear.product.packed)
-        self.int8 = weight.int_repr().t()
-        self.scales = sums_scale(weight.q_scale()).expand(weight.shape[0]).contiguous()
+        weight, scale = linear.product.int8_weight()
+        self.int8 = weight.t()
+        self.scales = sums_scale(scale).expand(weight.shape[0]).contiguous()
         self.bias = linear.bias
 
 

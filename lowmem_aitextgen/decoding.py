@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware
+from . import hardware, int8_kernels
 from .compiled_step import PEAK, pays, steps_of
 from .engine import Decoder, as_decoder
 from .int8_kernels import TokenwiseInt8Linear
@@ -123,8 +123,11 @@ def _fp16_here(device: str, model: nn.Module) -> str | None:
 
 
 def _int8_because(device: str) -> str:
-    if hardware.missing_int8_kernels():  # int8_kernels.py: oneDNN's products, the same bits, slower at batch 1
+    kernel = int8_kernels.product_kernel()  # the same bits on each (int8_kernels.py)
+    if kernel is int8_kernels.OneDNNProduct:  # slower at batch 1
         return f"{hardware.cpu().name} has int8 kernels (oneDNN's: this torch lacks torch.ao's fbgemm ones)"
+    if kernel is int8_kernels.NativeProduct:
+        return f"{hardware.cpu().name} has int8 kernels (our own, native_int8.py): 3-5x fp32 here"
     return f"{hardware.cpu().name} has int8 kernels: 3-4x fp32 here"
 
 
@@ -581,11 +584,13 @@ def with_int8_head(view: nn.Module, tokenwise: bool = False) -> nn.Module:
 
 
 def int8_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:
-    """`linear` in int8: torch's dynamic quantized Linear (the activations' range that of the whole batch:
-    the fastest), or TokenwiseInt8Linear (a text the same in any batch; every projection's where torch.ao's ops
-    are missing, on oneDNN's kernel)."""
-    if tokenwise or hardware.missing_int8_kernels():
-        module = TokenwiseInt8Linear(linear)
+    """`linear` in int8: TokenwiseInt8Linear where a text must be the same in any batch (`tokenwise`: its
+    attention then each row alone too), where the kernel is ours (the quickest, in any call) or where torch.ao's ops
+    are missing (on oneDNN's kernel); else torch's dynamic quantized Linear (the activations' range that of the
+    whole batch: the quickest of torch.ao's)."""
+    kernel = int8_kernels.product_kernel()
+    if tokenwise or kernel is not int8_kernels.FbgemmProduct:
+        module = TokenwiseInt8Linear(linear, kernel, alone=tokenwise)
         carry_hooks(linear, module)
         return module
     holder = nn.Module()  # the quantizer swaps a module's children, not the module it is given

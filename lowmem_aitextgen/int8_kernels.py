@@ -1,24 +1,29 @@
 """The int8 matrix products a decoding view's projections call, and the Linear that calls them with each token's
 activations quantized alone, so that a text is the same in any batch (the form of seeded calls and the server).
 
-Two kernels take the same integers and compute their products exactly (int32 sums); the first whose ops this
-torch has is used (hardware.missing_int8_kernels, hardware.missing_onednn_int8_kernels):
+Three kernels take the same integers and compute their products exactly (int32 sums); the first that runs here is
+used (product_kernel):
 
 | kernel | ops                                             | why                                                  |
 |--------|-------------------------------------------------|------------------------------------------------------|
-| fbgemm | torch.ops.quantized (torch.ao.quantization's,   | the fastest at a batch of one on every CPU measured  |
-|        | which torch 2.13 says it will remove)           | (Intel Xeon with AMX: 2x oneDNN's a call, 1.6x end   |
-|        |                                                 | to end, RESULTS.md)                                  |
+| native | our own (native_int8.py, int8_linear.c), built  | one pass over the weights for every row of a call,   |
+|        | at first use by gcc; x86-64 CPUs with AVX2      | and the quantization in the same call: on the Intel  |
+|        |                                                 | Xeon with AMX 1.4x fbgemm's time a pass at one row,  |
+|        |                                                 | 2x at 8 (RESULTS.md, twenty-first session)           |
+| fbgemm | torch.ops.quantized (torch.ao.quantization's,   | the fastest of torch's at a batch of one on every    |
+|        | which torch 2.13 says it will remove)           | CPU measured (Intel Xeon with AMX: 2x oneDNN's a     |
+|        |                                                 | call, 1.6x end to end, RESULTS.md)                   |
 | oneDNN | torch.ops.onednn.qlinear_prepack and            | what torchao's x86 int8 path (pt2e with              |
 |        | qlinear_pointwise                               | X86InductorQuantizer) lowers to, so kept while that  |
 |        |                                                 | path is: int8 decoding outlives torch.ao's ops       |
 
 oneDNN's operands are rounded here by plain operations as fbgemm rounds them (a weight times its scale's float
-inverse; an activation by one fused multiply-add with the zero point, emulated in float64), and its integer sums
-are dequantized here as fbgemm dequantizes them, so both kernels give the same bits (on oneDNN's AMX, AVX512-VNNI
-and AVX2 kernels and fbgemm's AVX512 and AVX2 ones): a text is the same on either, and oneDNN's quality is the
-tokenwise form's measured one (decoding.MEASURED_QUALITY).  In either, a row's output is its own alone or in any
-batch (tests/test_int8_kernels.py).
+inverse; an activation by one fused multiply-add with the zero point, emulated in float64), the native kernel
+rounds them the same way in C, and both dequantize their integer sums as fbgemm does, so the three give the same
+bits (on oneDNN's AMX, AVX512-VNNI and AVX2 kernels, the native kernel's three paths and fbgemm's AVX512 and AVX2
+ones): a text is the same on any, and their quality is the tokenwise form's measured one
+(decoding.MEASURED_QUALITY).  In each, a row's output is its own alone or in any batch
+(tests/test_int8_kernels.py).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware
+from . import hardware, native_int8
 
 TOKEN_SCALE, TOKEN_ZERO = 2 / 126, 64  # [-1, 1] onto 1..127: 7 bits, as torch's x86 dynamic form (reduce_range)
 # the float32 inverse of the float32 scale, which fbgemm multiplies by
@@ -41,7 +46,23 @@ def weight_scale(weight: torch.Tensor) -> float:
     return float(weight.abs().max().clamp(min=1e-8)) / 127
 
 
-class FbgemmProduct:
+class EachTokenScaled:
+    """A kernel of one fixed activation scale (TOKEN_SCALE) given each token divided by its largest size."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """TokenwiseInt8Linear's output: each token scaled into [-1, 1], its product, the size multiplied back."""
+        # linalg.vector_norm(inf): 10x slower; arguments by position: torch parses keywords in ~0.2 us each
+        size = x.abs().amax(-1, True).clamp_min_(1e-12)
+        out = self(x / size).mul_(size)
+        # the bias added after, a rounding each (not addcmul's one fused multiply-add): the form a compiled step
+        # can give too (compiled_step.py: inductor's CPU code has no fused multiply-add), so texts are the same
+        return out if bias is None else out.add_(bias)
+
+
+class FbgemmProduct(EachTokenScaled):
     """fbgemm's kernel that takes the activations' scale it is given
     (quantized.linear_with_input_q_dq_qweight_dq_output_fp32): it quantizes them and multiplies in one call."""
 
@@ -62,8 +83,13 @@ class FbgemmProduct:
         """The fp32 product of `x` (each token within [-1, 1]) quantized with TOKEN_SCALE and the weight."""
         return self._op(x, TOKEN_SCALE, TOKEN_ZERO, self.packed)
 
+    def int8_weight(self) -> tuple[torch.Tensor, float]:
+        """The int8 weight (out x in) and its scale."""
+        weight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return weight.int_repr(), weight.q_scale()
 
-class OneDNNProduct:
+
+class OneDNNProduct(EachTokenScaled):
     """oneDNN's int8 matrix product (u8 activations, s8 weights), its operands rounded as fbgemm's.  oneDNN is given
     scales of 1, so it returns each integer sum as a float (exact below 2^24, else rounded to nearest): the
     dequantizing multiply is done here, once, as fbgemm does it (by the float32 product of the two scales), because
@@ -91,6 +117,25 @@ class OneDNNProduct:
         return self
 
 
+class NativeProduct:
+    """Our own kernel (native_int8.py): each token quantized alone, the product and its dequantization in one call,
+    with fbgemm's bits (module docstring)."""
+
+    name = "native"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.scale = weight_scale(weight)
+        self.packed = native_int8.pack(weight_int8(weight, self.scale), float(sums_scale(self.scale)), TOKEN_ZERO)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
+        """TokenwiseInt8Linear's output; `path`: one of native_int8.PATHS (default: the CPU's quickest)."""
+        return native_int8.linear(self.packed, x, bias, TOKEN_INVERSE, TOKEN_ZERO, path)
+
+    def int8_weight(self) -> tuple[torch.Tensor, float]:
+        """The int8 weight (out x in) and its scale."""
+        return self.packed.int8(), self.scale
+
+
 def sums_scale(scale: float) -> torch.Tensor:
     """The float32 factor fbgemm dequantizes a product's integer sums by, for a weight at `scale`: the float32
     TOKEN_SCALE times the float32 weight scale (OneDNNProduct's, and compiled_step's graph's)."""
@@ -111,6 +156,15 @@ def activations_uint8(x: torch.Tensor) -> torch.Tensor:
 
 
 def product_kernel() -> type:
+    """The kernel int8 products are computed with here: ours where it is built and the CPU has AVX512-VNNI (where
+    it measured quicker than fbgemm's at every batch), else this torch's (native_int8.py: its AVX2 path is slower
+    than fbgemm's past one row)."""
+    if native_int8.built() is not None and "vnni" in native_int8.cpu_paths():
+        return NativeProduct
+    return torch_kernel()
+
+
+def torch_kernel() -> type:
     """The kernel this torch computes int8 products with: fbgemm's where torch.ao's ops are here, else oneDNN's."""
     if not hardware.missing_int8_kernels():
         return FbgemmProduct
@@ -128,24 +182,21 @@ class TokenwiseInt8Linear(nn.Module):
     their largest size, so each spans [-1, 1], and quantized with one fixed scale (TOKEN_SCALE) by a kernel that
     takes the scale it is given (module docstring): the integer product is exact, and the token's size is
     multiplied back.  7 bits, as torch's dynamic form on x86: an 8-bit activation times an int8 weight, summed in
-    pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  Costs a few elementwise operations a call
-    (RESULTS.md): the form of a seeded or greedy call and of the server, where a text must be the same in any
-    batch.  Weights int8 per tensor, as torch's are; `kernel`: FbgemmProduct or OneDNNProduct (default: this
-    torch's, product_kernel)."""
+    pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  On torch's kernels it costs a few
+    elementwise operations a call (RESULTS.md): the form of a seeded or greedy call and of the server, where a text
+    must be the same in any batch; on ours (NativeProduct) they are in its call, and it is every int8 view's form
+    (decoding.int8_linear).  Weights int8 per tensor, as torch's are; `kernel`: NativeProduct, FbgemmProduct or
+    OneDNNProduct (default: product_kernel's); `alone`: whether the stepping decoder's attention computes each of
+    its rows alone too (a text the same in any batch), read by stepping.Step."""
 
-    each_token_alone = True  # read by stepping.Step: its attention then computes each row alone too
-
-    def __init__(self, linear: nn.Linear, kernel: type | None = None) -> None:
+    def __init__(self, linear: nn.Linear, kernel: type | None = None, alone: bool = True) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.product: Any = (kernel or product_kernel())(weight)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.each_token_alone = alone
+        # fp32, as the product's output it is added to (the native kernel reads it as floats)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # linalg.vector_norm(inf): 10x slower; arguments by position: torch parses keywords in ~0.2 us each
-        size = x.abs().amax(-1, True).clamp_min_(1e-12)
-        out = self.product(x / size).mul_(size)
-        # the bias added after, a rounding each (not addcmul's one fused multiply-add): the form a compiled step
-        # can give too (compiled_step.py: inductor's CPU code has no fused multiply-add), so texts are the same
-        return out if self.bias is None else out.add_(self.bias)
+        return self.product.linear(x, self.bias)

@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import compiled_step_measured_here, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, packed16
+from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, native_int8, packed16
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
@@ -151,7 +151,8 @@ def test_without_torch_aos_int8_ops_int8_decodes_on_onednns_the_same_texts(ai, f
     """torch.ao's quantize_dynamic gone (torch says it will remove it): every projection of either int8 view is a
     tokenwise Linear on oneDNN's kernel (int8_kernels.py), and a seeded text is the one fbgemm's view gives."""
     calls = dict(n=3, max_length=16, seed=7, temperature=0.9, return_as_list=True, nonempty_output=False)
-    on_fbgemm = ai.generate(**calls)
+    on_fbgemm = ai.generate(**calls)  # (or on ours: the same bits, tests/test_int8_kernels.py)
+    monkeypatch.setattr(native_int8, "built", lambda: None)  # ours not built here
     monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")  # as a torch without it
     assert hardware.missing_int8_kernels() == ["torch.ao.quantization.quantize_dynamic"]
     plan = decoding.plan_decoding(ai.model)
@@ -483,11 +484,13 @@ def test_a_first_call_nobody_can_repeat_decodes_as_held_until_the_view_pays(ai, 
 
 def test_the_tokenwise_int8_view_gives_a_text_the_same_logits_in_any_batch(ai):
     """The server's form: each token's activations quantized alone, so a row's logits in a batch are bit for bit
-    its logits alone; torch's dynamic quantization (the batch's range) is not."""
+    its logits alone; torch's dynamic quantization (the batch's range), the unseeded view's on fbgemm's kernel, is
+    not (on ours every view quantizes each token alone: decoding.int8_linear)."""
     torch.manual_seed(0)
     ids = torch.randint(0, ai.model.config.vocab_size, (4, 12))
     ids[3] = ids[3] % 7  # a row unlike the others
-    for tokenwise, same in ((True, True), (False, False)):
+    ours = int8_kernels.product_kernel() is int8_kernels.NativeProduct
+    for tokenwise, same in ((True, True), (False, ours)):
         view = decoding.decoding_model(ai.model, "int8", tokenwise).model
         with torch.no_grad():
             together = view(input_ids=ids).logits

@@ -15,10 +15,10 @@ from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import compiled_step_measured_here, corpus_text, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, kv_cache
+from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, kv_cache
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
-from lowmem_aitextgen.int8_kernels import OneDNNProduct
+from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct
 from lowmem_aitextgen.sampling import Row, RowSettings
 
 pytestmark = pytest.mark.edges  # transformers' cache and forward arguments, peft's virtual tokens
@@ -123,20 +123,25 @@ def assert_decodes_the_truth(ai, truth_model, ids: torch.Tensor, truth_and_score
         assert text == ai.tokenizer.decode(ids.tolist() + truth), (*label, form)
 
 
+KERNELS = {"oneDNN": OneDNNProduct, "fbgemm": FbgemmProduct, "ours": NativeProduct}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
-def test_on_onednns_int8_kernel_greedy_tokens_are_the_trained_models_own_forward(trained, tokenizer_file, kind,
-                                                                                 monkeypatch):
-    """Where torch lacks torch.ao's fbgemm ops, the int8 form computes on oneDNN's kernel (int8_kernels.py): read
-    from its folder (a new object, so that no view made on fbgemm's kernel is reused), against the truth."""
-    monkeypatch.setattr(hardware, "INT8_OPS", (*hardware.INT8_OPS, "_gone"))  # as a torch that dropped one
+def test_on_each_int8_kernel_greedy_tokens_are_the_trained_models_own_forward(trained, tokenizer_file, kind, kernel,
+                                                                               monkeypatch):
+    """Each kernel int8 may compute on (int8_kernels.product_kernel: ours on its CPU's path, fbgemm's where ours is
+    not built, oneDNN's where torch lacks torch.ao's fbgemm ops), the view read from its folder (a new object, so
+    that no view made on another kernel is reused), against the truth."""
+    monkeypatch.setattr(int8_kernels, "product_kernel", lambda: KERNELS[kernel])
     ai = aitextgen(model_folder=trained[kind][1], tokenizer_file=tokenizer_file)
     truth_model = ai.model.eval()
     ids = prompt_ids(truth_model, ai.tokenizer, PROMPT, None)
     view = decoding.decoding_model(truth_model, "int8", True).model
     products = [m.product for m in view.modules() if isinstance(m, decoding.TokenwiseInt8Linear)]
-    assert products and all(isinstance(p, OneDNNProduct) for p in products)
+    assert products and all(isinstance(p, KERNELS[kernel]) for p in products)
     assert_decodes_the_truth(ai, truth_model, ids, truth_loop(truth_model, ids, NEW, ai.tokenizer.eos_token_id),
-                             "int8", (kind, "oneDNN"))
+                             "int8", (kind, kernel))
 
 
 def made_on(cpu: str | None, model, form: str = "int8", tokenwise: bool = True) -> Decoder:

@@ -1,14 +1,18 @@
 """The int8 view's products (int8_kernels.py): fbgemm's and oneDNN's kernels fed the same integers, each row's
-product its own alone or in any batch, against the exact integer product; which kernel this torch computes with."""
+product its own alone or in any batch, against the exact integer product; our own kernel (native_int8.py) giving
+fbgemm's bits on every path this CPU runs; which kernel computes here, and what is used where ours is not built."""
 
 import copy
+import functools
+import logging
+import os
 
 import pytest
 import torch
 from torch import nn
 
-from lowmem_aitextgen import hardware, int8_kernels
-from lowmem_aitextgen.int8_kernels import FbgemmProduct, OneDNNProduct, TokenwiseInt8Linear
+from lowmem_aitextgen import hardware, int8_kernels, native_int8
+from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear
 
 KERNELS = [FbgemmProduct, OneDNNProduct]
 SHAPES = [(96, 64), (64, 256), (300, 48)]  # (out, in): a projection, a wider input, a head-like output
@@ -111,7 +115,11 @@ def test_a_copy_of_a_view_on_onednns_kernel_computes_as_the_original():
         assert torch.equal(twin(x), module(x))
 
 
-def test_fbgemms_kernel_where_torch_aos_ops_are_here_else_onednns_else_none(monkeypatch):
+def test_ours_where_built_and_the_cpu_has_vnni_else_fbgemms_else_onednns_else_none(monkeypatch):
+    flags = native_int8._cpu_flags()
+    ours = native_int8.built() is not None and {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
+    assert int8_kernels.product_kernel() is (NativeProduct if ours else FbgemmProduct)
+    monkeypatch.setattr(native_int8, "built", lambda: None)  # as a machine without gcc
     assert int8_kernels.product_kernel() is FbgemmProduct  # this torch has both (test_decoding fails otherwise)
     monkeypatch.setattr(hardware, "INT8_OPS", (*hardware.INT8_OPS, "_gone"))  # as a torch that dropped one
     assert hardware.missing_int8_kernels() == ["torch.ops.quantized._gone"] and hardware.cpu().int8_kernels
@@ -120,3 +128,108 @@ def test_fbgemms_kernel_where_torch_aos_ops_are_here_else_onednns_else_none(monk
     assert hardware.missing_onednn_int8_kernels() == ["torch.ops.onednn._gone"] and not hardware.cpu().int8_kernels
     with pytest.raises(RuntimeError, match="lacks torch.ops.quantized._gone and torch.ops.onednn._gone"):
         int8_kernels.product_kernel()
+
+
+def test_our_kernel_is_built_here_and_runs_the_paths_the_cpu_has():
+    """Built where gcc is (every machine CI runs: inductor needs it too); its paths are those the CPU's flags name,
+    AMX where Linux also grants its tiles."""
+    flags = native_int8._cpu_flags()
+    assert native_int8.built() is not None, "gcc is here, yet the kernel was not built: see the INFO line"
+    paths = native_int8.cpu_paths()
+    assert paths[0] == "avx2" and ("vnni" in paths) == ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags)
+    assert ("amx" in paths) <= ({"amx_tile", "amx_int8"} <= flags)
+    assert native_int8.path_for(1) == ("vnni" if "vnni" in paths else "avx2")
+    assert native_int8.path_for(16) == ("amx" if "amx" in paths else "vnni" if "vnni" in paths else "avx2")
+
+
+def written_out(module: TokenwiseInt8Linear, x: torch.Tensor) -> torch.Tensor:
+    """int8_linear.c's order of operations in torch's: each row's size, its bytes as fbgemm rounds them, the exact
+    integer sums, then each multiply and the bias rounded alone."""
+    size = x.abs().amax(-1, True).clamp_min(1e-12)
+    activations = int8_kernels.activations_uint8(x / size).double() - int8_kernels.TOKEN_ZERO
+    weight, scale = module.product.int8_weight()
+    sums = (activations @ weight.double().t()).float()  # integers below 2^24 here: exact
+    out = sums * int8_kernels.sums_scale(scale) * size
+    return out if module.bias is None else out + module.bias
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (300, 48), (70, 1000), (1031, 256)])  # K and N off the kernel's blocks
+@pytest.mark.parametrize("bias", [True, False])
+def test_our_kernel_gives_fbgemms_bits_on_every_path_alone_and_in_any_batch(shape, bias):
+    plain = linear(shape[1], shape[0], bias)
+    module, on_fbgemm = TokenwiseInt8Linear(plain, NativeProduct), TokenwiseInt8Linear(plain, FbgemmProduct)
+    torch.manual_seed(4)
+    x = (torch.randn(40, shape[1]) * 3).clamp(-5, 5)
+    x[0, : min(shape[1], 200)] = near_ties(min(shape[1], 200)) * 5  # near-ties once divided by the row's size (5)
+    x[0, 0] = 5.0
+    x[1] = 0.0  # a row of zeros: its size the floor, its output the bias
+    x[2] *= 1e4
+    with torch.inference_mode():
+        expected = on_fbgemm(x)
+        assert torch.equal(written_out(module, x), expected)
+        for path in native_int8.cpu_paths():
+            alone = torch.cat([module.product.linear(x[i:i + 1], module.bias, path) for i in range(len(x))])
+            assert torch.equal(alone, expected), (path, float((alone - expected).abs().max()))
+            for rows in (2, 3, 7, 8, 9, 16, 17, 40):  # past each path's rows a pass (2, 8, 16)
+                assert torch.equal(module.product.linear(x[:rows], module.bias, path), expected[:rows]), (path, rows)
+
+
+def test_our_kernel_gives_the_same_bits_on_any_number_of_threads():
+    module = TokenwiseInt8Linear(linear(256, 1000), NativeProduct)
+    x = torch.randn(9, 256)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outs.append(module(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_our_kernel_refuses_a_path_the_cpu_lacks_rather_than_run_it(monkeypatch):
+    module = TokenwiseInt8Linear(linear(), NativeProduct)
+    monkeypatch.setattr(native_int8, "cpu_paths", lambda: ("avx2",))  # as an AVX2-only CPU
+    with pytest.raises(ValueError, match="path='vnni': this CPU runs avx2"):
+        module.product.linear(torch.randn(2, 64), None, "vnni")
+    assert native_int8.path_for(8) == "avx2"
+
+
+def test_our_packed_weight_gives_back_its_integers():
+    weight = torch.randint(-127, 128, (1031, 70), dtype=torch.int8)
+    packed = native_int8.pack(weight, 0.5, int8_kernels.TOKEN_ZERO)
+    assert packed.kp == 128 and packed.weights.shape == (33, 32, 32, 4)
+    assert torch.equal(packed.int8(), weight)
+    assert torch.equal(packed.zero_sums, weight.int().sum(1) * int8_kernels.TOKEN_ZERO)
+
+
+def test_our_kernel_is_built_once_a_machine_into_the_users_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = native_int8._library_file()
+    assert first.parent == tmp_path / "lowmem_aitextgen" / "kernels" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert native_int8._library_file() == first and first.stat().st_mtime_ns == stamp  # not built again
+    assert os.listdir(first.parent) == [first.name]  # nothing partial left beside it
+    assert native_int8._loaded(first).lowmem_int8_linear is not None
+
+
+@pytest.mark.parametrize("how", ["no gcc", "a failing build"])
+def test_where_our_kernel_cannot_be_built_torchs_computes_and_says_why(tmp_path, monkeypatch, caplog, how):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    if how == "no gcc":
+        monkeypatch.setattr(native_int8.shutil, "which", lambda name: None)
+    else:
+        broken = tmp_path / "int8_linear.c"
+        broken.write_text("this is not C\n")
+        monkeypatch.setattr(native_int8, "SOURCE", broken)
+    monkeypatch.setattr(native_int8, "built", functools.cache(native_int8.built.__wrapped__))  # not this process's
+    monkeypatch.setattr(native_int8, "cpu_paths", functools.cache(native_int8.cpu_paths.__wrapped__))
+    with caplog.at_level(logging.INFO, logger="lowmem_aitextgen"):
+        assert native_int8.built() is None
+    said = "no gcc on the PATH" if how == "no gcc" else "building it failed (SubprocessError: "
+    assert said in caplog.text and "int8 products on torch's kernels" in caplog.text
+    assert int8_kernels.product_kernel() is FbgemmProduct
+    assert not list((tmp_path / "lowmem_aitextgen" / "kernels").glob("*.so"))
+    module = TokenwiseInt8Linear(linear())
+    assert isinstance(module.product, FbgemmProduct) and module(torch.randn(2, 64)).shape == (2, 96)

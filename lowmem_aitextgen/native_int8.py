@@ -1,0 +1,202 @@
+"""Our own int8 Linear for decoding on x86 CPUs (int8_linear.c): built at first use by the machine's gcc, called
+through ctypes; int8_kernels.NativeProduct holds a projection's packed weights and calls `linear`.
+
+Why our own: torch's int8 kernels leave a batch's speed on the table.  fbgemm's (torch.ao's, which torch 2.13 says
+it will remove) takes 1.5-2x at 8 rows its time at one, being bound by its arithmetic, not by reading the weights;
+oneDNN's is slower at one row; inductor's AMX template pays only inside a compiled graph (compiled_step.py).  This
+one reads a panel of weights once for every row of the call (on AMX, 8 rows in about one row's time), and quantizes
+each row alone and dequantizes its sums in the same call (six elementwise calls a projection otherwise), with
+fbgemm's bits (int8_linear.c says how): a text is the same on either kernel (RESULTS.md, twenty-first session).
+
+| what          | how                                                                                           |
+|---------------|-----------------------------------------------------------------------------------------------|
+| build         | `gcc -O3 -fopenmp -ffp-contract=off -shared`, each path's instructions by target attributes (no |
+|               | -march: the library runs on any x86-64 CPU), once a machine: into the user's cache, named by a  |
+|               | hash of the source and the compiler, written atomically (KERNELS)                              |
+| threads       | OpenMP, `torch.get_num_threads()` of them; the library links libgomp.so.1, which resolves to   |
+|               | the copy torch loaded (the same soname): one thread pool with torch's                          |
+| path          | AMX from AMX_FROM rows where Linux grants the tile state, else AVX512-VNNI, else AVX2: read     |
+|               | from the CPU itself, not hardware.cpu(), as fbgemm and oneDNN choose their own kernels (every   |
+|               | path gives the same bits, so no plan depends on it; a presented CPU must not run instructions |
+|               | the real one lacks)                                                                             |
+| not built     | not Linux on x86-64, a CPU without AVX2, no gcc, a failed build (said once, INFO): torch's      |
+|               | kernels (int8_kernels.product_kernel)                                                           |
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+SOURCE = Path(__file__).with_name("int8_linear.c")
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+PANEL, KSTEP = 32, 64  # int8_linear.c's: the columns a pass computes, K padded to a multiple of KSTEP
+PATHS = ("avx2", "vnni", "amx")  # int8_linear.c's path numbers, in order
+# the rows from which AMX's tiles are quicker than AVX512-VNNI's vectors (RESULTS.md, twenty-first session)
+AMX_FROM = 2
+# each path's CPU flags (/proc/cpuinfo)
+NEEDS = {"avx2": ("avx2",), "vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+         "amx": ("amx_tile", "amx_int8")}
+KERNELS = "kernels"  # the cache's folder for built libraries
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A projection's int8 weight (n outputs x k inputs) in int8_linear.c's layout, with what its call needs."""
+
+    weights: torch.Tensor  # int8, (panels, kp / 4, PANEL, 4)
+    zero_sums: torch.Tensor  # int32 (n): the activations' zero point times each column's weights
+    scale: float  # the float32 product of the activations' and the weight's scales
+    n: int
+    k: int
+
+    @property
+    def kp(self) -> int:
+        return self.weights.shape[1] * 4
+
+    def int8(self) -> torch.Tensor:
+        """The int8 weight (n x k) as it was given to `pack`."""
+        rows = self.weights.permute(0, 2, 1, 3).reshape(-1, self.kp)
+        return rows[:self.n, :self.k]
+
+
+def pack(weight: torch.Tensor, scale: float, zero: int) -> Packed:
+    """`weight` (int8, n x k) packed for int8_linear.c; `scale`: the float32 factor its sums are dequantized by;
+    `zero`: the activations' zero point."""
+    n, k = weight.shape
+    kp, padded_n = -(-k // KSTEP) * KSTEP, -(-n // PANEL) * PANEL
+    padded = torch.zeros(padded_n, kp, dtype=torch.int8)
+    padded[:n, :k] = weight
+    panels = padded.view(padded_n // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    zero_sums = (weight.sum(1, dtype=torch.int32) * zero).to(torch.int32)
+    return Packed(panels, zero_sums, scale, n, k)
+
+
+def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: float, zero: int,
+           path: str | None = None) -> torch.Tensor:
+    """The int8 Linear of `x` (..., k; fp32) by `packed` (int8_linear.c's order of operations): each row quantized
+    alone by `inverse` and `zero`; `path` (PATHS) the CPU's quickest for the rows where not given."""
+    library = built()
+    if library is None:
+        raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native_int8.built)")
+    rows = x.reshape(-1, packed.k).float().contiguous()
+    out = torch.empty(rows.shape[0], packed.n)
+    if path is not None and path not in cpu_paths():  # an instruction the CPU lacks would kill the process
+        raise ValueError(f"path={path!r}: this CPU runs {', '.join(cpu_paths())} of native_int8.PATHS")
+    number = PATHS.index(path or path_for(rows.shape[0]))
+    done = library.lowmem_int8_linear(
+        number, rows.data_ptr(), rows.shape[0], packed.k, packed.kp, packed.weights.data_ptr(),
+        packed.zero_sums.data_ptr(), packed.n, packed.scale, None if bias is None else bias.data_ptr(), inverse,
+        float(zero), out.data_ptr(), torch.get_num_threads())
+    if done != 0:
+        raise MemoryError(f"lowmem_aitextgen's int8 kernel could not allocate {rows.shape[0] * packed.kp} bytes")
+    return out.view(*x.shape[:-1], packed.n)
+
+
+def path_for(rows: int) -> str:
+    """The path a call of `rows` rows takes on this CPU (module docstring)."""
+    here = cpu_paths()
+    return "amx" if "amx" in here and rows >= AMX_FROM else "vnni" if "vnni" in here else "avx2"
+
+
+@functools.cache
+def cpu_paths() -> tuple[str, ...]:
+    """The paths this CPU runs (PATHS' order): its flags, and for AMX Linux's grant of the tile state."""
+    flags = _cpu_flags()
+    here = [path for path in PATHS if all(flag in flags for flag in NEEDS[path])]
+    if "amx" in here and (built() is None or built().lowmem_amx_request() != 0):
+        here.remove("amx")
+    return tuple(here)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def built() -> ctypes.CDLL | None:
+    """The library, built once a machine (module docstring); None where it cannot be (said once, why)."""
+    why = _not_buildable()
+    if why is None:
+        try:
+            return _loaded(_library_file())
+        except (OSError, subprocess.SubprocessError) as error:
+            said = (str(error).strip().splitlines() or [""])[-1]
+            why = f"building it failed ({type(error).__name__}: {said})"
+    logger.info(f"int8 products on torch's kernels: lowmem_aitextgen's own int8 kernel is not used here: {why}.")
+    return None
+
+
+def _not_buildable() -> str | None:
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return f"it is built for Linux on x86-64, not {sys.platform} on {platform.machine()}"
+    if "avx2" not in _cpu_flags():
+        return "this CPU has no AVX2"
+    if shutil.which("gcc") is None:
+        return "no gcc on the PATH"
+    return None
+
+
+def _library_file() -> Path:
+    """The built library's path, building it where it is not in the cache yet."""
+    version = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    folder = _cache_folder()
+    target = folder / f"int8_linear-{key}.so"
+    if not target.exists():
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            subprocess.run(["gcc", *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, check=True)
+            os.replace(partial, target)  # another process building it at once writes the same bytes
+        except subprocess.CalledProcessError as error:
+            raise subprocess.SubprocessError(error.stderr.strip() or f"gcc exited with {error.returncode}") from None
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    return target
+
+
+def _cache_folder() -> Path:
+    """The user's cache folder for built libraries (XDG_CACHE_HOME's), else a temporary one for this process."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = Path(home) / "lowmem_aitextgen" / KERNELS
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="lowmem_aitextgen-kernels-"))
+
+
+def _loaded(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    pointer, number = ctypes.c_void_p, ctypes.c_int
+    library.lowmem_int8_linear.argtypes = [number, pointer, number, number, number, pointer, pointer, number,
+                                           ctypes.c_float, pointer, ctypes.c_float, ctypes.c_float, pointer, number]
+    library.lowmem_int8_linear.restype = number
+    library.lowmem_amx_request.argtypes, library.lowmem_amx_request.restype = [], number
+    return library
