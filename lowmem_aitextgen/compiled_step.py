@@ -23,9 +23,11 @@ first call checks the graph against the eager step on scratch rows and drops it 
 |                 | them at the compile's peak                                                                    |
 | pays (`pays`)   | a call running PAYS_AFTER steps at its number of rows: generate_to_file or generate() of many |
 |                 | texts; never a short call, a stream, or the server (rows vary; a compile would stall it)      |
-| not compiled    | other forms (torch's dynamic int8, 16 bits), oneDNN's kernel, hooked modules, non-tanh GELU,  |
-|                 | a CPU without AMX (MEASURED_ISAS: the gain unmeasured there), a missing C++ compiler or any   |
-|                 | failure to compile: the eager step, said once a view                                          |
+| not compiled    | other forms (torch's dynamic int8, 16 bits), oneDNN's kernel, our own kernel (its eager step |
+|                 | 1.05x the compiled one at 355M, batch 1 and 8: RESULTS.md, twenty-first session; so where    |
+|                 | it is built, never), hooked modules, non-tanh GELU, a CPU without AMX (MEASURED_ISAS: the     |
+|                 | gain unmeasured there), a missing C++ compiler or any failure to compile: the eager step,     |
+|                 | said once a view                                                                              |
 """
 
 from __future__ import annotations
@@ -79,9 +81,12 @@ def steps_of(texts: int, at_once: int, length: int) -> int:
 def not_compilable(step: Step) -> str | None:
     """Why `step`'s one-token steps cannot be compiled with eager's bits (None: they can)."""
     projections = _projections(step)
-    if not all(isinstance(m, TokenwiseInt8Linear) and m.each_token_alone
-               and isinstance(m.product, (FbgemmProduct, NativeProduct)) for m in map(_module_of, projections)):
-        return "only a seeded int8 view on fbgemm's kernel or ours is compiled"
+    modules = list(map(_module_of, projections))
+    if any(isinstance(getattr(m, "product", None), NativeProduct) for m in modules):
+        return "its products are on our own kernel, whose eager step measured quicker than the compiled one"
+    if not all(isinstance(m, TokenwiseInt8Linear) and m.each_token_alone and isinstance(m.product, FbgemmProduct)
+               for m in modules):
+        return "only a seeded int8 view on fbgemm's kernel is compiled"
     norms = [n for layer in step.layers for n in (layer.ln_1, layer.ln_2)] + [step.final_norm]
     if not all(hasattr(c, "__self__") for c in (*projections, *norms)):  # stepping.called: a hooked module itself
         return "a module it would bypass has hooks"

@@ -219,10 +219,12 @@ def plan_decoding(model: nn.Module, asked: str = "auto", quality: Mapping[str, f
 
 def compiled_rows(plan: DecodePlan, texts: int, at_once: int, length: int) -> int:
     """The rows a call's one-token steps are compiled for (compiled_step.py; 0: none): the call's, where its plan
-    is int8 on the CPU (the graph is of a seeded view: generate() replans it so), its texts run enough steps for
-    a compile to pay, and the compile's peak fits the memory beside them."""
+    is int8 on the CPU on fbgemm's products (the graph is of a seeded view: generate() replans it so; ours
+    measured quicker eager), its texts run enough steps for a compile to pay, and the compile's peak fits the
+    memory beside them."""
     height = min(texts, at_once)
-    if plan.form != "int8" or plan.device != "cpu" or not pays(height, steps_of(texts, height, length)):
+    if plan.form != "int8" or plan.device != "cpu" or int8_kernels.product_kernel() is not int8_kernels.FbgemmProduct \
+            or not pays(height, steps_of(texts, height, length)):
         return 0
     return height if plan.graph_rows is None or height <= plan.graph_rows else 0
 

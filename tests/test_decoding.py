@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import compiled_step_measured_here, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, native_int8, packed16
+from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, native_int8, packed16, stepping
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
@@ -574,12 +574,18 @@ def test_a_model_held_in_16_bits_decodes_in_int8_on_each_cpu_kind_and_never_by_e
     assert next(view.parameters()).dtype == torch.float32 and next(held.parameters()).dtype == dtype  # untouched
 
 
-def test_a_calls_steps_are_compiled_only_where_they_pay_in_int8_on_the_cpu_and_the_compile_fits(ai):
+def test_a_calls_steps_are_compiled_only_where_they_pay_in_int8_on_the_cpu_and_the_compile_fits(ai, monkeypatch):
     """decoding.compiled_rows: a call's texts at its number of rows at once, compiled where they run
-    compiled_step.PAYS_AFTER steps (more of one or two rows), the plan is int8 on the CPU, and the compile's peak
-    fits beside the texts (DecodingMemory.rows_beside_graph, from the memory presented)."""
+    compiled_step.PAYS_AFTER steps (more of one or two rows), the plan is int8 on the CPU on fbgemm's products
+    (never on ours: its eager step is quicker), and the compile's peak fits beside the texts
+    (DecodingMemory.rows_beside_graph, from the memory presented)."""
     plan = dataclasses.replace(decoding.plan_decoding(ai.model), graph_rows=None)
     few, many = compiled_step.PAYS_AFTER["one or two rows"], compiled_step.PAYS_AFTER["more"]
+    monkeypatch.setattr(int8_kernels, "product_kernel", lambda: int8_kernels.NativeProduct)
+    assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100), 8, 100) == 0
+    view = decoding.decoding_model(ai.model, "int8", True)
+    assert "on our own kernel" in compiled_step.not_compilable(stepping.stepper(view.model))
+    monkeypatch.setattr(int8_kernels, "product_kernel", int8_kernels.torch_kernel)  # fbgemm's, here
     assert decoding.compiled_rows(plan, 8, 8, 100) == 0  # one batch of short texts
     assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100), 8, 100) == 8
     assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100) - 8, 8, 100) == 0

@@ -1,5 +1,5 @@
 """CI: the oldest-version run pins exactly the lower bounds setup.cfg declares, and runs every test file's
-tests that reach the changing edges of transformers, peft and Lightning."""
+tests that reach the changing edges of transformers, peft and Lightning; a wheel carries the files the package reads."""
 
 import ast
 import configparser
@@ -68,3 +68,13 @@ def test_ci_runs_the_readme_test_command_then_the_edges_at_the_oldest_versions()
     readme_command = re.search(r"```bash\n((?:apt-get .*&& )?python3 -m venv \.venv .*pytest -q)\n```", (ROOT / "README.md").read_text())
     assert readme_command and readme_command[1] in ci
     assert re.search(r"\.venv-oldest/bin/python -m pytest .*-m edges", ci)
+
+
+def test_every_file_beside_the_packages_modules_is_installed_with_it():
+    """A wheel carries the package's modules and package_data's files only: the server's page, our int8 kernel's
+    source (native_int8.py builds it at first use)."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    declared = {name.strip() for name in config["options.package_data"]["lowmem_aitextgen"].split(",")}
+    beside = {p.name for p in (ROOT / "lowmem_aitextgen").iterdir() if p.is_file() and p.suffix not in (".py", ".pyc")}
+    assert beside == declared == {"page.html", "int8_linear.c"}
