@@ -151,44 +151,41 @@ __attribute__((target("amx-tile"))) static void amx_release(void) { _tile_releas
 
 /* ---- the call ---------------------------------------------------------------------------------------------- */
 
-/* Each row of x (m x k) as bytes (m x kp, the padding zeros' place 0: the weights there are 0), and its size. */
-__attribute__((target("avx2"))) static void quantize_rows(const float *x, int m, int k, int kp, float inverse,
-                                                          float zero, uint8_t *q, float *sizes) {
+/* A row of x (k floats) as bytes (kp, the padding's 0: the weights there are 0), and its size. */
+__attribute__((target("avx2"))) static void quantize_row(const float *row, int k, int kp, float inverse, float zero,
+                                                         uint8_t *out, float *size_out) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int r = 0; r < m; r++) {
-        const float *row = x + (long)r * k;
-        __m256 most = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= k; i += 8) most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude));
-        float lanes[8], size = 0.f;
-        _mm256_storeu_ps(lanes, most);
-        for (int j = 0; j < 8; j++) size = lanes[j] > size ? lanes[j] : size;
-        for (; i < k; i++) {
-            float v = row[i] < 0.f ? -row[i] : row[i];
-            size = v > size ? v : size;
-        }
-        size = size < 1e-12f ? 1e-12f : size;
-        sizes[r] = size;
-        uint8_t *out = q + (long)r * kp;
-        const __m256 by = _mm256_set1_ps(size);
-        const __m256d scale = _mm256_set1_pd(inverse), shift = _mm256_set1_pd(zero);
-        for (i = 0; i + 8 <= k; i += 8) {
-            __m256 v = _mm256_div_ps(_mm256_loadu_ps(row + i), by);
-            __m128 lo = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), scale), shift));
-            __m128 hi = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), scale), shift));
-            __m256 t = _mm256_round_ps(_mm256_set_m128(hi, lo), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            t = _mm256_min_ps(_mm256_max_ps(t, _mm256_setzero_ps()), _mm256_set1_ps(255.f));
-            __m256i n = _mm256_cvtps_epi32(t);
-            __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
-            _mm_storel_epi64((__m128i *)(out + i), _mm_packus_epi16(words, words));
-        }
-        for (; i < k; i++) {
-            float t = (float)((double)(row[i] / size) * inverse + zero);
-            t = __builtin_nearbyintf(t);
-            out[i] = (uint8_t)(t < 0.f ? 0.f : (t > 255.f ? 255.f : t));
-        }
-        memset(out + k, 0, (size_t)(kp - k));
+    __m256 most = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= k; i += 8) most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude));
+    float lanes[8], size = 0.f;
+    _mm256_storeu_ps(lanes, most);
+    for (int j = 0; j < 8; j++) size = lanes[j] > size ? lanes[j] : size;
+    for (; i < k; i++) {
+        float v = row[i] < 0.f ? -row[i] : row[i];
+        size = v > size ? v : size;
     }
+    size = size < 1e-12f ? 1e-12f : size;
+    *size_out = size;
+    const __m256 by = _mm256_set1_ps(size);
+    const __m256d scale = _mm256_set1_pd(inverse), shift = _mm256_set1_pd(zero);
+    for (i = 0; i + 8 <= k; i += 8) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(row + i), by);
+        __m256d low = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), high = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        __m128 lo = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(low, scale), shift));
+        __m128 hi = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(high, scale), shift));
+        __m256 t = _mm256_round_ps(_mm256_set_m128(hi, lo), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_min_ps(_mm256_max_ps(t, _mm256_setzero_ps()), _mm256_set1_ps(255.f));
+        __m256i n = _mm256_cvtps_epi32(t);
+        __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+        _mm_storel_epi64((__m128i *)(out + i), _mm_packus_epi16(words, words));
+    }
+    for (; i < k; i++) {
+        float t = (float)((double)(row[i] / size) * inverse + zero);
+        t = __builtin_nearbyintf(t);
+        out[i] = (uint8_t)(t < 0.f ? 0.f : (t > 255.f ? 255.f : t));
+    }
+    memset(out + k, 0, (size_t)(kp - k));
 }
 
 /* y's rows [0, rows) for the panel's columns from their sums (module comment's order of operations). */
@@ -224,13 +221,14 @@ int lowmem_int8_linear(int path, const float *x, int m, int k, int kp, const int
         free(sizes);
         return -1;
     }
-    quantize_rows(x, m, k, kp, inverse, zero, q, sizes);
     const panel_fn panel = path == 2 ? amx_panel : path == 1 ? vnni_panel : avx2_panel;
     const int step = ROWS_A_PASS[path], panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel num_threads(threads)
     {
         int32_t sums[16 * PANEL] __attribute__((aligned(64)));
         int configured = 0;
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++) quantize_row(x + (long)r * k, k, kp, inverse, zero, q + (long)r * kp, sizes + r);
 #pragma omp for schedule(static)
         for (int p = 0; p < panels; p++) {
             const int8_t *wp = w + (long)p * kp * PANEL;
