@@ -1,7 +1,7 @@
 """The int8 matrix products torch offers on this CPU, per call, against ours (issue 54, item 2): a 355M GPT-2's
 projections as a chain of 24 Linears (1024 -> 4096 -> 1024 ..., each weight its own, 100 MB of int8: read
 from memory, as in decoding), at 1, 8, 16 and 64 rows (`--rows`: a step of one text, of 8, of 16, a prompt);
---generate: our default seeded generate() end to end on each of our two kernels (int8_kernels.py) and in bf16,
+--generate: our default seeded generate() end to end on each of our three kernels (int8_kernels.py) and in bf16,
 355M, 128 new tokens, batch 1 and 8, alternating round by round.
 
     python benchmarks/int8_kernels.py
@@ -9,10 +9,13 @@ from memory, as in decoding), at 1, 8, 16 and 64 rows (`--rows`: a step of one t
 
 | path                      | what runs                                                                       |
 |---------------------------|---------------------------------------------------------------------------------|
-| ours                      | int8_kernels.TokenwiseInt8Linear: fbgemm's given-scale kernel (torch.ao's ops)  |
+| ours                      | int8_kernels.TokenwiseInt8Linear on the kernel product_kernel picks here         |
+| ours, native <path>       | the same Linear on our kernel (native_int8.py), each path this CPU runs (avx2,   |
+|                           | vnni, amx) forced                                                                |
+| ours, fbgemm              | the same Linear on fbgemm's given-scale kernel (torch.ao's ops): the same bits   |
 | ours, oneDNN              | the same Linear on oneDNN's qlinear_pointwise, called eagerly (the kernel pt2e  |
 |                           | lowers to below; ours where torch.ao's ops are gone): the same bits             |
-| torch.ao dynamic          | quantize_dynamic's Linear: fbgemm's linear_dynamic (the unseeded form)          |
+| torch.ao dynamic          | quantize_dynamic's Linear: fbgemm's linear_dynamic (the unseeded form on fbgemm) |
 | torchao Int8DynAct        | torchao's Int8DynamicActivationInt8WeightConfig, eager (quantize_)               |
 | torchao Int8DynAct, compiled | the same under torch.compile                                                  |
 | ..., max-autotune         | the same compiled with mode="max-autotune": inductor's C++ GEMM template (AMX or |
@@ -46,8 +49,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lowmem_aitextgen import hardware  # noqa: E402
-from lowmem_aitextgen.int8_kernels import OneDNNProduct, TokenwiseInt8Linear  # noqa: E402
+from lowmem_aitextgen import hardware, int8_kernels, native_int8  # noqa: E402
+from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear  # noqa: E402
 
 LAYERS, WIDTH, INNER = 24, 1024, 4096
 
@@ -74,6 +77,17 @@ def per_call(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> fl
 
 def ours(kernel: type | None = None) -> nn.Module:
     return nn.Sequential(*(TokenwiseInt8Linear(linear, kernel) for linear in chain()))
+
+
+def native_on(path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The chain on our kernel, its path forced."""
+    modules = list(ours(NativeProduct))
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for module in modules:
+            x = module.product.linear(x, module.bias, path)
+        return x
+    return run
 
 
 def torch_ao_dynamic() -> nn.Module:
@@ -144,6 +158,8 @@ def per_call_rows(all_rows: list[int]) -> None:
         x16 = x.to(torch.bfloat16)
         makers: dict[str, Callable[[], tuple[Callable, float | None]]] = {
             "ours": lambda: (ours(), None),
+            **{f"ours, native {path}": (lambda path=path: (native_on(path), None)) for path in native_int8.cpu_paths()},
+            "ours, fbgemm": lambda: (ours(FbgemmProduct), None),
             "ours, oneDNN": lambda: (ours(OneDNNProduct), None),
             "torch.ao dynamic": lambda: (torch_ao_dynamic(), None),
             "torchao Int8DynAct": lambda: (torchao_eager(), None),
@@ -170,9 +186,9 @@ def per_call_rows(all_rows: list[int]) -> None:
 
 
 def generate_rows(rounds: int) -> None:
-    """Our default seeded generate() (355M, 128 new tokens) with its int8 view on fbgemm's kernel and on oneDNN's
-    (made while torch.ao's ops are hidden, as a torch without them), and in bf16 (the form planned without torch.ao's
-    ops before oneDNN's kernel, where bf16 is native), alternating: tokens/s, the median of rounds."""
+    """Our default seeded generate() (355M, 128 new tokens) with its int8 view on each of our three kernels (each
+    view made while product_kernel answers that kernel) and in bf16 (the form planned without torch.ao's ops
+    before oneDNN's kernel, where bf16 is native), alternating: tokens/s, the median of rounds."""
     import tempfile
 
     import generate_speed
@@ -181,14 +197,18 @@ def generate_rows(rounds: int) -> None:
 
     from lowmem_aitextgen import aitextgen
 
+    kernels = {"ours": NativeProduct, "fbgemm": FbgemmProduct, "oneDNN": OneDNNProduct}
+    if native_int8.built() is None:
+        del kernels["ours"]
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
         aitextgen(config=GPT2Config(**generate_speed.SIZES["355M"])).save(folder)
         int8, bf16 = generate_speed.ours("auto", 1), generate_speed.ours("bf16", 1)
-        paths = {name: (aitextgen(model_folder=folder), form) for name, form in
-                 (("int8 on fbgemm", int8), ("int8 on oneDNN", int8), ("bf16", bf16))}
-        with mock.patch.object(hardware, "INT8_OPS", (*hardware.INT8_OPS, "hidden")):
-            int8(paths["int8 on oneDNN"][0], None, 1, 1)  # its view made on oneDNN's kernel, kept for the calls below
+        paths = {**{f"int8 on {name}": (aitextgen(model_folder=folder), int8) for name in kernels},
+                 "bf16": (aitextgen(model_folder=folder), bf16)}
+        for name, kernel in kernels.items():
+            with mock.patch.object(int8_kernels, "product_kernel", lambda kernel=kernel: kernel):
+                int8(paths[f"int8 on {name}"][0], None, 1, 1)  # its view made on that kernel, kept for the calls below
         for batch in (1, 8):
             samples: dict[str, list[dict]] = {name: [] for name in paths}
             for round_ in range(rounds):

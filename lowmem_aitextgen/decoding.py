@@ -7,7 +7,7 @@ model as held (fp32 on a CPU): token for token what transformers' generate() giv
 
 | form | chosen by default where                      | speed (355M, 128 tokens; RESULTS.md)  | held-out loss vs fp32 |
 |------|----------------------------------------------|---------------------------------------|-----------------------|
-| int8 | a CPU with int8 kernels, a family SMOOTHED   | 3-4x fp32 at batch 1, 5x at batch 8   | within QUALITY_BOUND  |
+| int8 | a CPU with int8 kernels, a family SMOOTHED   | 3-5x fp32 at batch 1, 5-6x at batch 8 | within QUALITY_BOUND  |
 |      | names (GPT-2, GPT-Neo), held in 32 or 16 bits|                                       |                       |
 | bf16 | a GPU with native bf16; a native-bf16 CPU    | CPU: 2.4x at batch 1, 3.7x at batch 8 | within QUALITY_BOUND  |
 |      | without int8 kernels                         | (projections packed: packed16.py)     |                       |
@@ -19,15 +19,16 @@ mergeable adapters, merged), in 32 or 16 bits (the int8 view is made from the 16
 computing in fp16 on a CPU), and a prompt-learning adapter (prefix, prompt, p-tuning), whose base takes the
 form and whose virtual tokens' keys and values are computed once a call, in the form's dtype (engine.Prefix).
 
-int8 is torch's dynamic quantization of every projection and the LM head (weights int8 per tensor,
-activations int8 per tensor, at run time: the rows of a batch share a range, so a text decoded beside others
-may differ from the one decoded alone by rounding where two tokens are near equally likely; per-channel
-weights measured 30% slower a projection at batch 1).  Where a text must be the same in any batch (the
-server's seeded requests), `tokenwise` quantizes each token's activations alone (int8_kernels.py's
-TokenwiseInt8Linear).  The kernels are fbgemm's through torch.ao.quantization, which torch has deprecated: on a
-torch without them (hardware.missing_int8_kernels) every projection is a TokenwiseInt8Linear on oneDNN's kernel
-(what torchao's x86 int8 path lowers to; the same integer products), and without both the plan takes the next
-form, naming what is missing.
+int8 is every projection and the LM head with weights int8 per tensor (per-channel weights measured 30% slower a
+projection at batch 1 on fbgemm's kernel) and activations quantized at run time.  On our own kernel (int8_kernels.py,
+native_int8.py: where gcc builds it on a CPU with AVX512-VNNI) every view quantizes each token's activations alone
+(TokenwiseInt8Linear), the quickest form there; on torch's, a view is torch's dynamic quantization (the rows of a
+batch share a range, so a text decoded beside others may differ from the one decoded alone by rounding where two
+tokens are near equally likely) unless a text must be the same in any batch (`tokenwise`: the server's seeded
+requests).  torch's kernels are fbgemm's through torch.ao.quantization, which torch has deprecated: on a torch
+without them (hardware.missing_int8_kernels) every projection is a TokenwiseInt8Linear on oneDNN's kernel (what
+torchao's x86 int8 path lowers to; the same integer products), and without both the plan takes the next form,
+naming what is missing.
 GPT-2's projections are transformers' Conv1D, which torch's quantizer skips, so the view holds them as
 nn.Linear.  Per-tensor activation scales lose the small channels where a few channels are tens of times
 larger than the rest, as in the released GPT-2 (LLM.int8(),
