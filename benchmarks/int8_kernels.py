@@ -5,6 +5,7 @@ from memory, as in decoding), at 1, 8, 16 and 64 rows (`--rows`: a step of one t
 355M, 128 new tokens, batch 1 and 8, alternating round by round.
 
     python benchmarks/int8_kernels.py
+    python benchmarks/int8_kernels.py --rows 1 2 8 16 --paths ours "torch.ao"
     python benchmarks/int8_kernels.py --generate --rounds 3
 
 | path                      | what runs                                                                       |
@@ -151,8 +152,8 @@ def row_is_own(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
             return f"not known: {type(failure).__name__}"
 
 
-def per_call_rows(all_rows: list[int]) -> None:
-    """Each path's µs a Linear at each of `all_rows` rows."""
+def per_call_rows(all_rows: list[int], only: list[str] | None = None) -> None:
+    """Each path's µs a Linear at each of `all_rows` rows (`only`: the paths whose names start so)."""
     for rows in all_rows:
         x = torch.randn(rows, WIDTH)
         x16 = x.to(torch.bfloat16)
@@ -171,6 +172,8 @@ def per_call_rows(all_rows: list[int]) -> None:
             "bf16": lambda: (copy.deepcopy(chain()).to(torch.bfloat16), None),
         }
         for name, make in makers.items():
+            if only and not any(name.startswith(start) for start in only):
+                continue
             try:
                 run, compile_s = make()
                 xin = x16 if "bf16" in name else x
@@ -227,9 +230,10 @@ def main() -> None:
     parser.add_argument("--generate", action="store_true", help="generate() end to end on each of our kernels")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64], help="rows a call (per call)")
+    parser.add_argument("--paths", nargs="+", help="per call: only the paths whose names start so (\"ours\", ...)")
     args = parser.parse_args()
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
-    generate_rows(args.rounds) if args.generate else per_call_rows(args.rows)
+    generate_rows(args.rounds) if args.generate else per_call_rows(args.rows, args.paths)
 
 
 if __name__ == "__main__":

@@ -188,10 +188,41 @@ __attribute__((target("avx2"))) static void quantize_row(const float *row, int k
     memset(out + k, 0, (size_t)(kp - k));
 }
 
-/* y's rows [0, rows) for the panel's columns from their sums (module comment's order of operations). */
+/* e^x for x within [-18, 18] (Cephes' expf: 2^n times a polynomial of the rest; within 2 ulp) */
+__attribute__((target("avx2"))) static inline __m256 exp_of(__m256 x) {
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
+    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+/* GPT-2's GELU, the tanh approximation: v/2 (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), tanh(u) = 1 - 2/(e^2u + 1)
+ * (u within [-9, 9], where tanh is 1 to float precision); within ~1e-7 of |v| of torch's */
+__attribute__((target("avx2"))) static inline __m256 tanh_gelu(__m256 v) {
+    __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                             _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
+    u = _mm256_min_ps(_mm256_max_ps(u, _mm256_set1_ps(-9.f)), _mm256_set1_ps(9.f));
+    __m256 e = exp_of(_mm256_add_ps(u, u));
+    __m256 tanh = _mm256_sub_ps(_mm256_set1_ps(1.f),
+                                _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.f), tanh));
+}
+
+/* y's rows [0, rows) for the panel's columns from their sums (module comment's order of operations), then
+ * GPT-2's GELU where `gelu` (the stepping decoder's c_fc and its activation in one call). */
 __attribute__((target("avx2"))) static void dequantize(const int32_t *sums, int rows, const int32_t *zero_sums,
                                                        int n, int column, float scale, const float *sizes,
-                                                       const float *bias, float *y) {
+                                                       const float *bias, int gelu, float *y) {
     const __m256 by = _mm256_set1_ps(scale);
     for (int h = 0; h < PANEL && column + h < n; h += 8) {
         int c = column + h, left = n - c < 8 ? n - c : 8;
@@ -202,6 +233,7 @@ __attribute__((target("avx2"))) static void dequantize(const int32_t *sums, int 
             __m256i s = _mm256_sub_epi32(_mm256_load_si256((const __m256i *)(sums + r * PANEL + h)), zero);
             __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), by), _mm256_set1_ps(sizes[r]));
             if (bias) v = _mm256_add_ps(v, b);
+            if (gelu) v = tanh_gelu(v);
             _mm256_maskstore_ps(y + (long)r * n + c, mask, v);
         }
     }
@@ -210,10 +242,11 @@ __attribute__((target("avx2"))) static void dequantize(const int32_t *sums, int 
 static const int ROWS_A_PASS[3] = {2, 8, 16};
 
 /* y (m x n) = the int8 Linear of x (m x k) by the packed weights w (kp = k padded), zero_sums[c] = the zero
- * point times column c's weights, scale = the float product of the two scales; `path` as the table.  Returns 0,
- * or -1 where the scratch memory cannot be had. */
+ * point times column c's weights, scale = the float product of the two scales, `gelu`: GPT-2's GELU applied to
+ * the output; `path` as the table.  Returns 0, or -1 where the scratch memory cannot be had. */
 int lowmem_int8_linear(int path, const float *x, int m, int k, int kp, const int8_t *w, const int32_t *zero_sums,
-                       int n, float scale, const float *bias, float inverse, float zero, float *y, int threads) {
+                       int n, float scale, const float *bias, int gelu, float inverse, float zero, float *y,
+                       int threads) {
     uint8_t *q = aligned_alloc(64, ((size_t)m * kp + 63) / 64 * 64);
     float *sizes = malloc(sizeof(float) * (size_t)m);
     if (!q || !sizes) {
@@ -239,7 +272,7 @@ int lowmem_int8_linear(int path, const float *x, int m, int k, int kp, const int
                     configured = rows;
                 }
                 panel(q + (long)r * kp, kp, rows, wp, kp, sums);
-                dequantize(sums, rows, zero_sums, n, p * PANEL, scale, sizes + r, bias, y + (long)r * n);
+                dequantize(sums, rows, zero_sums, n, p * PANEL, scale, sizes + r, bias, gelu, y + (long)r * n);
             }
         }
         if (configured) amx_release();

@@ -87,9 +87,10 @@ def pack(weight: torch.Tensor, scale: float, zero: int) -> Packed:
 
 
 def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: float, zero: int,
-           path: str | None = None) -> torch.Tensor:
+           path: str | None = None, gelu: bool = False) -> torch.Tensor:
     """The int8 Linear of `x` (..., k; fp32) by `packed` (int8_linear.c's order of operations): each row quantized
-    alone by `inverse` and `zero`; `path` (PATHS) the CPU's quickest for the rows where not given."""
+    alone by `inverse` and `zero`; `path` (PATHS) the CPU's quickest for the rows where not given; `gelu`: GPT-2's
+    tanh GELU of the output in the same call (to ~1e-7 of its size torch's F.gelu(approximate="tanh"))."""
     library = built()
     if library is None:
         raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native_int8.built)")
@@ -100,8 +101,8 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: 
     number = PATHS.index(path or path_for(rows.shape[0]))
     done = library.lowmem_int8_linear(
         number, rows.data_ptr(), rows.shape[0], packed.k, packed.kp, packed.weights.data_ptr(),
-        packed.zero_sums.data_ptr(), packed.n, packed.scale, None if bias is None else bias.data_ptr(), inverse,
-        float(zero), out.data_ptr(), torch.get_num_threads())
+        packed.zero_sums.data_ptr(), packed.n, packed.scale, None if bias is None else bias.data_ptr(), int(gelu),
+        inverse, float(zero), out.data_ptr(), torch.get_num_threads())
     if done != 0:
         raise MemoryError(f"lowmem_aitextgen's int8 kernel could not allocate {rows.shape[0] * packed.kp} bytes")
     return out.view(*x.shape[:-1], packed.n)
@@ -196,7 +197,8 @@ def _loaded(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     pointer, number = ctypes.c_void_p, ctypes.c_int
     library.lowmem_int8_linear.argtypes = [number, pointer, number, number, number, pointer, pointer, number,
-                                           ctypes.c_float, pointer, ctypes.c_float, ctypes.c_float, pointer, number]
+                                           ctypes.c_float, pointer, number, ctypes.c_float, ctypes.c_float, pointer,
+                                           number]
     library.lowmem_int8_linear.restype = number
     library.lowmem_amx_request.argtypes, library.lowmem_amx_request.restype = [], number
     return library

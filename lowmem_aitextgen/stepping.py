@@ -90,8 +90,12 @@ class Step:
         else:
             qkv, out, scale = [block.attn.c_attn], block.attn.c_proj, gpt2_scaling(block.attn)
         tanh = type(block.mlp.act).__name__ in TANH_GELUS
-        return Layer(called(block.ln_1), [called(p) for p in qkv], called(out), scale, called(block.ln_2),
-                     called(block.mlp.c_fc), _tanh_gelu if tanh else block.mlp.act, called(block.mlp.c_proj))
+        fc, act = called(block.mlp.c_fc), _tanh_gelu if tanh else block.mlp.act
+        fused = getattr(block.mlp.c_fc, "then_tanh_gelu", None) if tanh and fc is not block.mlp.c_fc else None
+        if fused is not None and fused() is not None:  # (not where a hook must see c_fc's own output)
+            fc, act = fused(), _as_is
+        return Layer(called(block.ln_1), [called(p) for p in qkv], called(out), scale, called(block.ln_2), fc, act,
+                     called(block.mlp.c_proj))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
                  alone: list[int] | None = None) -> torch.Tensor:
@@ -215,6 +219,11 @@ def gpt2_scaling(attention: nn.Module) -> float:
         return attention.scaling
     scale = attention.head_dim ** -0.5 if attention.scale_attn_weights else 1.0
     return scale / (attention.layer_idx + 1) if attention.scale_attn_by_inverse_layer_idx else scale
+
+
+def _as_is(x: torch.Tensor) -> torch.Tensor:
+    """The activation of a layer whose c_fc computes it in the same call (int8_kernels.then_tanh_gelu)."""
+    return x
 
 
 def _tanh_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import compiled_step_measured_here, corpus_text, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, kv_cache
+from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, kv_cache, stepping
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct
@@ -142,6 +142,27 @@ def test_on_each_int8_kernel_greedy_tokens_are_the_trained_models_own_forward(tr
     assert products and all(isinstance(p, KERNELS[kernel]) for p in products)
     assert_decodes_the_truth(ai, truth_model, ids, truth_loop(truth_model, ids, NEW, ai.tokenizer.eos_token_id),
                              "int8", (kind, kernel))
+
+
+@pytest.mark.parametrize("kind", ["full", "gpt-neo"])
+def test_on_our_kernel_a_step_computes_the_mlps_gelu_in_c_fcs_call_unless_a_hook_must_see_c_fcs_output(trained,
+                                                                                                       kind):
+    """int8_kernels.then_tanh_gelu in the stepping decoder (GPT-2's gelu_new, GPT-Neo's): c_fc's call gives the
+    GELU of its output (the truth tests above hold its tokens to the trained model's forward); a hook on c_fc
+    sees c_fc's own output, so there the GELU stays a call of its own, and on fbgemm's kernel too."""
+    ai, _ = trained[kind]
+    with mock.patch.object(int8_kernels, "product_kernel", lambda: NativeProduct):
+        view = decoding.decoding_model(ai.model.eval(), "int8", True).model
+    assert [layer.act for layer in stepping.Step(view).layers] == [stepping._as_is] * len(view.transformer.h)
+    seen = []
+    view.transformer.h[1].mlp.c_fc.register_forward_hook(lambda module, args, out: seen.append(out))
+    step = stepping.Step(view)
+    assert step.layers[0].act is stepping._as_is and step.layers[1].act is stepping._tanh_gelu
+    step(torch.tensor([[5]]), torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.long), kv_cache.new_cache([], None))
+    assert len(seen) == 1 and float(seen[0].min()) < -0.5  # c_fc's output, not its GELU (which stays above -0.17)
+    with mock.patch.object(int8_kernels, "product_kernel", lambda: FbgemmProduct):
+        view = decoding.decoding_model(ai.model.eval(), "int8", True).model
+    assert all(layer.act is stepping._tanh_gelu for layer in stepping.Step(view).layers)
 
 
 def made_on(cpu: str | None, model, form: str = "int8", tokenwise: bool = True) -> Decoder:

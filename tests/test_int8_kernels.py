@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from lowmem_aitextgen import hardware, int8_kernels, native_int8
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear
@@ -233,3 +234,25 @@ def test_where_our_kernel_cannot_be_built_torchs_computes_and_says_why(tmp_path,
     assert not list((tmp_path / "lowmem_aitextgen" / "kernels").glob("*.so"))
     module = TokenwiseInt8Linear(linear())
     assert isinstance(module.product, FbgemmProduct) and module(torch.randn(2, 64)).shape == (2, 96)
+
+
+def test_our_kernel_with_gpt2s_gelu_is_torchs_gelu_of_its_output_to_float_precision():
+    """then_tanh_gelu: the Linear and the tanh GELU in one call, within 2e-7 of the output's size of torch's GELU
+    of the Linear's output (outputs from -60 to 60: both tails, where tanh is 1 to float precision, and zero),
+    a row's bits its own alone or in any batch, on every path."""
+    plain = linear(256, 1000)
+    plain.weight.data *= 40  # outputs of tens
+    module = TokenwiseInt8Linear(plain, NativeProduct)
+    torch.manual_seed(5)
+    x = torch.randn(17, 256)
+    x[1] = 0.0
+    with torch.inference_mode():
+        out = module(x)
+        expected = F.gelu(out, approximate="tanh")
+        assert float(out.min()) < -30 and float(out.max()) > 30
+        for path in native_int8.cpu_paths():
+            got = module.product.linear(x, module.bias, path, gelu=True)
+            assert torch.all((got - expected).abs() <= 2e-7 * out.abs().clamp_min(1)), path
+            assert torch.equal(module.then_tanh_gelu()(x[:1]), got[:1])
+            assert torch.equal(module.product.linear(x[:9], module.bias, path, gelu=True), got[:9]), path
+    assert TokenwiseInt8Linear(plain, FbgemmProduct).then_tanh_gelu() is None
