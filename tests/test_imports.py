@@ -19,7 +19,7 @@ FLOORS = {
                    "checkpointing", "counting", "techniques", "sharding", "callbacks", "cpu", "heap_callbacks", "compiling"},
     "planner": {"step_time", "estimate", "budget", "oom"},
     "generation": {"decoding", "generation", "sampling", "batching", "engine", "kv_cache", "stepping",
-                   "streaming", "packed16", "row_attention", "int8_kernels", "compiled_step"},
+                   "streaming", "packed16", "row_attention", "int8_kernels", "native_int8", "compiled_step"},
     "run": {"resume", "report", "outputs", "loading", "lightning_module", "evaluation", "run"},
     "serving": {"completions", "server_metrics", "serving"},
     "faces": {"aitextgen", "cards", "cli", "__init__", "colab", "train", "utils"},
