@@ -91,9 +91,11 @@ class Step:
             qkv, out, scale = [block.attn.c_attn], block.attn.c_proj, gpt2_scaling(block.attn)
         tanh = type(block.mlp.act).__name__ in TANH_GELUS
         fc, act = called(block.mlp.c_fc), _tanh_gelu if tanh else block.mlp.act
+        # c_fc's call gives the GELU too where its kernel computes both, unless c_fc is hooked (then called as
+        # itself: a hook must see c_fc's own output)
         then_gelu = getattr(block.mlp.c_fc, "then_tanh_gelu", None)
-        both = then_gelu() if tanh and then_gelu is not None and fc is not block.mlp.c_fc else None  # (a hooked
-        if both is not None:  # c_fc is called itself: its hooks must see its own output)
+        both = then_gelu() if tanh and then_gelu is not None and fc is not block.mlp.c_fc else None
+        if both is not None:
             fc, act = both, _as_is
         return Layer(called(block.ln_1), [called(p) for p in qkv], called(out), scale, called(block.ln_2), fc, act,
                      called(block.mlp.c_proj))
