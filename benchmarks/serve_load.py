@@ -47,9 +47,12 @@ def start(folder: str, checkout: str | None = None) -> tuple[subprocess.Popen, s
     if checkout is not None:
         environment["PYTHONPATH"] = os.pathsep.join([checkout, *filter(None, [os.environ.get("PYTHONPATH")])])
     log = os.path.join(folder, "server.log" if checkout is None else "server-against.log")
+    # run in the checkout: `python -m` puts the working folder ahead of PYTHONPATH, so from this repository's root
+    # the other checkout's server imported this one's package
     process = subprocess.Popen([sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, "--port=0",
                                 f"--max_batch={max(CLIENTS, MIXED) + 1}", "--max_tokens=1000", "--timeout=600"],
-                               stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=environment)
+                               stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=environment,
+                               cwd=checkout)
     for line in iter(process.stdout.readline, ""):
         found = re.search(r"http://[\d.]+:\d+", line)
         if found:
