@@ -1,15 +1,15 @@
 """The int8 matrix products a decoding view's projections call, and the Linear that calls them with each token's
 activations quantized alone, so that a text is the same in any batch (the form of seeded calls and the server).
 
-Three kernels take the same integers and compute their products exactly (int32 sums); the first that runs here is
-used (product_kernel):
+Three kernels take the same integers and compute their products exactly (int32 sums); product_kernel picks one:
 
 | kernel | ops                                             | why                                                  |
 |--------|-------------------------------------------------|------------------------------------------------------|
 | native | our own (native_int8.py, int8_linear.c), built  | one pass over the weights for every row of a call,   |
-|        | at first use by gcc; x86-64 CPUs with AVX2      | and the quantization in the same call: on the Intel  |
-|        |                                                 | Xeon with AMX 1.4x fbgemm's time a pass at one row,  |
-|        |                                                 | 2x at 8 (RESULTS.md, twenty-first session)           |
+|        | at first use by gcc; chosen on x86-64 CPUs with | and the quantization in the same call: on the Intel  |
+|        | AVX512-VNNI                                     | Xeon with AMX a call 1.4x as quick as fbgemm's at    |
+|        |                                                 | one row, 3x at 8; generate() 1.35x and 2x (RESULTS.md,|
+|        |                                                 | twenty-first session)                                |
 | fbgemm | torch.ops.quantized (torch.ao.quantization's,   | the fastest of torch's at a batch of one on every    |
 |        | which torch 2.13 says it will remove)           | CPU measured (Intel Xeon with AMX: 2x oneDNN's a     |
 |        |                                                 | call, 1.6x end to end, RESULTS.md)                   |
