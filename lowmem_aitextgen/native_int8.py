@@ -96,6 +96,8 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: 
         raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native_int8.built)")
     rows = x.reshape(-1, packed.k).float().contiguous()
     out = torch.empty(rows.shape[0], packed.n)
+    if not rows.shape[0]:
+        return out.view(*x.shape[:-1], packed.n)
     if path is not None and path not in cpu_paths():  # an instruction the CPU lacks would kill the process
         raise ValueError(f"path={path!r}: this CPU runs {', '.join(cpu_paths())} of native_int8.PATHS")
     number = PATHS.index(path or path_for(rows.shape[0]))

@@ -256,3 +256,10 @@ def test_our_kernel_with_gpt2s_gelu_is_torchs_gelu_of_its_output_to_float_precis
             assert torch.equal(module.then_tanh_gelu()(x[:1]), got[:1])
             assert torch.equal(module.product.linear(x[:9], module.bias, path, gelu=True), got[:9]), path
     assert TokenwiseInt8Linear(plain, FbgemmProduct).then_tanh_gelu() is None
+
+
+def test_our_kernel_takes_no_rows_and_any_leading_shape():
+    module = TokenwiseInt8Linear(linear(), NativeProduct)
+    x = torch.randn(2, 3, 64)  # (rows, tokens, width), as transformers' forward gives it
+    assert module(x[:0]).shape == (0, 3, 96)
+    assert torch.equal(module(x), module(x.reshape(6, 64)).view(2, 3, 96))
