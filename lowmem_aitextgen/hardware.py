@@ -239,14 +239,22 @@ def _has_op(namespace: str, name: str) -> bool:
     return True
 
 
-def _cpu_name() -> str:
+def cpuinfo(field: str) -> str | None:
+    """`field`'s value in this machine's /proc/cpuinfo (its first processor's; never a presented CPU's), or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def _cpu_name() -> str:
+    name = cpuinfo("model name")
+    if name:
+        return name
     import platform
 
     return platform.processor() or platform.machine() or "CPU"

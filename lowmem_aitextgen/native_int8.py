@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from . import hardware
+
 logger = logging.getLogger("lowmem_aitextgen")
 
 SOURCE = Path(__file__).with_name("int8_linear.c")
@@ -127,14 +129,7 @@ def cpu_paths() -> tuple[str, ...]:
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((hardware.cpuinfo("flags") or "").split())
 
 
 @functools.cache
