@@ -166,11 +166,15 @@ class Engine:
                 tokens[i] = self.pad
             else:
                 row.took(token, self.tokenizer, row.settings.eos or self.eos, self.scores[i])
-        ended = [row for row in self.rows if row.done]
+        # whether a row leaves is read once: a cancel from another thread (batching.Job.cancel) landing between
+        # two reads made a row leave without its end, and its request was never answered
+        leaving = [row.done for row in self.rows]
+        ended = [row for row, left in zip(self.rows, leaving) if left]
         for row in ended:
             row.end(self.tokenizer)
-        full = [i for i, row in enumerate(self.rows) if not row.done and int(self.window[i]) >= self.context]
-        going = [i for i, row in enumerate(self.rows) if not row.done and i not in full]
+        staying = [i for i, left in enumerate(leaving) if not left]
+        full = [i for i in staying if int(self.window[i]) >= self.context]
+        going = [i for i in staying if i not in full]
         sliding = [self.rows[i] for i in full]
         order = self._keep(going)
         if going:

@@ -7,6 +7,7 @@ form's measured error (decoding.SCORE_ERROR).  Tiny models trained a few steps, 
 
 import copy
 import dataclasses
+import threading
 from unittest import mock
 
 import pytest
@@ -256,6 +257,41 @@ def test_a_row_joining_a_running_batch_decodes_as_it_would_alone(trained, form, 
     assert second.tokens == alone("x", 30)
     assert third.tokens == alone("import os, sys and then some", 8)
     assert engine.cache is None  # every row left; the cache with them
+
+
+class CancelledAtLook(threading.Event):
+    """A row's cancel from another thread (batching.Job.cancel: its client left, its time ran out) landing just
+    before the engine's `at`-th look at whether it was cancelled."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.looks = at, 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        if self.looks == self.at:
+            self.set()
+        return super().is_set()
+
+
+def test_a_row_cancelled_at_any_moment_of_a_step_leaves_with_its_end_told(tokenizer_file):
+    """Wherever within a step a cancel lands, the row leaves the engine through step()'s answer with its finish
+    ("cancelled"): the server answers a request when its rows' finish is told, and a row that left without it
+    kept its request, and the decoding thread, waiting for ever (a server spinning on a request long gone)."""
+    torch.manual_seed(0)
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
+    for alone in (True, False):  # the row alone (the engine empties), or beside one that goes on
+        for at in range(1, 16):
+            engine = Engine(ai.model.eval(), ai.tokenizer, (-1,))
+            settings = RowSettings(max_new=40, min_new=40, temperature=0)
+            cancelled, other = Row(torch.tensor([11, 22]), settings), Row(torch.tensor([33]), settings)
+            cancelled.cancelled = CancelledAtLook(at)
+            engine.join([cancelled] if alone else [cancelled, other])
+            answered = []
+            while cancelled in engine.rows:
+                answered += engine.step()
+            assert cancelled in answered and cancelled.finish == "cancelled", (alone, at)
+            assert len(cancelled.tokens) < 40 and (alone or other in engine.rows)
 
 
 class Recorded(Row):

@@ -229,6 +229,7 @@ def test_a_full_queue_is_answered_429_at_once_with_retry_after(busy):
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     long.join(timeout=60)
     waiting.join(timeout=60)
+    assert_idle(busy)
 
 
 def test_a_request_past_the_timeout_answers_504_and_frees_its_place(busy):
@@ -238,6 +239,7 @@ def test_a_request_past_the_timeout_answers_504_and_frees_its_place(busy):
     assert busy.health()["cancelled_rows"]["timed out"] == before + 1
     wait_until(lambda: busy.health()["decoding_rows"] == 0)
     assert busy.complete(prompt="a", max_tokens=3)["choices"]
+    assert_idle(busy)
 
 
 def test_a_client_leaving_mid_stream_stops_its_decoding(busy):
@@ -248,6 +250,20 @@ def test_a_client_leaving_mid_stream_stops_its_decoding(busy):
     wait_until(lambda: busy.health()["cancelled_rows"]["client left"] == before + 1)
     wait_until(lambda: busy.health()["decoding_rows"] == 0)
     assert busy.complete(prompt="a", max_tokens=3)["choices"]
+    assert_idle(busy)
+
+
+def assert_idle(server: Served) -> None:
+    """Nothing left decoding: the server's process takes (almost) no CPU time over a second."""
+    before = cpu_seconds(server.process.pid)
+    time.sleep(1)
+    assert cpu_seconds(server.process.pid) - before < 0.2
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (Linux: /proc/PID/stat's utime and stime)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_until(condition, seconds: float = 30) -> None:
