@@ -265,6 +265,7 @@ class _Flow:
             self.error = error
             self.done.set()
             self.moved.set()
+            self.pieces.put_nowait(None)  # wakes a stream waiting for a piece: its end is told at once
         self.loop.call_soon_threadsafe(finished)
 
 
@@ -343,20 +344,24 @@ def _raise_failure(flow: _Flow) -> None:
 async def _events(server: Server, request: Any, asked: CompletionRequest, job: Job, flow: _Flow, rows: list[Row],
                   prompt_tokens: int, arrived: float) -> Any:
     """The stream: a chunk per piece of text, then each choice's finish, the usage where asked, [DONE]; a
-    client that leaves (the generator closed) or the deadline stops the rows."""
+    client that leaves (the generator closed) or the deadline, pieces flowing or not, stops the rows (the
+    deadline ends the stream with a timeout error: SIGTERM's drain waits --timeout for a stream, not longer)."""
     model_id, deadline = server.limits.model_id, arrived + server.settings.timeout
     try:
         while not (flow.done.is_set() and flow.pieces.empty()):
+            if time.monotonic() > deadline and not flow.done.is_set():  # (its text all made: all handed on)
+                _cancel(server, job, "timed out")
+                yield completions.event(ApiError(504, "The request took longer than --timeout.",
+                                                 kind="timeout_error").body())
+                return
             try:
-                k, piece = await asyncio.wait_for(flow.pieces.get(), timeout=max(0.01, min(
+                handed = await asyncio.wait_for(flow.pieces.get(), timeout=max(0.01, min(
                     POLL_SECONDS, deadline - time.monotonic())))
             except asyncio.TimeoutError:
-                if time.monotonic() > deadline:
-                    _cancel(server, job, "timed out")
-                    yield completions.event(ApiError(504, "The request took longer than --timeout.",
-                                                     kind="timeout_error").body())
-                    return
                 continue
+            if handed is None:  # the end (_Flow.on_done): after every piece
+                continue
+            k, piece = handed
             yield completions.event(completions.answer(asked, model_id, [completions.choice(k, piece, None)], None))
         if flow.error is not None:
             yield completions.event(ApiError(500, f"Decoding failed: {flow.error}", kind="server_error").body())

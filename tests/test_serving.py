@@ -160,6 +160,21 @@ def test_streamed_pieces_join_to_the_text_of_the_same_request_unstreamed(served)
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_a_streams_finish_follows_its_last_piece_at_once(served):
+    """A stream's finish and [DONE] come when its text has ended, not at the next look at the deadline (up to
+    serving.POLL_SECONDS later): a client waiting for the end of a text is not kept waiting."""
+    gaps = []
+    for seed in range(8):
+        stream = served.client().completions.create(model=served.folder, prompt="def", max_tokens=6, seed=seed,
+                                                    stream=True)
+        last_piece = None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason is None:
+                last_piece = time.monotonic()
+        gaps.append(time.monotonic() - last_piece)
+    assert max(gaps) < 0.5, gaps
+
+
 def test_models_lists_the_served_model_with_its_plan_and_health_answers(served):
     listed = served.client().models.list().data
     assert [m.id for m in listed] == [served.folder] and "Decoding in int8, each token alone" in listed[0].plan
@@ -239,6 +254,22 @@ def test_a_request_past_the_timeout_answers_504_and_frees_its_place(busy):
     assert busy.health()["cancelled_rows"]["timed out"] == before + 1
     wait_until(lambda: busy.health()["decoding_rows"] == 0)
     assert busy.complete(prompt="a", max_tokens=3)["choices"]
+    assert_idle(busy)
+
+
+def test_a_stream_past_the_timeout_ends_with_a_timeout_error_though_its_pieces_flow(busy):
+    """--timeout holds for a stream as for any request: its pieces coming steadily, it ends at the deadline
+    with OpenAI's timeout error as its last event, and its rows stop."""
+    before = busy.health()["cancelled_rows"]["timed out"]
+    started = time.monotonic()
+    body = {**LONG, "model": busy.folder, "stream": True}
+    with httpx.stream("POST", f"{busy.url}/v1/completions", json=body, timeout=30) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    took = time.monotonic() - started
+    assert json.loads(events[-1])["error"]["type"] == "timeout_error" and 3 <= took < 3.8  # (not a poll later)
+    assert len(events) > 2  # pieces came before the deadline
+    assert busy.health()["cancelled_rows"]["timed out"] == before + 1
+    wait_until(lambda: busy.health()["decoding_rows"] == 0)
     assert_idle(busy)
 
 
