@@ -166,8 +166,8 @@ class Engine:
                 tokens[i] = self.pad
             else:
                 row.took(token, self.tokenizer, row.settings.eos or self.eos, self.scores[i])
-        # whether a row leaves is read once: a cancel from another thread (batching.Job.cancel) landing between
-        # two reads made a row leave without its end, and its request was never answered
+        # whether a row leaves is read once: a cancel from another thread (batching.Job.cancel) may land between
+        # two reads, and a row must not leave without its end (Row.end: what its request is answered by)
         leaving = [row.done for row in self.rows]
         ended = [row for row, left in zip(self.rows, leaving) if left]
         for row in ended:
