@@ -16,6 +16,8 @@ it ends, so a short request never waits for the longest one in flight.
 |                        | while decoding stops its rows at the next token                                 |
 | a failed step          | every running request (those joining in it too) is answered with the error     |
 |                        | (500), the engine starts empty, and the server goes on                          |
+| rows let go unfinished | (an engine's fault) their request answered with an error (500) and logged:     |
+|                        | never waited for, which kept the loop stepping an empty engine for ever         |
 """
 
 from __future__ import annotations
@@ -192,8 +194,9 @@ class Batcher:
         self.running_rows = engine.held
 
     def _step(self, engine: Engine, running: list[Job]) -> list[Job]:
-        """One decoding step; the jobs whose rows have all ended answered; a failed step answers every running
-        job with its error (500) and empties the engine, and the server goes on."""
+        """One decoding step; the jobs whose rows have all ended answered, and those whose unfinished rows the
+        engine let go (module docstring); a failed step answers every running job with its error (500) and
+        empties the engine, and the server goes on."""
         try:
             engine.step()
         except Exception as failure:
@@ -203,8 +206,12 @@ class Batcher:
             return []
         done = [job for job in running if all(row.finish is not None for row in job.rows)]
         self._answer(done, None)
+        lost = _let_go(engine, [job for job in running if job not in done])
+        if lost:  # a fault of the engine's: answered (500), not waited for by a loop that no longer blocks
+            logger.error(f"The engine let {len(lost)} request(s)' rows go unfinished; answered with an error")
+            self._answer(lost, RuntimeError("decoding let this request's rows go before they ended"))
         self.running_rows = engine.held
-        return [job for job in running if job not in done]
+        return [job for job in running if job not in done and job not in lost]
 
     @staticmethod
     def _answer(jobs: list[Job], error: BaseException | None) -> None:
@@ -218,3 +225,9 @@ class Batcher:
         for job in waiting:
             if isinstance(job, Job) and job.start():
                 job.finish(Stopping("the server is stopping"))
+
+
+def _let_go(engine: Engine, jobs: list[Job]) -> list[Job]:
+    """The jobs none of whose unfinished rows the engine holds (running or admitted): nothing would end them."""
+    held = {id(row) for row in engine.rows + engine.joining}
+    return [job for job in jobs if not any(id(row) in held for row in job.rows if row.finish is None)]

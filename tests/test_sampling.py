@@ -1,6 +1,7 @@
 """Rows decoded side by side (sampling.py): each the text it would be alone, with its own settings, stops and
 stream; tiny GPT-2s on the CPU."""
 
+import queue
 import threading
 import time
 
@@ -108,6 +109,37 @@ def test_the_batcher_decodes_continuously_a_short_request_joining_a_long_one_end
     alone = Row(late.rows[0].prompt, late.rows[0].settings)
     decode_together(decoding.decoding_model(ai.model, "int8", True), ai.tokenizer, [alone])
     assert alone.tokens == late.rows[0].tokens  # joined mid-run, the text it gets alone
+
+
+class LettingGo(Engine):
+    """An engine with the fault the batcher must survive: a row of 50 tokens let go unfinished at its third."""
+
+    def step(self) -> list[Row]:
+        ended = super().step()
+        if self.rows and self.rows[0].settings.max_new == 50 and len(self.rows[0].tokens) == 3:
+            self._keep(list(range(1, len(self.rows))))
+        return ended
+
+
+def test_a_request_whose_rows_the_engine_let_go_unfinished_is_answered_with_an_error(ai):
+    """Were the engine to let a row go without its end (the fault that kept a server stepping an empty engine for
+    ever, its request never answered), the batcher answers that request with an error and goes on."""
+    answers: queue.Queue = queue.Queue()
+
+    def job(new: int) -> Job:
+        prompt = ai.tokenizer(text="def main", return_tensors="pt")["input_ids"][0]
+        return Job([Row(prompt, RowSettings(max_new=new, min_new=new, seed=1))], answers.put)
+
+    batcher = Batcher(lambda: LettingGo(ai.model.eval(), ai.tokenizer, (ai.tokenizer.eos_token_id,)), 4, 4)
+    batcher.start()
+    try:
+        assert batcher.submit(job(50))
+        assert isinstance(answers.get(timeout=60), RuntimeError)
+        later = job(5)
+        assert batcher.submit(later)
+        assert answers.get(timeout=60) is None and len(later.rows[0].tokens) == 5  # the next answered as ever
+    finally:
+        batcher.stop()
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
