@@ -206,12 +206,13 @@ class Batcher:
             return []
         done = [job for job in running if all(row.finish is not None for row in job.rows)]
         self._answer(done, None)
-        lost = _let_go(engine, [job for job in running if job not in done])
+        going = [job for job in running if job not in done]
+        lost = _let_go(engine, going)
         if lost:  # a fault of the engine's: answered (500), not waited for by a loop that no longer blocks
             logger.error(f"The engine let {len(lost)} request(s)' rows go unfinished; answered with an error")
             self._answer(lost, RuntimeError("decoding let this request's rows go before they ended"))
         self.running_rows = engine.held
-        return [job for job in running if job not in done and job not in lost]
+        return [job for job in going if job not in lost]
 
     @staticmethod
     def _answer(jobs: list[Job], error: BaseException | None) -> None:

@@ -96,12 +96,12 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: 
     library = built()
     if library is None:
         raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native_int8.built)")
+    if path is not None and path not in cpu_paths():  # an instruction the CPU lacks would kill the process
+        raise ValueError(f"path={path!r}: this CPU runs {', '.join(cpu_paths())} of native_int8.PATHS")
     rows = x.reshape(-1, packed.k).float().contiguous()
     out = torch.empty(rows.shape[0], packed.n)
     if not rows.shape[0]:
         return out.view(*x.shape[:-1], packed.n)
-    if path is not None and path not in cpu_paths():  # an instruction the CPU lacks would kill the process
-        raise ValueError(f"path={path!r}: this CPU runs {', '.join(cpu_paths())} of native_int8.PATHS")
     number = PATHS.index(path or path_for(rows.shape[0]))
     done = library.lowmem_int8_linear(
         number, rows.data_ptr(), rows.shape[0], packed.k, packed.kp, packed.weights.data_ptr(),

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -293,7 +294,7 @@ def assert_idle(server: Served) -> None:
 
 def cpu_seconds(pid: int) -> float:
     """A process's user and system CPU time so far (Linux: /proc/PID/stat's utime and stime)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
