@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lowmem_aitextgen import hardware, int8_kernels, native_int8  # noqa: E402
+from lowmem_aitextgen import hardware, int8_kernels, native, native_int8  # noqa: E402
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear  # noqa: E402
 
 LAYERS, WIDTH, INNER = 24, 1024, 4096
@@ -201,7 +201,7 @@ def generate_rows(rounds: int) -> None:
     from lowmem_aitextgen import aitextgen
 
     kernels = {"ours": NativeProduct, "fbgemm": FbgemmProduct, "oneDNN": OneDNNProduct}
-    if native_int8.built() is None:
+    if native.built() is None:
         del kernels["ours"]
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)

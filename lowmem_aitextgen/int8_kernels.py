@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hardware, native_int8
+from . import hardware, native, native_int8
 
 TOKEN_SCALE, TOKEN_ZERO = 2 / 126, 64  # [-1, 1] onto 1..127: 7 bits, as torch's x86 dynamic form (reduce_range)
 # the float32 inverse of the float32 scale, which fbgemm multiplies by
@@ -163,7 +163,7 @@ def product_kernel() -> type:
     """The kernel int8 products are computed with here: ours where it is built and the CPU has AVX512-VNNI (where
     it measured quicker than fbgemm's at every batch), else this torch's (native_int8.py: its AVX2 path is slower
     than fbgemm's past one row)."""
-    if native_int8.built() is not None and "vnni" in native_int8.cpu_paths():
+    if native.built() is not None and "vnni" in native_int8.cpu_paths():
         return NativeProduct
     return torch_kernel()
 

@@ -1,5 +1,5 @@
-"""Our own int8 Linear for decoding on x86 CPUs (int8_linear.c): built at first use by the machine's gcc, called
-through ctypes; int8_kernels.NativeProduct holds a projection's packed weights and calls `linear`.
+"""Our own int8 Linear for decoding on x86 CPUs (int8_linear.c, built by native.py), called through ctypes;
+int8_kernels.NativeProduct holds a projection's packed weights and calls `linear`.
 
 Why our own: torch's int8 kernels leave a batch's speed on the table.  fbgemm's (torch.ao's, which torch 2.13 says
 it will remove) takes 1.5-2x at 8 rows its time at one, being bound by its arithmetic, not by reading the weights;
@@ -10,42 +10,22 @@ fbgemm's bits (int8_linear.c says how): a text is the same on either kernel (RES
 
 | what          | how                                                                                           |
 |---------------|-----------------------------------------------------------------------------------------------|
-| build         | `gcc -O3 -fopenmp -ffp-contract=off -shared`, each path's instructions by target attributes (no |
-|               | -march: the library runs on any x86-64 CPU), once a machine: into the user's cache, named by a  |
-|               | hash of the source and the compiler, written atomically (KERNELS)                              |
-| threads       | OpenMP, `torch.get_num_threads()` of them; the library links libgomp.so.1, which resolves to   |
-|               | the copy torch loaded (the same soname): one thread pool with torch's                          |
+| build         | native.py: one library with the one-token attention, built at first use, threads torch's     |
 | path          | AMX from AMX_FROM rows where Linux grants the tile state, else AVX512-VNNI, else AVX2: read     |
-|               | from the CPU itself, not hardware.cpu(), as fbgemm and oneDNN choose their own kernels (every   |
-|               | path gives the same bits, so no plan depends on it; a presented CPU must not run instructions |
-|               | the real one lacks)                                                                             |
-| not built     | not Linux on x86-64, a CPU without AVX2, no gcc, a failed build (said once, INFO): torch's      |
-|               | kernels (int8_kernels.product_kernel)                                                           |
+|               | from the CPU itself (native.cpu_flags; every path gives the same bits, so no plan depends on  |
+|               | it)                                                                                           |
+| not built     | torch's kernels (int8_kernels.product_kernel)                                                  |
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from . import hardware
+from . import native
 
-logger = logging.getLogger("lowmem_aitextgen")
-
-SOURCE = Path(__file__).with_name("int8_linear.c")
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 PANEL, KSTEP = 32, 64  # int8_linear.c's: the columns a pass computes, K padded to a multiple of KSTEP
 PATHS = ("avx2", "vnni", "amx")  # int8_linear.c's path numbers, in order
 # the rows from which AMX's tiles are quicker than AVX512-VNNI's vectors (RESULTS.md, twenty-first session)
@@ -53,7 +33,6 @@ AMX_FROM = 2
 # each path's CPU flags (/proc/cpuinfo)
 NEEDS = {"avx2": ("avx2",), "vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
          "amx": ("amx_tile", "amx_int8")}
-KERNELS = "kernels"  # the cache's folder for built libraries
 
 
 @dataclass(frozen=True)
@@ -93,9 +72,9 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: 
     """The int8 Linear of `x` (..., k; fp32) by `packed` (int8_linear.c's order of operations): each row quantized
     alone by `inverse` and `zero`; `path` (PATHS) the CPU's quickest for the rows where not given; `gelu`: GPT-2's
     tanh GELU of the output in the same call (to ~1e-7 of its size torch's F.gelu(approximate="tanh"))."""
-    library = built()
+    library = native.built()
     if library is None:
-        raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native_int8.built)")
+        raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native.built)")
     if path is not None and path not in cpu_paths():  # an instruction the CPU lacks would kill the process
         raise ValueError(f"path={path!r}: this CPU runs {', '.join(cpu_paths())} of native_int8.PATHS")
     rows = x.reshape(-1, packed.k).float().contiguous()
@@ -121,81 +100,9 @@ def path_for(rows: int) -> str:
 @functools.cache
 def cpu_paths() -> tuple[str, ...]:
     """The paths this CPU runs (PATHS' order): its flags, and for AMX Linux's grant of the tile state."""
-    flags = _cpu_flags()
+    flags = native.cpu_flags()
     here = [path for path in PATHS if all(flag in flags for flag in NEEDS[path])]
-    if "amx" in here and (built() is None or built().lowmem_amx_request() != 0):
+    if "amx" in here and (native.built() is None or native.built().lowmem_amx_request() != 0):
         here.remove("amx")
     return tuple(here)
 
-
-def _cpu_flags() -> set[str]:
-    return set((hardware.cpuinfo("flags") or "").split())
-
-
-@functools.cache
-def built() -> ctypes.CDLL | None:
-    """The library, built once a machine (module docstring); None where it cannot be (said once, why)."""
-    why = _not_buildable()
-    if why is None:
-        try:
-            return _loaded(_library_file())
-        except (OSError, subprocess.SubprocessError) as error:
-            said = (str(error).strip().splitlines() or [""])[-1]
-            why = f"building it failed ({type(error).__name__}: {said})"
-    logger.info(f"int8 products on torch's kernels: lowmem_aitextgen's own int8 kernel is not used here: {why}.")
-    return None
-
-
-def _not_buildable() -> str | None:
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        return f"it is built for Linux on x86-64, not {sys.platform} on {platform.machine()}"
-    if "avx2" not in _cpu_flags():
-        return "this CPU has no AVX2"
-    if shutil.which("gcc") is None:
-        return "no gcc on the PATH"
-    return None
-
-
-def _library_file() -> Path:
-    """The built library's path, building it where it is not in the cache yet."""
-    version = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    folder = _cache_folder()
-    target = folder / f"int8_linear-{key}.so"
-    if not target.exists():
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            subprocess.run(["gcc", *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True, check=True)
-            os.replace(partial, target)  # another process building it at once writes the same bytes
-        except subprocess.CalledProcessError as error:
-            raise subprocess.SubprocessError(error.stderr.strip() or f"gcc exited with {error.returncode}") from None
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-    return target
-
-
-def _cache_folder() -> Path:
-    """The user's cache folder for built libraries (XDG_CACHE_HOME's), else a temporary one for this process."""
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = Path(home) / "lowmem_aitextgen" / KERNELS
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    return Path(tempfile.mkdtemp(prefix="lowmem_aitextgen-kernels-"))
-
-
-def _loaded(path: Path) -> ctypes.CDLL:
-    library = ctypes.CDLL(str(path))
-    pointer, number = ctypes.c_void_p, ctypes.c_int
-    library.lowmem_int8_linear.argtypes = [number, pointer, number, number, number, pointer, pointer, number,
-                                           ctypes.c_float, pointer, number, ctypes.c_float, ctypes.c_float, pointer,
-                                           number]
-    library.lowmem_int8_linear.restype = number
-    library.lowmem_amx_request.argtypes, library.lowmem_amx_request.restype = [], number
-    return library

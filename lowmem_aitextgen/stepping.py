@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import native_attention
 from .row_attention import RowOwn, each_row_alone
 
 TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation")
@@ -112,8 +113,8 @@ class Step:
         cache (the running rows' step beside new rows' prompts: continuous batching's chunked prefill)."""
         bounds = _bounds([part.ids.numel() for part in parts])
         x = _flat([self.embeddings(p.ids) + self.positions(p.positions) for p in parts])
-        seen = [(seen_places(p.mask.to(p.ids.device), p.ids.shape[1], self.windows), self._rows_own(p))
-                for p in parts]
+        seen = [(seen_places(p.mask.to(p.ids.device), p.ids.shape[1], self.windows), owns, own_places(p, owns))
+                for p, owns in ((p, self._rows_own(p)) for p in parts)]
         for index, (layer, window) in enumerate(zip(self.layers, self.windows)):
             h = layer.ln_1(x)
             projected = [projection(h) for projection in layer.qkv]
@@ -145,11 +146,11 @@ class Step:
         return owns
 
     def _attend(self, projected: list[torch.Tensor], part: Part, index: int, window: int | None,
-                masks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn]],
+                masks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn], OwnPlaces | None],
                 scale: float) -> torch.Tensor:
         """A part's attention output (its tokens, width) from its tokens' projections (GPT-Neo's three, GPT-2's
         one), its keys and values written to its cache's layer `index`; `masks`: seen_places's for the batch,
-        _rows_own's for the rows attending alone."""
+        _rows_own's for the rows attending alone, own_places's for our kernel's one-token rows."""
         rows, new = part.ids.shape
         if len(projected) == 1:  # GPT-2's one projection: (tokens, 3 x width)
             qkv = projected[0].view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
@@ -157,16 +158,31 @@ class Step:
         else:
             query, key, value = (t.view(rows, new, self.heads, self.head_size).transpose(1, 2) for t in projected)
         keys, values = part.cache.update(key, value, index)
-        dtype = query.dtype
-        query = query.to(keys.dtype)  # (a cache in bf16 beside fp32 activations: attended in bf16, kv_cache.py)
-        (seen, local), owns = masks
+        (seen, local), owns, natives = masks
+        if natives is not None and not native_attention.takes(query, keys):
+            natives = None
+        if natives is not None and new == 1:
+            return _natively(query, keys, values, natives, window, scale)
         slots = getattr(part.cache.layers[index], "slots", None) if owns else None
         after = None if slots is None else slots.views  # row_attention.py: the zeros after, one-token rows read
-        if len(owns) == rows:
-            out = each_row_alone(query, keys, values, list(owns.values()), window, scale, after)
-            return out.transpose(1, 2).reshape(rows * new, -1).to(dtype)
-        seen_keys, seen_values = keys, values
-        if window is not None and new == 1:  # one token: its window is the last places (padding is left)
+        out = self._on_torch(query, keys, values, (seen, local), owns, window, scale, after)
+        out = out.transpose(1, 2).reshape(rows * new, -1).to(query.dtype)
+        if natives is not None:  # a prompt of one token beside longer ones: as it attends alone, on our kernel
+            out.view(rows, new, -1)[natives.rows, -1] = _natively(query[:, :, -1:], keys, values, natives, window,
+                                                                  scale)[natives.rows]
+        return out
+
+    @staticmethod
+    def _on_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  masks: tuple[torch.Tensor | None, torch.Tensor | None], owns: dict[int, RowOwn], window: int | None,
+                  scale: float, after: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+        """_attend's attention (rows, heads, new, head size) on torch's kernel, in the cache's dtype: `masks`
+        seen_places's for the batch, the rows `owns` names each as alone (row_attention.py)."""
+        query = query.to(keys.dtype)  # (a cache in bf16 beside fp32 activations: attended in bf16, kv_cache.py)
+        if len(owns) == query.shape[0]:
+            return each_row_alone(query, keys, values, list(owns.values()), window, scale, after)
+        (seen, local), seen_keys, seen_values = masks, keys, values
+        if window is not None and query.shape[2] == 1:  # one token: its window is the last places (padding is left)
             seen_keys, seen_values = keys[:, :, -window:], values[:, :, -window:]
             seen = None if seen is None else seen[..., -window:]
         elif window is not None:
@@ -176,7 +192,52 @@ class Step:
         for row, own in owns.items():  # some rows alone, beside others attending as the batch
             out[row:row + 1] = each_row_alone(query[row:row + 1], keys[row:row + 1], values[row:row + 1], [own],
                                               window, scale, after and functools.partial(_row_of, after, row))
-        return out.transpose(1, 2).reshape(rows * new, -1).to(dtype)
+        return out
+
+
+class OwnPlaces(NamedTuple):
+    """The rows of a part that attend on our kernel (native_attention.attend), as it takes them: `rows`; `places`
+    (one a row of the part), each one's own places where they are the cache's last (else 0); `gathered`, the
+    places of the others (a prefix row's padding lies between its virtual places and its tokens)."""
+
+    rows: list[int]
+    places: torch.Tensor
+    gathered: dict[int, torch.Tensor]
+
+
+def own_places(part: Part, owns: dict[int, RowOwn]) -> OwnPlaces | None:
+    """The rows of `part` whose one new token attends on our kernel, where it runs here: every row of a one-token
+    part; in a longer part, the rows `owns` names (attending alone) whose prompt is one token, so that such a row
+    attends as in a part of its own.  None where no row does."""
+    if not part.ids.is_cpu or not native_attention.available():
+        return None
+    if part.ids.shape[1] == 1:
+        mask = part.mask.to(part.ids.device).bool()
+        places, trailing = mask.sum(1), mask.flip(1).cumprod(1).sum(1)
+        suffix = places == trailing
+        gathered = {} if bool(suffix.all()) else {row: mask[row].nonzero()[:, 0]
+                                                  for row in (~suffix).nonzero()[:, 0].tolist()}
+        return OwnPlaces(list(range(part.ids.shape[0])), places.where(suffix, 0).to(torch.int32), gathered)
+    ones = {row: own for row, own in owns.items() if own.tokens == 1}
+    if not ones:
+        return None
+    places = torch.zeros(part.ids.shape[0], dtype=torch.int32)
+    for row, own in ones.items():
+        places[row] = own.places if own.index is None else 0
+    return OwnPlaces(list(ones), places, {row: own.index for row, own in ones.items() if own.index is not None})
+
+
+def _natively(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, natives: OwnPlaces,
+              window: int | None, scale: float) -> torch.Tensor:
+    """One-token rows' attention output (rows, width) in the query's dtype, on our kernel (native_attention.py):
+    the rows whose places are the cache's last in one call, each other row over its own places gathered, as it
+    attends alone."""
+    out = native_attention.attend(query, keys, values, natives.places, window, scale)
+    for row, index in natives.gathered.items():
+        held = [t[row:row + 1, :, index] for t in (keys, values)]
+        places = torch.tensor([len(index)], dtype=torch.int32)
+        out[row] = native_attention.attend(query[row:row + 1], *held, places, window, scale)[0]
+    return out.to(query.dtype)
 
 
 def _row_of(views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], row: int, after: int

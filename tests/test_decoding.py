@@ -15,7 +15,17 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import compiled_step_measured_here, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, native_int8, packed16, stepping
+from lowmem_aitextgen import (
+    aitextgen,
+    compiled_step,
+    decoding,
+    hardware,
+    int8_kernels,
+    native,
+    native_attention,
+    packed16,
+    stepping,
+)
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
@@ -57,8 +67,8 @@ def test_the_plan_on_each_cpu_kind_decodes_in_int8_and_exact_as_held(cpu, ai):
 
 
 def test_without_int8_kernels_a_cpu_decodes_in_bf16_where_native_else_fp32(ai):
-    for native, form in ((True, "bf16"), (False, "fp32")):
-        cpu = hardware.CPU(name="CPU", bf16_native=native, int8_kernels=False)
+    for bf16_native, form in ((True, "bf16"), (False, "fp32")):
+        cpu = hardware.CPU(name="CPU", bf16_native=bf16_native, int8_kernels=False)
         with hardware.presenting(hardware.Hardware(cpu)):
             assert decoding.plan_decoding(ai.model).form == form
 
@@ -151,8 +161,9 @@ def test_without_torch_aos_int8_ops_int8_decodes_on_onednns_the_same_texts(ai, f
     """torch.ao's quantize_dynamic gone (torch says it will remove it): every projection of either int8 view is a
     tokenwise Linear on oneDNN's kernel (int8_kernels.py), and a seeded text is the one fbgemm's view gives."""
     calls = dict(n=3, max_length=16, seed=7, temperature=0.9, return_as_list=True, nonempty_output=False)
+    monkeypatch.setattr(native_attention, "available", lambda: False)  # torch's attention in both texts
     on_fbgemm = ai.generate(**calls)  # (or on ours: the same bits, tests/test_int8_kernels.py)
-    monkeypatch.setattr(native_int8, "built", lambda: None)  # ours not built here
+    monkeypatch.setattr(native, "built", lambda: None)  # ours not built here
     monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")  # as a torch without it
     assert hardware.missing_int8_kernels() == ["torch.ao.quantization.quantize_dynamic"]
     plan = decoding.plan_decoding(ai.model)

@@ -16,7 +16,16 @@ from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import compiled_step_measured_here, corpus_text, realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, compiled_step, decoding, hardware, int8_kernels, kv_cache, stepping
+from lowmem_aitextgen import (
+    aitextgen,
+    compiled_step,
+    decoding,
+    hardware,
+    int8_kernels,
+    kv_cache,
+    native_attention,
+    stepping,
+)
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct
@@ -166,6 +175,17 @@ def test_on_our_kernel_a_step_computes_the_mlps_gelu_in_c_fcs_call_unless_a_hook
     assert all(layer.act is stepping._tanh_gelu for layer in stepping.Step(view).layers)
 
 
+@pytest.fixture(params=["ours", "torch's"])
+def attention(request, monkeypatch) -> str:
+    """The stepping decoder's one-token attention: our kernel (native_attention.py) where it runs here, or torch's
+    (row_attention.py for the rows attending alone), as on a CPU without AVX512F."""
+    if request.param == "ours" and not native_attention.available():
+        pytest.skip("our attention kernel needs AVX512F and gcc: torch's is this machine's")
+    if request.param == "torch's":
+        monkeypatch.setattr(native_attention, "available", lambda: False)
+    return request.param
+
+
 def made_on(cpu: str | None, model, form: str = "int8", tokenwise: bool = True) -> Decoder:
     """decoding_model's view as it makes it on a CPU of kind `cpu` (hardware.CPUS; None: this one): an int8 view's
     cache in bf16 where that CPU computes bf16 natively, else in its activations' fp32."""
@@ -308,14 +328,14 @@ class Recorded(Row):
 
 @pytest.mark.parametrize("cpu", list(hardware.CPUS))
 @pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
-def test_in_the_seeded_form_a_rows_scores_are_the_bits_it_gets_alone(trained, kind, cpu):
+def test_in_the_seeded_form_a_rows_scores_are_the_bits_it_gets_alone(trained, kind, cpu, attention):
     """The form of seeded texts (int8, each token alone): a row's scores at every step are bit for bit those it
     gets decoded alone, beside rows of other lengths (padded) and of its own length (row_attention.py: one call
     for them), joined and admitted mid-run, one row leaving, and one row that need not be the same (an unseeded
     request's: the batch's attention) beside them.  torch's attention kernel summed a row's places in another
     order beside padding, and (two threads) at one row than at several: a seeded text at 355M came out
     different in a list, and at this size some scores differed in their last bits.  Its cache in bf16 and in
-    fp32 (as made on each CPU kind)."""
+    fp32 (as made on each CPU kind); on our attention kernel and on torch's."""
     ai, _ = trained[kind]
     view = made_on(cpu, ai.model)
     # (prompt, new tokens, seed): the first two of one length all along, the fourth unseeded
@@ -389,14 +409,15 @@ def test_rows_joining_beside_a_prompt_scored_whole_get_their_bits_alone(trained,
 @pytest.mark.parametrize("cache", [None, torch.bfloat16])
 @pytest.mark.parametrize("how", ["join", "admit"])
 @pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
-def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward(trained, kind, how, cache):
+def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward(trained, kind, how, cache,
+                                                                                  attention):
     """stepping.py's decoder, run on an fp32 copy marked a view (so that its arithmetic, not a form's rounding,
     is compared): each row's scores, from its prompt's and at each step, are the trained model's forward over the
     row's whole text (peft's for the prefix), in fp32, with rows of different lengths padded side by side, a row
     leaving and rows joining mid-run (one into the slot left; join: encoded between steps, admit: within the
     running rows' step), a prompt and steps past GPT-Neo's local window (16 places here).  Its cache in fp32, and
     in bf16 (an int8 view's where the CPU computes bf16 natively, decoding.cache_dtype): within a tenth of the
-    int8 form's error."""
+    int8 form's error; on our attention kernel and on torch's."""
     ai, _ = trained[kind]
     model = copy.deepcopy(ai.model).float().eval()  # a prefix's frozen base is held in bf16 where native
     held = as_decoder(model)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lowmem_aitextgen import hardware, int8_kernels, native_int8
+from lowmem_aitextgen import hardware, int8_kernels, native, native_int8
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear
 
 KERNELS = [FbgemmProduct, OneDNNProduct]
@@ -117,10 +117,10 @@ def test_a_copy_of_a_view_on_onednns_kernel_computes_as_the_original():
 
 
 def test_ours_where_built_and_the_cpu_has_vnni_else_fbgemms_else_onednns_else_none(monkeypatch):
-    flags = native_int8._cpu_flags()
-    ours = native_int8.built() is not None and {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
+    flags = native.cpu_flags()
+    ours = native.built() is not None and {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
     assert int8_kernels.product_kernel() is (NativeProduct if ours else FbgemmProduct)
-    monkeypatch.setattr(native_int8, "built", lambda: None)  # as a machine without gcc
+    monkeypatch.setattr(native, "built", lambda: None)  # as a machine without gcc
     assert int8_kernels.product_kernel() is FbgemmProduct  # this torch has both (test_decoding fails otherwise)
     monkeypatch.setattr(hardware, "INT8_OPS", (*hardware.INT8_OPS, "_gone"))  # as a torch that dropped one
     assert hardware.missing_int8_kernels() == ["torch.ops.quantized._gone"] and hardware.cpu().int8_kernels
@@ -134,8 +134,8 @@ def test_ours_where_built_and_the_cpu_has_vnni_else_fbgemms_else_onednns_else_no
 def test_our_kernel_is_built_here_and_runs_the_paths_the_cpu_has():
     """Built where gcc is (every machine CI runs: inductor needs it too); its paths are those the CPU's flags name,
     AMX where Linux also grants its tiles."""
-    flags = native_int8._cpu_flags()
-    assert native_int8.built() is not None, "gcc is here, yet the kernel was not built: see the INFO line"
+    flags = native.cpu_flags()
+    assert native.built() is not None, "gcc is here, yet the kernel was not built: see the INFO line"
     paths = native_int8.cpu_paths()
     assert paths[0] == "avx2" and ("vnni" in paths) == ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags)
     assert ("amx" in paths) <= ({"amx_tile", "amx_int8"} <= flags)
@@ -207,29 +207,29 @@ def test_our_packed_weight_gives_back_its_integers():
 
 def test_our_kernel_is_built_once_a_machine_into_the_users_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = native_int8._library_file()
+    first = native._library_file()
     assert first.parent == tmp_path / "lowmem_aitextgen" / "kernels" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert native_int8._library_file() == first and first.stat().st_mtime_ns == stamp  # not built again
+    assert native._library_file() == first and first.stat().st_mtime_ns == stamp  # not built again
     assert os.listdir(first.parent) == [first.name]  # nothing partial left beside it
-    assert native_int8._loaded(first).lowmem_int8_linear is not None
+    assert native._loaded(first).lowmem_int8_linear is not None
 
 
 @pytest.mark.parametrize("how", ["no gcc", "a failing build"])
 def test_where_our_kernel_cannot_be_built_torchs_computes_and_says_why(tmp_path, monkeypatch, caplog, how):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     if how == "no gcc":
-        monkeypatch.setattr(native_int8.shutil, "which", lambda name: None)
+        monkeypatch.setattr(native.shutil, "which", lambda name: None)
     else:
         broken = tmp_path / "int8_linear.c"
         broken.write_text("this is not C\n")
-        monkeypatch.setattr(native_int8, "SOURCE", broken)
-    monkeypatch.setattr(native_int8, "built", functools.cache(native_int8.built.__wrapped__))  # not this process's
+        monkeypatch.setattr(native, "SOURCES", (broken,))
+    monkeypatch.setattr(native, "built", functools.cache(native.built.__wrapped__))  # not this process's
     monkeypatch.setattr(native_int8, "cpu_paths", functools.cache(native_int8.cpu_paths.__wrapped__))
     with caplog.at_level(logging.INFO, logger="lowmem_aitextgen"):
-        assert native_int8.built() is None
+        assert native.built() is None
     said = "no gcc on the PATH" if how == "no gcc" else "building it failed (SubprocessError: "
-    assert said in caplog.text and "int8 products on torch's kernels" in caplog.text
+    assert said in caplog.text and "int8 products and attention on torch's kernels" in caplog.text
     assert int8_kernels.product_kernel() is FbgemmProduct
     assert not list((tmp_path / "lowmem_aitextgen" / "kernels").glob("*.so"))
     module = TokenwiseInt8Linear(linear())

@@ -71,10 +71,10 @@ def test_ci_runs_the_readme_test_command_then_the_edges_at_the_oldest_versions()
 
 
 def test_every_file_beside_the_packages_modules_is_installed_with_it():
-    """A wheel carries the package's modules and package_data's files only: the server's page, our int8 kernel's
-    source (native_int8.py builds it at first use)."""
+    """A wheel carries the package's modules and package_data's files only: the server's page, our kernels'
+    sources (native.py builds them at first use)."""
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
     declared = {name.strip() for name in config["options.package_data"]["lowmem_aitextgen"].split(",")}
     beside = {p.name for p in (ROOT / "lowmem_aitextgen").iterdir() if p.is_file() and p.suffix not in (".py", ".pyc")}
-    assert beside == declared == {"page.html", "int8_linear.c"}
+    assert beside == declared == {"page.html", "int8_linear.c", "one_token_attention.c", "native_math.h"}

@@ -1,0 +1,120 @@
+"""lowmem_aitextgen's own C kernels (int8_linear.c: int8_kernels' native product; one_token_attention.c: the
+stepping decoder's one-token attention), built at first use by the machine's gcc into one library, called through
+ctypes by native_int8.py and native_attention.py.
+
+| what          | how                                                                                           |
+|---------------|-----------------------------------------------------------------------------------------------|
+| build         | `gcc -O3 -fopenmp -ffp-contract=off -shared`, each path's instructions by target attributes (no |
+|               | -march: the library runs on any x86-64 CPU), once a machine: into the user's cache, named by a  |
+|               | hash of the sources and the compiler, written atomically (KERNELS)                             |
+| threads       | OpenMP, `torch.get_num_threads()` of them; the library links libgomp.so.1, which resolves to   |
+|               | the copy torch loaded (the same soname): one thread pool with torch's                          |
+| instructions  | each caller checks the CPU's flags (`cpu_flags`) before a path runs: read from the CPU itself,  |
+|               | not hardware.cpu(), as fbgemm and oneDNN choose their own kernels (a presented CPU must not run |
+|               | instructions the real one lacks)                                                               |
+| not built     | not Linux on x86-64, a CPU without AVX2, no gcc, a failed build (said once, INFO): torch's      |
+|               | kernels (int8_kernels.product_kernel, stepping.Step's attention)                                |
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import hardware
+
+logger = logging.getLogger("lowmem_aitextgen")
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c")
+HEADERS = (HERE / "native_math.h",)  # (their bytes are in the library's name too: a changed header rebuilds it)
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+KERNELS = "kernels"  # the cache's folder for built libraries
+
+
+@functools.cache
+def built() -> ctypes.CDLL | None:
+    """The library, built once a machine (module docstring); None where it cannot be (said once, why)."""
+    why = _not_buildable()
+    if why is None:
+        try:
+            return _loaded(_library_file())
+        except (OSError, subprocess.SubprocessError) as error:
+            said = (str(error).strip().splitlines() or [""])[-1]
+            why = f"building it failed ({type(error).__name__}: {said})"
+    logger.info(f"int8 products and attention on torch's kernels: lowmem_aitextgen's own kernels are not used here: "
+                f"{why}.")
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's flags as Linux lists them (/proc/cpuinfo)."""
+    return set((hardware.cpuinfo("flags") or "").split())
+
+
+def _not_buildable() -> str | None:
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return f"they are built for Linux on x86-64, not {sys.platform} on {platform.machine()}"
+    if "avx2" not in cpu_flags():
+        return "this CPU has no AVX2"
+    if shutil.which("gcc") is None:
+        return "no gcc on the PATH"
+    return None
+
+
+def _library_file() -> Path:
+    """The built library's path, building it where it is not in the cache yet."""
+    version = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True).stdout
+    texts = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(texts + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    folder = _cache_folder()
+    target = folder / f"lowmem_kernels-{key}.so"
+    if not target.exists():
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            subprocess.run(["gcc", *FLAGS, "-I", str(HERE), *map(str, SOURCES), "-o", partial], capture_output=True,
+                           text=True, check=True)
+            os.replace(partial, target)  # another process building it at once writes the same bytes
+        except subprocess.CalledProcessError as error:
+            raise subprocess.SubprocessError(error.stderr.strip() or f"gcc exited with {error.returncode}") from None
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    return target
+
+
+def _cache_folder() -> Path:
+    """The user's cache folder for built libraries (XDG_CACHE_HOME's), else a temporary one for this process."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = Path(home) / "lowmem_aitextgen" / KERNELS
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="lowmem_aitextgen-kernels-"))
+
+
+def _loaded(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    pointer, number, long, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    library.lowmem_int8_linear.argtypes = [number, pointer, number, number, number, pointer, pointer, number, real,
+                                           pointer, number, real, real, pointer, number]
+    library.lowmem_int8_linear.restype = number
+    library.lowmem_amx_request.argtypes, library.lowmem_amx_request.restype = [], number
+    library.lowmem_one_token_attention.argtypes = [pointer, number, long, long, pointer, pointer, number, long, long,
+                                                   long, number, number, number, pointer, number, number, real,
+                                                   pointer, number]
+    library.lowmem_one_token_attention.restype = number
+    return library
