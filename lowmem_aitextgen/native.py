@@ -1,6 +1,6 @@
 """lowmem_aitextgen's own C kernels (int8_linear.c: int8_kernels' native product; one_token_attention.c: the
-stepping decoder's one-token attention), built at first use by the machine's gcc into one library, called through
-ctypes by native_int8.py and native_attention.py.
+stepping decoder's one-token attention; top_k.c: sampling's top-k), built at first use by the machine's gcc into one
+library, called through ctypes by native_int8.py, native_attention.py and native_top_k.py.
 
 | what          | how                                                                                           |
 |---------------|-----------------------------------------------------------------------------------------------|
@@ -13,7 +13,7 @@ ctypes by native_int8.py and native_attention.py.
 |               | not hardware.cpu(), as fbgemm and oneDNN choose their own kernels (a presented CPU must not run |
 |               | instructions the real one lacks)                                                               |
 | not built     | not Linux on x86-64, a CPU without AVX2, no gcc, a failed build (said once, INFO): torch's      |
-|               | kernels (int8_kernels.product_kernel, stepping.Step's attention)                                |
+|               | kernels (int8_kernels.product_kernel, stepping.Step's attention, sampling's top-k)              |
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from . import hardware
 logger = logging.getLogger("lowmem_aitextgen")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c")
+SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c", HERE / "top_k.c")
 HEADERS = (HERE / "native_math.h",)  # (their bytes are in the library's name too: a changed header rebuilds it)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 KERNELS = "kernels"  # the cache's folder for built libraries
@@ -51,8 +51,8 @@ def built() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as error:
             said = (str(error).strip().splitlines() or [""])[-1]
             why = f"building it failed ({type(error).__name__}: {said})"
-    logger.info(f"int8 products and attention on torch's kernels: lowmem_aitextgen's own kernels are not used here: "
-                f"{why}.")
+    logger.info(f"int8 products, attention and top-k on torch's kernels: lowmem_aitextgen's own kernels are not used "
+                f"here: {why}.")
     return None
 
 
@@ -117,4 +117,6 @@ def _loaded(path: Path) -> ctypes.CDLL:
                                                    long, number, number, number, pointer, number, number, real,
                                                    pointer, number]
     library.lowmem_one_token_attention.restype = number
+    library.lowmem_top_k.argtypes = [pointer, long, number, number, number, pointer, pointer, number]
+    library.lowmem_top_k.restype = number
     return library

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from . import native_top_k
+
 # how many of the likeliest tokens a top-p pick without top-k looks among: the more only where the fewer hold less
 # than top_p (past the last, the whole vocabulary is sorted); topk of 64 and 2048 of 50,257: 0.14 and ~0.6 ms here
 CANDIDATES = (64, 2048)
@@ -269,11 +271,12 @@ def _picked_together(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]
     logits = _barred(rows, logits, eos)
     picks = {j: int(logits[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
     drawn = [j for j, row in enumerate(rows) if row.settings.temperature != 0]
-    scaled = _scaled([rows[j] for j in drawn], logits if len(drawn) == len(rows) else logits[drawn])
+    unscaled = logits if len(drawn) == len(rows) else logits[drawn]
     for k in sorted({rows[j].settings.top_k for j in drawn}):
         group = [n for n, j in enumerate(drawn) if rows[j].settings.top_k == k]
-        among, members = scaled if len(group) == len(drawn) else scaled[group], [rows[drawn[n]] for n in group]
-        tokens = _drawn_among_top_k(members, among, k) if k else _drawn(among.softmax(-1), _uniform(members)).tolist()
+        among, members = unscaled if len(group) == len(drawn) else unscaled[group], [rows[drawn[n]] for n in group]
+        tokens = (_drawn_among_top_k(members, among, k) if k
+                  else _drawn(_scaled(members, among).softmax(-1), _uniform(members)).tolist())
         for n, token in zip(group, tokens):  # (a tied row's logits barred again by next_token: the same logits)
             j = drawn[n]
             picks[j] = rows[j].next_token(logits[j], rows[j].settings.eos or eos) if token is None else token
@@ -286,9 +289,14 @@ def _uniform(rows: list[Row]) -> torch.Tensor:
 
 
 def _drawn_among_top_k(rows: list[Row], logits: torch.Tensor, k: int) -> list[int | None]:
-    """Each row's token drawn among its `k` likeliest of `logits` (a row each of `rows`), as likeliest_kept and
-    _draw_among draw a row alone; None for a row tied at its k-th logit (it keeps more than k: left to next_token)."""
-    values, ids = logits.topk(k + 1)
+    """Each row's token drawn among its `k` likeliest of `logits` (a row each of `rows`, not yet divided by their
+    temperatures), as likeliest_kept and _draw_among draw a row alone; None for a row tied at its k-th logit (it
+    keeps more than k: left to next_token).  The k + 1 largest are divided, not the whole row: a division rounds
+    each logit alone and never reorders two (it may make them equal: the tie is seen after it), so they are the
+    k + 1 largest of the divided row, with its bits (the draw is in the order of the ids, whatever order equal
+    values come in)."""
+    values, ids = native_top_k.largest(logits, k + 1)
+    values = _scaled(rows, values)
     tied = (values[:, k] == values[:, k - 1]).tolist()
     kept = [m for m, tie in enumerate(tied) if not tie]
     tokens: list[int | None] = [None] * len(rows)
@@ -309,7 +317,7 @@ def likeliest_kept(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torc
     (the whole vocabulary is filtered then)."""
     size = logits.shape[-1]
     if top_k and top_k < size:
-        values, ids = logits.topk(top_k + 1)
+        values, ids = (t[0] for t in native_top_k.largest(logits[None], top_k + 1))
         if values[top_k] == values[top_k - 1]:
             return None
         values, ids = values[:top_k], ids[:top_k]

@@ -1,0 +1,132 @@
+/* lowmem_aitextgen's top-k of a few rows of logits (native_top_k.py calls it): each row's k largest values,
+ * largest first, and their ids, in one pass over the row.
+ *
+ * The largest of 32 logits at a time is compared with the least of the k largest held (AVX2); only the logits
+ * above it are gathered, and a quickselect keeps the k first of them when their room fills, so a row of GPT-2's
+ * 50,257 costs one read and a few selections over a few hundred (~17 us here; a heap of k, its steps' branches
+ * unforeseeable, took 53; torch's topk ~65).  Which of several equal values are kept, and their order among
+ * themselves, is not torch's (ours: the earlier id first; torch's: unspecified): its callers use the values and
+ * the set of ids, which any exact top-k gives alike where the k-th value is not tied past it.  A row holding NaN
+ * (which torch's topk takes as the largest) is refused, for the caller to give torch. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    float value;
+    int32_t id;
+} entry;
+
+/* a before b: the larger value, of equals the earlier id (a total order: no two entries are equal in it) */
+static inline int before(entry a, entry b) { return a.value > b.value || (a.value == b.value && a.id < b.id); }
+
+/* a[0..k) the k first of a (n) in `before`'s order, in any order among themselves (quickselect, the middle of
+ * three as the pivot) */
+static void keep_first(entry *a, int n, int k) {
+    int low = 0, high = n - 1;
+    while (low < high) {
+        int middle = low + (high - low) / 2;
+        if (before(a[middle], a[low])) { entry t = a[middle]; a[middle] = a[low]; a[low] = t; }
+        if (before(a[high], a[low])) { entry t = a[high]; a[high] = a[low]; a[low] = t; }
+        if (before(a[high], a[middle])) { entry t = a[high]; a[high] = a[middle]; a[middle] = t; }
+        entry pivot = a[middle];
+        int i = low, j = high;
+        while (i <= j) {
+            while (before(a[i], pivot)) i++;
+            while (before(pivot, a[j])) j--;
+            if (i <= j) { entry t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (k - 1 <= j) high = j;
+        else if (k - 1 >= i) low = i;
+        else return;
+    }
+}
+
+/* the entries of x[i..i+8) above `least` appended to kept */
+__attribute__((target("avx2"))) static inline int enter(const float *x, int i, __m256 v, float least, entry *kept,
+                                                        int count) {
+    int above = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(least), _CMP_GT_OQ));
+    for (; above; above &= above - 1) {
+        int at = i + __builtin_ctz(above);
+        kept[count++] = (entry){x[at], at};
+    }
+    return count;
+}
+
+/* the k largest of row x (n), largest first (of equals the earlier id) into values and ids; -1 where x holds NaN.
+ * `kept` holds room for 4k + 32 entries: the first k, then the logits above `least` (the least of the k held),
+ * gathered 32 at a time where their largest is above it; each time it fills, only its k first stay and `least`
+ * rises to the k-th. */
+__attribute__((target("avx2"))) static int row_top_k(const float *x, int n, int k, entry *kept, float *values,
+                                                     int64_t *ids) {
+    const int room = 4 * k;
+    float least = INFINITY;
+    int count = k, i = k;
+    for (int j = 0; j < k; j++) {
+        if (x[j] != x[j]) return -1;
+        kept[j] = (entry){x[j], j};
+        least = x[j] < least ? x[j] : least;
+    }
+    __m256 nan = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+        nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q),
+                                                          _mm256_cmp_ps(b, b, _CMP_UNORD_Q)),
+                                             _mm256_or_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q),
+                                                          _mm256_cmp_ps(d, d, _CMP_UNORD_Q))));
+        __m256 most = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));
+        if (!_mm256_movemask_ps(_mm256_cmp_ps(most, _mm256_set1_ps(least), _CMP_GT_OQ))) continue;
+        count = enter(x, i, a, least, kept, count);
+        count = enter(x, i + 8, b, least, kept, count);
+        count = enter(x, i + 16, c, least, kept, count);
+        count = enter(x, i + 24, d, least, kept, count);
+        if (count >= room) {
+            keep_first(kept, count, k);
+            count = k;
+            least = kept[0].value;
+            for (int j = 1; j < k; j++) least = kept[j].value < least ? kept[j].value : least;
+        }
+    }
+    if (_mm256_movemask_ps(nan)) return -1;
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return -1;
+        if (x[i] > least) kept[count++] = (entry){x[i], i};
+    }
+    keep_first(kept, count, k);
+    for (int j = 1; j < k; j++) { /* the k first in order: insertion */
+        entry e = kept[j];
+        int at = j;
+        for (; at > 0 && before(e, kept[at - 1]); at--) kept[at] = kept[at - 1];
+        kept[at] = e;
+    }
+    for (int j = 0; j < k; j++) {
+        values[j] = kept[j].value;
+        ids[j] = kept[j].id;
+    }
+    return 0;
+}
+
+/* values, ids (rows x k) = the k largest of each row of x (rows x n, rows `stride` floats apart), largest first.
+ * Returns 0; -1 where a row holds NaN; -2 where the scratch memory cannot be had. */
+int lowmem_top_k(const float *x, long stride, int rows, int n, int k, float *values, int64_t *ids, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* the room row_top_k fills to (4k), a block of 32 past it, and the row's last 31 logits */
+        entry *kept = malloc(sizeof(entry) * ((size_t)4 * k + 64));
+        if (!kept) {
+#pragma omp atomic write
+            failed = -2;
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++)
+            if (kept && row_top_k(x + r * stride, n, k, kept, values + (long)r * k, ids + (long)r * k) != 0) {
+#pragma omp atomic write
+                failed = -1;
+            }
+        free(kept);
+    }
+    return failed;
+}

@@ -1,0 +1,81 @@
+"""Sampling's top-k on our own kernel (native_top_k.py, top_k.c) against torch's topk and against each row's
+own pick alone: the same values, the same set of ids wherever the k-th value is not tied past it, the same
+draws."""
+
+import pytest
+import torch
+
+from lowmem_aitextgen import native, native_top_k
+from lowmem_aitextgen.sampling import Row, RowSettings, next_tokens
+
+built = pytest.mark.skipif(native.built() is None, reason="our kernels need gcc on x86-64 Linux with AVX2")
+
+
+def logits(rows: int, n: int, seed: int) -> torch.Tensor:
+    """Rows of logits as a model gives them, with what sampling adds: barred tokens (-inf), equal values, and a
+    row of fewer possible tokens than k."""
+    generator = torch.Generator().manual_seed(seed)
+    made = torch.randn(rows, n, generator=generator) * 4
+    made[:, 7::97] = -torch.inf
+    made[0] = (made[0] * 2).round() / 2  # many equal values, the largest among them
+    made[-1, 3:] = -torch.inf
+    return made
+
+
+@built
+@pytest.mark.parametrize("n", [50257, 300, 9])
+def test_the_k_largest_are_torchs_values_and_the_ids_of_them(n):
+    """Every k from one to the whole row: torch's values exactly; ids distinct, each the id of its value; the
+    same set of ids as torch's where the k-th value is not tied with the next (as sampling uses them); a row's
+    result its own alone or beside others."""
+    rows = logits(5, n, seed=n)
+    for k in sorted({1, 5, 8, 51, 300, n} & set(range(1, n + 1))):
+        values, ids = native_top_k.largest(rows, k)
+        expected_values, expected_ids = rows.topk(k)
+        assert torch.equal(values, expected_values), k
+        assert torch.equal(rows.gather(1, ids), values) and all(len(set(r)) == k for r in ids.tolist())
+        for row in range(5):
+            untied = k == n or rows[row].topk(k + 1).values[k] != values[row, k - 1]
+            if untied:
+                assert set(ids[row].tolist()) == set(expected_ids[row].tolist()), (k, row)
+            alone = native_top_k.largest(rows[row:row + 1], k)
+            assert torch.equal(alone[0][0], values[row]) and torch.equal(alone[1][0], ids[row])
+
+
+@built
+def test_a_row_holding_nan_and_what_the_kernel_does_not_take_are_torchs_topk(monkeypatch):
+    rows = logits(3, 1000, seed=1)
+    rows[1, 500] = float("nan")  # torch's topk takes NaN as the largest
+    for given in (rows, rows.double(), rows[:, ::2]):
+        values, ids = native_top_k.largest(given, 4)
+        expected = given.topk(4)
+        torch.testing.assert_close(values, expected.values, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(ids, expected.indices)
+    monkeypatch.setattr(native, "built", lambda: None)  # as a machine without gcc
+    assert torch.equal(native_top_k.largest(rows[::2], 4)[0], rows[::2].topk(4).values)
+
+
+@pytest.mark.parametrize("kernel", ["ours", "torch's"])
+def test_rows_adding_top_k_draw_what_each_draws_alone_though_their_logits_tie(kernel, monkeypatch):
+    """Logits in steps of a quarter, temperatures that make more of them equal: the rows picked together (top-k
+    taken before the division) draw, step after step, what each draws alone (the whole row divided, then its
+    top-k); on our kernel and on torch's topk."""
+    if kernel == "torch's":
+        monkeypatch.setattr(native, "built", lambda: None)
+    elif native.built() is None:
+        pytest.skip("our kernels need gcc on x86-64 Linux with AVX2")
+    settings = [RowSettings(max_new=50, temperature=t, seed=s, top_k=k)
+                for s, (t, k) in enumerate([(0.3, 50), (0.7, 50), (1.3, 5), (0.9, 50), (0.1, 50), (2.0, 1)])]
+    prompt = torch.tensor([1, 2, 3])
+    together, alone = [Row(prompt, s) for s in settings], [Row(prompt, s) for s in settings]
+    generator = torch.Generator().manual_seed(2)
+    tied = 0
+    for _ in range(30):
+        scores = (torch.randn(len(settings), 2000, generator=generator) * 12).round() / 4
+        tied += sum(int(row.topk(51).values[50] == row.topk(51).values[49]) for row in scores)
+        picked = next_tokens(together, scores, ())
+        assert picked == [row.next_token(scores[i].clone(), ()) for i, row in enumerate(alone)]
+        for rows in (together, alone):
+            for row, token in zip(rows, picked):
+                row.tokens.append(token)
+    assert tied > 0 and len({token for row in together for token in row.tokens}) > 30
