@@ -240,18 +240,21 @@ def next_tokens(rows: list[Row], scores: torch.Tensor, eos: tuple[int, ...]) -> 
     picks: dict[int, int | None] = {i: None for i in range(len(rows))}
     for i in set(live).difference(together):
         picks[i] = rows[i].next_token(scores[i], rows[i].settings.eos or eos)
-    if together:  # indexing by a list copies: theirs to change
-        picks.update(zip(together, _picked_together([rows[i] for i in together], scores[together].float(), eos)))
+    if together:  # (every row: the scores as they are, not a copy by a list of 400,000 floats for 8 rows, ~0.15 ms)
+        theirs = scores if len(together) == scores.shape[0] and together == sorted(together) else scores[together]
+        picks.update(zip(together, _picked_together([rows[i] for i in together], theirs.float(), eos)))
     return [picks[i] for i in range(len(rows))]
 
 
 def _barred(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
     """`logits` (a row each of `rows`) with end-of-text impossible in each row still short of its min_new, as
-    Row.next_token bars it (transformers' MinNewTokensLength), changed in place."""
-    for j, row in enumerate(rows):
-        ends = row.settings.eos or eos
-        if ends and len(row.tokens) < row.settings.min_new:
-            logits[j, list(ends)] = -torch.inf
+    Row.next_token bars it (transformers' MinNewTokensLength): a copy where a row is barred, else `logits`."""
+    barred = [(j, list(row.settings.eos or eos)) for j, row in enumerate(rows)
+              if (row.settings.eos or eos) and len(row.tokens) < row.settings.min_new]
+    if barred:
+        logits = logits.clone()
+    for j, ends in barred:
+        logits[j, ends] = -torch.inf
     return logits
 
 
@@ -266,7 +269,7 @@ def _scaled(rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
 
 def _picked_together(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
     """next_tokens's picks for plain rows and rows adding only top_k, `logits` their scores (rows, vocabulary),
-    changed in place: the rows of one top_k (0: none) drawn by a few calls for all of them; a row tied at its k-th
+    never changed: the rows of one top_k (0: none) drawn by a few calls for all of them; a row tied at its k-th
     logit picked by next_token (transformers' warper keeps every tied token)."""
     logits = _barred(rows, logits, eos)
     picks = {j: int(logits[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}

@@ -57,15 +57,16 @@ def test_a_row_holding_nan_and_what_the_kernel_does_not_take_are_torchs_topk(mon
 
 @pytest.mark.parametrize("kernel", ["ours", "torch's"])
 def test_rows_adding_top_k_draw_what_each_draws_alone_though_their_logits_tie(kernel, monkeypatch):
-    """Logits in steps of a quarter, temperatures that make more of them equal: the rows picked together (top-k
-    taken before the division) draw, step after step, what each draws alone (the whole row divided, then its
-    top-k); on our kernel and on torch's topk."""
+    """Logits in steps of a quarter, temperatures that make more of them equal, a row's end-of-text barred: the
+    rows picked together (top-k taken before the division) draw, step after step, what each draws alone (the
+    whole row divided, then its top-k), and leave the scores given as they were; on our kernel and on torch's."""
     if kernel == "torch's":
         monkeypatch.setattr(native, "built", lambda: None)
     elif native.built() is None:
         pytest.skip("our kernels need gcc on x86-64 Linux with AVX2")
-    settings = [RowSettings(max_new=50, temperature=t, seed=s, top_k=k)
-                for s, (t, k) in enumerate([(0.3, 50), (0.7, 50), (1.3, 5), (0.9, 50), (0.1, 50), (2.0, 1)])]
+    settings = [RowSettings(max_new=50, temperature=t, seed=s, top_k=k, min_new=m)
+                for s, (t, k, m) in enumerate([(0.3, 50, 0), (0.7, 50, 9), (1.3, 5, 0), (0.9, 50, 0), (0.1, 50, 0),
+                                               (2.0, 1, 0)])]
     prompt = torch.tensor([1, 2, 3])
     together, alone = [Row(prompt, s) for s in settings], [Row(prompt, s) for s in settings]
     generator = torch.Generator().manual_seed(2)
@@ -73,8 +74,10 @@ def test_rows_adding_top_k_draw_what_each_draws_alone_though_their_logits_tie(ke
     for _ in range(30):
         scores = (torch.randn(len(settings), 2000, generator=generator) * 12).round() / 4
         tied += sum(int(row.topk(51).values[50] == row.topk(51).values[49]) for row in scores)
-        picked = next_tokens(together, scores, ())
-        assert picked == [row.next_token(scores[i].clone(), ()) for i, row in enumerate(alone)]
+        given = scores.clone()
+        picked = next_tokens(together, scores, (3, 5))
+        assert torch.equal(scores, given)  # the caller's scores as they were (row 1's end-of-text barred in a copy)
+        assert picked == [row.next_token(scores[i].clone(), (3, 5)) for i, row in enumerate(alone)]
         for rows in (together, alone):
             for row, token in zip(rows, picked):
                 row.tokens.append(token)
