@@ -1,5 +1,7 @@
 """The attention of rows whose text must repeat (a seeded or greedy text, in the form that computes each token
-alone): each row's output the bits it gets decoded alone, whatever rows it runs beside.
+alone): each row's output the bits it gets decoded alone, whatever rows it runs beside, on torch's kernel.  Where
+our own kernel runs (native_attention.py: a CPU with AVX512F), a row's one new token attends on it instead, alone
+by construction; this module then serves the prompts of several tokens, and every row elsewhere.
 
 torch's CPU attention kernel (scaled_dot_product_attention's flash kernel) gives a row other bits beside padding
 (it sums the row's places in another order) and, with several threads, at one row than among several.  Each

@@ -18,13 +18,16 @@ joining costs the others its tokens' share of the products, not a pass over the 
 | projections   | each module called (an int8 Linear, a 16-bit Conv1D...): their hooks run, as in the forward |
 |               | (the parts' tokens side by side; a token its own where the form quantizes tokens alone);    |
 |               | an unhooked module's forward called straight, the block's modules looked up once (`Layer`)  |
-| attention     | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
+| attention     | a row's one new token (a step, a prompt of one) on our own kernel where the CPU has AVX512F |
+|               | (native_attention.py: each row over its own places alone, whatever rows are beside it; a   |
+|               | prefix row padded over its places gathered); else, and for longer prompts,                  |
+|               | scaled_dot_product_attention over the cache, the rows' padding masked (no mask where no row |
 |               | is padded), causal over a prompt, the family's scaling; GPT-Neo's local layers within      |
-|               | window_size places (a step: the last ones).  Where the projections compute each token      |
-|               | alone (the form of seeded texts), a row whose text must repeat (Part.alone) attends as it   |
-|               | does alone (row_attention.py: a call of its own, or one for rows of its own places, over    |
-|               | the cache's zeros after them); other rows attend as the batch (a call a row costs a 16-row  |
-|               | step a seventh more)                                                                        |
+|               | window_size places (a step: the last ones).  There, where the projections compute each     |
+|               | token alone (the form of seeded texts), a row whose text must repeat (Part.alone) attends  |
+|               | as it does alone (row_attention.py: a call of its own, or one for rows of its own places,  |
+|               | over the cache's zeros after them); other rows attend as the batch (a call a row costs a   |
+|               | 16-row step a seventh more)                                                                 |
 | GELU          | GPT-2's tanh approximation as one operation (F.gelu, approximate="tanh") in place of        |
 |               | transformers' eight: the same function, rounded differently                                 |
 | cache         | the engine's cache (kv_cache.py: written in place); one in fewer bits than the activations  |
