@@ -1,0 +1,104 @@
+"""Our one-token attention and top-k kernels (native_attention.py, native_top_k.py) against torch's, per call and
+end to end, alternating in one process.
+
+    python benchmarks/native_kernels.py --calls
+    python benchmarks/native_kernels.py --sizes 355M --batches 1 8 --rounds 4
+
+--calls: one layer's attention of 8 rows, 16 heads of 64 (355M's) over a cache of `places` (a bf16 and an fp32
+cache, views into buffers with room), ours against what the stepping decoder did on torch's (the query to the
+cache's dtype, scaled_dot_product_attention, transposed and back to fp32); and the top-51 of 8 and 1 rows of
+50,257 logits.  End to end: generate() of 128 new tokens, seeded (the default form), with both kernels, with
+torch's attention, with torch's topk: tokens/s, the median of the rounds, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from generate_speed import ours, saved_gpt2  # noqa: E402
+
+from lowmem_aitextgen import aitextgen, hardware, native_attention, native_top_k  # noqa: E402
+
+
+def timed(call, repeats: int = 300) -> float:
+    """Microseconds a call, after a warm-up."""
+    for _ in range(20):
+        call()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def calls() -> None:
+    rows, heads, size = 8, 16, 64
+    for dtype in (torch.bfloat16, torch.float32):
+        for places in (17, 80, 144, 500):
+            buffers = torch.randn(2, rows, heads, places + 64, size).to(dtype)
+            keys, values = buffers[0, :, :, :places], buffers[1, :, :, :places]
+            query = torch.randn(rows, 1, 3, heads, size).permute(2, 0, 3, 1, 4)[0]
+            counts = torch.full((rows,), places, dtype=torch.int32)
+
+            def theirs() -> torch.Tensor:
+                out = F.scaled_dot_product_attention(query.to(dtype), keys, values, scale=0.125)
+                return out.transpose(1, 2).reshape(rows, -1).float()
+
+            print(f"attention, {str(dtype)[6:]} cache, {places} places: ours "
+                  f"{timed(lambda: native_attention.attend(query, keys, values, counts, None, 0.125)):.1f} us, "
+                  f"torch's {timed(theirs):.1f} us")
+    logits = torch.randn(8, 50257) * 4
+    for many in (8, 1):
+        print(f"top-51 of {many} rows of 50,257: ours {timed(lambda: native_top_k.largest(logits[:many], 51)):.1f} us, "
+              f"torch's {timed(lambda: logits[:many].topk(51)):.1f} us")
+
+
+def end_to_end(sizes: list[str], batches: list[int], rounds: int) -> None:
+    available, largest = native_attention.available, native_top_k.largest
+    variants = {"ours": (available, largest), "torch's attention": (lambda: False, largest),
+                "torch's topk": (available, lambda logits, k: logits.topk(k))}
+    for size in sizes:
+        with tempfile.TemporaryDirectory() as folder:
+            saved_gpt2(size, folder)
+            ai, default = aitextgen(model_folder=folder), ours("auto", 1)
+            for batch in batches:
+                default(ai, None, batch, 8)
+                got: dict[str, list[float]] = {name: [] for name in variants}
+                for _ in range(rounds):
+                    for name, (attention, top_k) in variants.items():
+                        native_attention.available, native_top_k.largest = attention, top_k  # read at each call
+                        start = time.perf_counter()
+                        default(ai, None, batch, 128)
+                        got[name].append(batch * 128 / (time.perf_counter() - start))
+                native_attention.available, native_top_k.largest = available, largest
+                medians = {name: statistics.median(values) for name, values in got.items()}
+                print(f"{size}, batch {batch}: " + "; ".join(
+                    f"{name} {medians[name]:.1f} tok/s ({medians['ours'] / medians[name]:.3f}x)" for name in got))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", action="store_true")
+    parser.add_argument("--sizes", nargs="*", default=["355M"])
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    if not native_attention.available():
+        sys.exit("our attention kernel does not run here (it needs AVX512F and gcc)")
+    print(f"{hardware.cpu().name}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.calls:
+        calls()
+    else:
+        end_to_end(args.sizes, args.batches, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
