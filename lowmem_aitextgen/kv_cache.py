@@ -28,14 +28,16 @@ two buffers (`Slots`):
 
 The buffers' dtype is the keys' unless the engine names one (decoding.cache_dtype decides it): an int8 view
 computes in fp32, and at long texts its steps are bound by reading the cache, not the int8 weights (355M, 8
-rows, ~520 places: attention half of a compiled step; RESULTS.md, nineteenth session).  The stepping decoder
-attends in the cache's dtype, the output back in fp32 (stepping.py):
+rows, ~520 places: attention half of a compiled step; RESULTS.md, nineteenth session).  The stepping decoder's
+one-token attention reads a bf16 cache widened to fp32 on our kernel (native_attention.py), and elsewhere attends
+in the cache's dtype, the output back in fp32 (stepping.py):
 
 | an int8 view's cache | bytes a place | attention kernel (8 rows, 355M's heads) | quality (kv_quality.py)             |
 |----------------------|---------------|-----------------------------------------|-------------------------------------|
 | fp32 (no native bf16)| 4             | 1x                                      | the int8 form's own                 |
 | bf16 (native bf16)   | 2             | ~2x quicker where the CPU computes bf16 | held-out loss unchanged; the worst  |
-|                      |               | natively (emulated elsewhere: slower)   | place's KL from the forward 0.012   |
+|                      |               | natively (emulated elsewhere: slower)   | place's KL from the forward 0.0056  |
+|                      |               |                                         | on our kernel (0.012 on torch's)    |
 | fp16 (not taken)     | 2             | no quicker than fp32 on such a CPU      | within the int8 form's own          |
 """
 
