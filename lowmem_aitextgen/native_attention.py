@@ -55,12 +55,15 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, places
     """Each row's attention (rows, heads x head size; fp32) of its one query (rows, heads, 1, head size) over its
     last min(`places`[row], window) places of `keys` and `values` (rows, heads, width, head size; the same strides):
     its scores times `scale`; a row of 0 places is zeros (the caller's to compute)."""
-    rows, heads, _, size = query.shape
+    rows, heads, tokens, size = query.shape
     width = keys.shape[2]
-    if keys.stride() != values.stride() or keys.dtype != values.dtype or places.dtype != torch.int32 \
+    if tokens != 1 or keys.shape != values.shape or keys.shape[:2] + keys.shape[3:] != (rows, heads, size) \
+            or keys.stride() != values.stride() or keys.dtype != values.dtype or places.dtype != torch.int32 \
             or not places.is_contiguous() or places.numel() != rows:
-        raise ValueError("native_attention.attend: keys and values of one layout, and int32 places (one a row) "
-                         f"are needed; got {keys.stride()}, {values.stride()}, {places}")
+        raise ValueError("native_attention.attend: one query a row, keys and values of its rows, heads and size in "
+                         f"one layout, and int32 places (one a row) are needed; got a query of {tuple(query.shape)}, "
+                         f"keys of {tuple(keys.shape)} {keys.stride()}, values of {tuple(values.shape)} "
+                         f"{values.stride()}, places {places}")
     out = torch.empty(rows, heads * size)
     done = native.built().lowmem_one_token_attention(
         query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), query.stride(1), keys.data_ptr(),

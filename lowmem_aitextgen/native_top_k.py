@@ -1,10 +1,10 @@
 """Sampling's top-k on our own kernel (top_k.c, built by native.py): each row's k largest logits and their ids.
 
 Why our own: torch's CPU topk selects over a copy of each whole row; over GPT-2's 50,257 logits it took ~65 us a
-row here, ~0.45 ms of an 8-row 355M step (~2.5%: RESULTS.md, twenty-third session).  Ours reads the row once and
-selects among the few logits above the k-th largest seen (~17 us a row).  Of several equal values it keeps and orders them its own way (torch's way is
-unspecified): sampling uses the values and the set of ids only where the k-th value is not tied with the next
-(it checks), and there every exact top-k gives the same.
+row here, ~0.3 ms of an 8-row 355M step at two threads (RESULTS.md, twenty-third session).  Ours reads the row
+once and selects among the few logits above the k-th largest seen (~10-17 us a row).  Of several equal values it
+keeps and orders them its own way (torch's way is unspecified): sampling uses the values and the set of ids only
+where the k-th value is not tied with the next (it checks), and there every exact top-k gives the same.
 
 | takes                                           | else                                                |
 |-------------------------------------------------|-----------------------------------------------------|

@@ -6,7 +6,8 @@
  * fused multiply-adds, then across them), then e_p = e^(s_p - max s) (native_math.h's exp_of), and the output
  * (sum of e_p v_p) / (sum of e_p): fp32 arithmetic throughout; a bf16 query, key or value is widened exactly.
  * Its bits are not torch's scaled_dot_product_attention's (which sums in other orders, and rounds a bf16 cache's
- * probabilities to bf16): it is within fp32's rounding of the exact attention (tests/test_native_attention.py).
+ * probabilities to bf16): it is as near the exact attention as torch's in fp32, to a small factor (its exponential
+ * within 2 ulp; tests/test_native_attention.py).
  *
  * AVX512F only: one path, where the cache's reads are the cost (a bf16 cache widened 16 lanes at a time).
  */

@@ -91,9 +91,11 @@ def test_a_row_of_no_places_is_zeros_and_a_wrong_call_is_refused_before_any_work
             native_attention.attend(query, keys, values, torch.tensor([4, wrong, 10], dtype=torch.int32), None, 1.0)
     with pytest.raises(ValueError, match="int32 places"):
         native_attention.attend(query, keys, values, torch.tensor([4, 1, 10]), None, 1.0)
-    with pytest.raises(ValueError, match="one layout"):
-        native_attention.attend(query, keys, values.contiguous(), torch.tensor([4, 1, 10], dtype=torch.int32),
-                                None, 1.0)
+    for wrong in (dict(values=values.contiguous()), dict(query=query.expand(3, 2, 2, 16)), dict(keys=keys[:2])):
+        given = dict(query=query, keys=keys, values=values) | wrong
+        with pytest.raises(ValueError, match="one layout"):
+            native_attention.attend(**given, places=torch.tensor([4, 1, 10], dtype=torch.int32), window=None,
+                                    scale=1.0)
 
 
 def test_it_takes_what_it_computes_and_leaves_the_rest_to_torch(monkeypatch):
