@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lowmem_aitextgen import hardware, int8_kernels, native, native_int8
+from lowmem_aitextgen import hardware, int8_kernels, native, native_attention, native_int8, native_top_k
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear
 
 KERNELS = [FbgemmProduct, OneDNNProduct]
@@ -212,7 +212,8 @@ def test_our_kernel_is_built_once_a_machine_into_the_users_cache(tmp_path, monke
     stamp = first.stat().st_mtime_ns
     assert native._library_file() == first and first.stat().st_mtime_ns == stamp  # not built again
     assert os.listdir(first.parent) == [first.name]  # nothing partial left beside it
-    assert native._loaded(first).lowmem_int8_linear is not None
+    loaded = native._loaded(first)  # one library: the int8 Linear, the one-token attention, the top-k
+    assert loaded.lowmem_int8_linear and loaded.lowmem_one_token_attention and loaded.lowmem_top_k
 
 
 @pytest.mark.parametrize("how", ["no gcc", "a failing build"])
@@ -234,6 +235,8 @@ def test_where_our_kernel_cannot_be_built_torchs_computes_and_says_why(tmp_path,
     assert not list((tmp_path / "lowmem_aitextgen" / "kernels").glob("*.so"))
     module = TokenwiseInt8Linear(linear())
     assert isinstance(module.product, FbgemmProduct) and module(torch.randn(2, 64)).shape == (2, 96)
+    logits = torch.randn(3, 100)  # the attention and the top-k on torch's too
+    assert not native_attention.available() and torch.equal(native_top_k.largest(logits, 5)[0], logits.topk(5)[0])
 
 
 def test_our_kernel_with_gpt2s_gelu_is_torchs_gelu_of_its_output_to_float_precision():
