@@ -9,7 +9,10 @@
  * probabilities to bf16): it is as near the exact attention as torch's in fp32, to a small factor (its exponential
  * within 2 ulp; tests/test_native_attention.py).
  *
- * AVX512F only: one path, where the cache's reads are the cost (a bf16 cache widened 16 lanes at a time).
+ * AVX512F only: one path, where the cache's reads are the cost (a bf16 cache widened 16 lanes at a time).  In a
+ * step the cache comes from memory (the weights read since pushed it out of the caches); the keys' pass asks for
+ * the values it is followed by (prefetch), which made an 8-row 355M step's attention ~1.05x quicker against
+ * torch's than reading them cold (RESULTS.md, twenty-third session; the keys' own prefetch ahead added nothing).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -27,11 +30,15 @@ __attribute__((target("avx512f"))) static inline __m512 load16(const void *base,
     return _mm512_loadu_ps((const float *)base + i);
 }
 
-/* The scores s (n) of query q (hs/16 vectors) over keys k (places `step` elements apart); returns their largest */
-__attribute__((target("avx512f"))) static float scores(const __m512 *q, const void *k, int bf16, long step, int n,
-                                                      int hs, float scale, float *s) {
+/* The scores s (n) of query q (hs/16 vectors) over keys k (places `step` elements apart); returns their largest.
+ * The values v of the same places are asked of memory meanwhile (the next pass reads them). */
+__attribute__((target("avx512f"))) static float scores(const __m512 *q, const void *k, const void *v, int bf16,
+                                                      long step, int n, int hs, float scale, float *s) {
     float most = -INFINITY;
+    const long size = bf16 ? 2 : 4, bytes = (long)hs * size;
     for (int p = 0; p < n; p++) {
+        for (long line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)v + p * step * size + line, _MM_HINT_T0);
         __m512 sum = _mm512_mul_ps(q[0], load16(k, p * step, bf16));
         for (int j = 1; j < hs / 16; j++) sum = _mm512_fmadd_ps(q[j], load16(k, p * step + j * 16, bf16), sum);
         float x = _mm512_reduce_add_ps(sum) * scale;
@@ -69,7 +76,7 @@ __attribute__((target("avx512f"))) static void attend(const void *q, int q_bf16,
                                                       float *out, float *s) {
     __m512 query[MOST_HEAD / 16], sum[MOST_HEAD / 16];
     for (int j = 0; j < hs / 16; j++) query[j] = load16(q, j * 16, q_bf16);
-    float total = exponentials(s, n, scores(query, k, kv_bf16, step, n, hs, scale, s));
+    float total = exponentials(s, n, scores(query, k, v, kv_bf16, step, n, hs, scale, s));
     for (int j = 0; j < hs / 16; j++) sum[j] = _mm512_setzero_ps();
     for (int p = 0; p < n; p++) {
         __m512 e = _mm512_set1_ps(s[p]);
