@@ -50,7 +50,7 @@ from torch.nn import functional as F
 from .heap import release_freed_heap
 from .int8_kernels import TOKEN_ZERO, FbgemmProduct, NativeProduct, TokenwiseInt8Linear, activations_uint8, sums_scale
 from .kv_cache import new_cache
-from .stepping import Part, Step, _tanh_gelu, own_places, seen_places
+from .stepping import Part, Step, _tanh_gelu
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -163,9 +163,7 @@ class CompiledStep(Step):
         x = (self.embeddings(part.ids) + self.positions(part.positions)).reshape(rows, -1)
         if rows < self.height:
             x = torch.cat([x, x.new_zeros(self.height - rows, x.shape[1])])
-        owns = self._rows_own(part)
-        masks = (seen_places(part.mask.to(part.ids.device), 1, self.windows), owns, own_places(part, owns))
-        _CALL.now = (self, part, masks, rows)
+        _CALL.now = (self, part, self._masks(part), rows)
         try:
             logits = graph(x)
         finally:

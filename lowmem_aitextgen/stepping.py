@@ -116,8 +116,7 @@ class Step:
         cache (the running rows' step beside new rows' prompts: continuous batching's chunked prefill)."""
         bounds = _bounds([part.ids.numel() for part in parts])
         x = _flat([self.embeddings(p.ids) + self.positions(p.positions) for p in parts])
-        seen = [(seen_places(p.mask.to(p.ids.device), p.ids.shape[1], self.windows), owns, own_places(p, owns))
-                for p, owns in ((p, self._rows_own(p)) for p in parts)]
+        seen = [self._masks(part) for part in parts]
         for index, (layer, window) in enumerate(zip(self.layers, self.windows)):
             h = layer.ln_1(x)
             projected = [projection(h) for projection in layer.qkv]
@@ -130,6 +129,13 @@ class Step:
                              for p, (start, end) in zip(parts, bounds)]).to(x.device)]
         logits = self.head(self.final_norm(x))
         return [logits[start:end, None] for start, end in _bounds([p.ids.shape[0] for p in parts])]
+
+    def _masks(self, part: Part) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn],
+                                          OwnPlaces | None]:
+        """What `part`'s attention reads at every layer of a step (_attend's `masks`): seen_places's for the batch,
+        _rows_own's for the rows attending alone, own_places's for our kernel's one-token rows."""
+        owns = self._rows_own(part)
+        return seen_places(part.mask.to(part.ids.device), part.ids.shape[1], self.windows), owns, own_places(part, owns)
 
     def _rows_own(self, part: Part) -> dict[int, RowOwn]:
         """The rows attending alone (none where the form does not compute each token alone), each with its own
@@ -152,8 +158,7 @@ class Step:
                 masks: tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn], OwnPlaces | None],
                 scale: float) -> torch.Tensor:
         """A part's attention output (its tokens, width) from its tokens' projections (GPT-Neo's three, GPT-2's
-        one), its keys and values written to its cache's layer `index`; `masks`: seen_places's for the batch,
-        _rows_own's for the rows attending alone, own_places's for our kernel's one-token rows."""
+        one), its keys and values written to its cache's layer `index`; `masks`: the part's _masks."""
         rows, new = part.ids.shape
         if len(projected) == 1:  # GPT-2's one projection: (tokens, 3 x width)
             qkv = projected[0].view(rows, new, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)

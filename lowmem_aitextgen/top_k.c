@@ -21,21 +21,27 @@ typedef struct {
 /* a before b: the larger value, of equals the earlier id (a total order: no two entries are equal in it) */
 static inline int before(entry a, entry b) { return a.value > b.value || (a.value == b.value && a.id < b.id); }
 
+static inline void swap(entry *a, entry *b) {
+    entry t = *a;
+    *a = *b;
+    *b = t;
+}
+
 /* a[0..k) the k first of a (n) in `before`'s order, in any order among themselves (quickselect, the middle of
  * three as the pivot) */
 static void keep_first(entry *a, int n, int k) {
     int low = 0, high = n - 1;
     while (low < high) {
         int middle = low + (high - low) / 2;
-        if (before(a[middle], a[low])) { entry t = a[middle]; a[middle] = a[low]; a[low] = t; }
-        if (before(a[high], a[low])) { entry t = a[high]; a[high] = a[low]; a[low] = t; }
-        if (before(a[high], a[middle])) { entry t = a[high]; a[high] = a[middle]; a[middle] = t; }
+        if (before(a[middle], a[low])) swap(a + middle, a + low);
+        if (before(a[high], a[low])) swap(a + high, a + low);
+        if (before(a[high], a[middle])) swap(a + high, a + middle);
         entry pivot = a[middle];
         int i = low, j = high;
         while (i <= j) {
             while (before(a[i], pivot)) i++;
             while (before(pivot, a[j])) j--;
-            if (i <= j) { entry t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+            if (i <= j) swap(a + i++, a + j--);
         }
         if (k - 1 <= j) high = j;
         else if (k - 1 >= i) low = i;
