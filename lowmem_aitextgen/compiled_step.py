@@ -50,7 +50,7 @@ from torch.nn import functional as F
 from .heap import release_freed_heap
 from .int8_kernels import TOKEN_ZERO, FbgemmProduct, NativeProduct, TokenwiseInt8Linear, activations_uint8, sums_scale
 from .kv_cache import new_cache
-from .stepping import Part, Step, _tanh_gelu
+from .stepping import Part, Step, _tanh_gelu, module_of
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -81,14 +81,14 @@ def steps_of(texts: int, at_once: int, length: int) -> int:
 def not_compilable(step: Step) -> str | None:
     """Why `step`'s one-token steps cannot be compiled with eager's bits (None: they can)."""
     projections = _projections(step)
-    modules = list(map(_module_of, projections))
+    modules = list(map(module_of, projections))
     if any(isinstance(getattr(m, "product", None), NativeProduct) for m in modules):
         return "its products are on our own kernel, whose eager step measured quicker than the compiled one"
     if not all(isinstance(m, TokenwiseInt8Linear) and m.each_token_alone and isinstance(m.product, FbgemmProduct)
                for m in modules):
         return "only a seeded int8 view on fbgemm's kernel is compiled"
     norms = [n for layer in step.layers for n in (layer.ln_1, layer.ln_2)] + [step.final_norm]
-    if not all(hasattr(c, "__self__") for c in (*projections, *norms)):  # stepping.called: a hooked module itself
+    if any(module_of(c) is c for c in (*projections, *norms)):  # stepping.called: a hooked module is its own call
         return "a module it would bypass has hooks"
     if any(layer.act is not _tanh_gelu for layer in step.layers):
         return "only GPT-2's tanh GELU is compiled"
@@ -104,11 +104,6 @@ def not_compilable(step: Step) -> str | None:
 def _projections(step: Step) -> list[Any]:
     """Every projection a step calls (stepping.called's), the LM head last."""
     return [p for layer in step.layers for p in (*layer.qkv, layer.out, layer.fc, layer.proj)] + [step.head]
-
-
-def _module_of(called: Any) -> nn.Module:
-    """The module stepping.called gave the forward of (or the module itself, where hooked)."""
-    return getattr(called, "__self__", called)
 
 
 class CompiledStep(Step):
@@ -213,10 +208,10 @@ def body(step: Step, weights: dict[int, Weights], x: torch.Tensor) -> torch.Tens
     """The logits of a one-token step from its tokens' embeddings (rows, width), as the stepping decoder computes
     them (GPT-2's one query-key-value projection or GPT-Neo's three); `weights`: each projection's, by module id."""
     def projected(called: Any, x: torch.Tensor) -> torch.Tensor:
-        return product(weights[id(_module_of(called))], x)
+        return product(weights[id(module_of(called))], x)
 
     def norm(called: Any, x: torch.Tensor) -> torch.Tensor:
-        module = _module_of(called)
+        module = module_of(called)
         return F.layer_norm(x, (x.shape[-1],), module.weight, module.bias, module.eps)
 
     for index, layer in enumerate(step.layers):
@@ -255,7 +250,7 @@ def compiled_graph(step: Step, rows: int) -> Any:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     _define_ops()
-    weights = {id(_module_of(p)): Weights(_module_of(p)) for p in _projections(step)}
+    weights = {id(module_of(p)): Weights(module_of(p)) for p in _projections(step)}
     example = torch.zeros(rows, step.transformer.wte.weight.shape[1])
     with torch.inference_mode():
         graph = make_fx(lambda x: body(step, weights, x), tracing_mode="fake", _allow_non_fake_inputs=True)(example)

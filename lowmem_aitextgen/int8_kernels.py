@@ -205,6 +205,10 @@ class TokenwiseInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product.linear(x, self.bias)
 
+    def stepping_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward, its kernel and bias bound (stepping.called: the stepping decoder's ~100 calls a token)."""
+        return functools.partial(self.product.linear, bias=self.bias)
+
     def then_tanh_gelu(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """This Linear and GPT-2's tanh GELU after it as one call, where the kernel computes both (ours: aten's
         GELU takes ~8 us a row of 4,096 here, ~4% of an 8-row 355M step; RESULTS.md, twenty-first session); else

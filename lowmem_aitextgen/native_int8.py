@@ -44,10 +44,7 @@ class Packed:
     scale: float  # the float32 product of the activations' and the weight's scales
     n: int
     k: int
-
-    @property
-    def kp(self) -> int:
-        return self.weights.shape[1] * 4
+    kp: int  # k padded to a multiple of KSTEP
 
     def int8(self) -> torch.Tensor:
         """The int8 weight (n x k) as it was given to `pack`."""
@@ -64,7 +61,7 @@ def pack(weight: torch.Tensor, scale: float, zero: int) -> Packed:
     padded[:n, :k] = weight
     panels = padded.view(padded_n // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
     zero_sums = (weight.sum(1, dtype=torch.int32) * zero).to(torch.int32)
-    return Packed(panels, zero_sums, scale, n, k)
+    return Packed(panels, zero_sums, scale, n, k, kp)
 
 
 def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: float, zero: int,
@@ -77,18 +74,20 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: 
         raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native.built)")
     if path is not None and path not in cpu_paths():  # an instruction the CPU lacks would kill the process
         raise ValueError(f"path={path!r}: this CPU runs {', '.join(cpu_paths())} of native_int8.PATHS")
-    rows = x.reshape(-1, packed.k).float().contiguous()
-    out = torch.empty(rows.shape[0], packed.n)
-    if not rows.shape[0]:
-        return out.view(*x.shape[:-1], packed.n)
-    number = PATHS.index(path or path_for(rows.shape[0]))
-    done = library.lowmem_int8_linear(
-        number, rows.data_ptr(), rows.shape[0], packed.k, packed.kp, packed.weights.data_ptr(),
-        packed.zero_sums.data_ptr(), packed.n, packed.scale, None if bias is None else bias.data_ptr(), int(gelu),
-        inverse, float(zero), out.data_ptr(), torch.get_num_threads())
-    if done != 0:
-        raise MemoryError(f"lowmem_aitextgen's int8 kernel could not allocate {rows.shape[0] * packed.kp} bytes")
-    return out.view(*x.shape[:-1], packed.n)
+    # (a step calls this ~100 times a token: each conversion only where needed, ~4 us a call less)
+    rows = x.reshape(-1, packed.k)
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, packed.n)
+    if m:
+        done = library.lowmem_int8_linear(
+            PATHS.index(path or path_for(m)), rows.data_ptr(), m, packed.k, packed.kp, packed.weights.data_ptr(),
+            packed.zero_sums.data_ptr(), packed.n, packed.scale, None if bias is None else bias.data_ptr(),
+            int(gelu), inverse, float(zero), out.data_ptr(), torch.get_num_threads())
+        if done != 0:
+            raise MemoryError(f"lowmem_aitextgen's int8 kernel could not allocate {m * packed.kp} bytes")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.n)
 
 
 def path_for(rows: int) -> str:

@@ -101,6 +101,7 @@ class Step:
         both = then_gelu() if tanh and then_gelu is not None and fc is not block.mlp.c_fc else None
         if both is not None:
             fc, act = both, _as_is
+            both.stepping_module = block.mlp.c_fc
         return Layer(called(block.ln_1), [called(p) for p in qkv], called(out), scale, called(block.ln_2), fc, act,
                      called(block.mlp.c_proj))
 
@@ -145,6 +146,9 @@ class Step:
             return {}
         rows = range(part.ids.shape[0]) if part.alone is None else part.alone
         mask, new = part.mask.to(part.ids.device)[list(rows)], part.ids.shape[1]
+        if bool(mask.all()):  # no row padded (every step of one text): each row's own places are all of them
+            seen = (None, None) if new == 1 else seen_places(torch.ones_like(mask[:1]), new, self.windows)
+            return dict.fromkeys(rows, RowOwn(new, mask.shape[1], *seen, None))
         trailing = mask.flip(1).cumprod(1).sum(1).tolist()  # a prefix row's padding lies after its virtual places
         owns = {}
         for index, row, places, tokens, last in zip(rows, mask, mask.sum(1).tolist(), mask[:, -new:].sum(1).tolist(),
@@ -221,6 +225,9 @@ def own_places(part: Part, owns: dict[int, RowOwn]) -> OwnPlaces | None:
         return None
     if part.ids.shape[1] == 1:
         mask = part.mask.to(part.ids.device).bool()
+        if bool(mask.all()):  # no row padded: every row's places are the cache's last
+            return OwnPlaces(list(range(part.ids.shape[0])), torch.full((mask.shape[0],), mask.shape[1],
+                                                                         dtype=torch.int32), {})
         places, trailing = mask.sum(1), mask.flip(1).cumprod(1).sum(1)
         suffix = places == trailing
         gathered = {} if bool(suffix.all()) else {row: mask[row].nonzero()[:, 0]
@@ -319,11 +326,31 @@ class Layer(NamedTuple):
 
 
 def called(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How a step calls `module`: its forward where no hook is on it or on every module (torch's __call__ only
-    looks for hooks: ~3 us a call, ~150 calls a step), else the module, so that its hooks run as in the forward.
-    Hooks are looked for when the Step is made (as stepper() looks for them on the modules it bypasses): the
-    engine makes its Step from a view made after the model's hooks were carried onto it."""
-    return module if _hooked(module) or _hooked_globally() else module.forward
+    """How a step calls `module`: where no hook is on it or on every module, its forward, or what computes the
+    same with fewer Python calls (a module's `stepping_call`; a LayerNorm's aten op, its forward's arguments read
+    once; not where the module was given a forward of its own); else the module, so that its hooks run as in the
+    forward.  (torch's __call__ only looks for hooks, ~3 us
+    a call, and a forward reads its parameters through Module.__getattr__, ~1 us each: ~150 calls a step.)  Hooks
+    are looked for when the Step is made (as stepper() looks for them on the modules it bypasses): the engine makes
+    its Step from a view made after the model's hooks were carried onto it."""
+    if _hooked(module) or _hooked_globally():
+        return module
+    if "forward" in module.__dict__:  # a forward of its own (storage16.compute_in_fp32's): that one
+        return module.forward
+    if hasattr(module, "stepping_call"):
+        call = module.stepping_call()
+    elif type(module) is nn.LayerNorm:
+        shape, weight, bias, eps = module.normalized_shape, module.weight, module.bias, module.eps
+        call = lambda x: torch.layer_norm(x, shape, weight, bias, eps)  # noqa: E731 (it takes an attribute)
+    else:
+        return module.forward
+    call.stepping_module = module
+    return call
+
+
+def module_of(call: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """The module `called` gave `call` for (a hooked module is its own call)."""
+    return getattr(call, "stepping_module", None) or getattr(call, "__self__", call)
 
 
 def stepper(model: nn.Module) -> Step | None:

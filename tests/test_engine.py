@@ -566,7 +566,7 @@ def test_a_compiled_step_falls_back_to_the_eager_one_without_a_cpp_compiler_or_w
     eager_rows, _ = compiled_and_eager_run(ai, decoding.decoding_model(ai.model, "int8", True), 0)
 
     def uncompiled(step: object, rows: int) -> object:  # the graph's body, run as it is written
-        weights = {id(m): compiled_step.Weights(m) for m in map(compiled_step._module_of,
+        weights = {id(m): compiled_step.Weights(m) for m in map(stepping.module_of,
                                                                 compiled_step._projections(step))}
         return lambda x: compiled_step.body(step, weights, x)
 
