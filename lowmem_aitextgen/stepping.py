@@ -17,7 +17,8 @@ joining costs the others its tokens' share of the products, not a pass over the 
 |---------------|--------------------------------------------------------------------------------------------|
 | projections   | each module called (an int8 Linear, a 16-bit Conv1D...): their hooks run, as in the forward |
 |               | (the parts' tokens side by side; a token its own where the form quantizes tokens alone);    |
-|               | an unhooked module's forward called straight, the block's modules looked up once (`Layer`)  |
+|               | an unhooked module's forward called straight (an int8 Linear's kernel and a LayerNorm's     |
+|               | aten op bound once: `called`), the block's modules looked up once (`Layer`)                 |
 | attention     | a row's one new token (a step, a prompt of one) on our own kernel where the CPU has AVX512F |
 |               | (native_attention.py: each row over its own places alone, whatever rows are beside it; a   |
 |               | prefix row padded over its places gathered); else, and for longer prompts,                  |

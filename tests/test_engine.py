@@ -25,6 +25,7 @@ from lowmem_aitextgen import (
     kv_cache,
     native_attention,
     stepping,
+    storage16,
 )
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
 from lowmem_aitextgen.generation import prompt_ids
@@ -482,6 +483,40 @@ def test_a_hook_on_a_views_projection_runs_at_every_step_of_the_stepping_decoder
     finally:
         handle.remove()
     assert seen == [2 * len(prompt), 2, 2, 2], seen  # the prompts' tokens, then each step's (the 4th token ends)
+
+
+def test_the_stepping_decoder_calls_each_module_as_its_forward_computes_it(trained):
+    """stepping.called binds a module's call once (an int8 projection's kernel and bias, a LayerNorm's aten op):
+    each call gives its module's forward bit for bit, and names its module (module_of); a hooked module, and a
+    LayerNorm given a forward of its own (storage16's fp32 math over bf16 weights), are called as themselves."""
+    ai, _ = trained["full"]
+    view = decoding.decoding_model(ai.model, "int8", tokenwise=True).model
+    step = stepping.Step(view)
+    blocks = view.transformer.h
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for layer, block in zip(step.layers, blocks):
+            for call, module in ((layer.ln_1, block.ln_1), (layer.qkv[0], block.attn.c_attn),
+                                 (layer.out, block.attn.c_proj), (layer.ln_2, block.ln_2),
+                                 (layer.proj, block.mlp.c_proj)):
+                x = torch.randn(3, module.in_features if hasattr(module, "in_features") else view.config.n_embd)
+                assert stepping.module_of(call) is module and call is not module
+                assert torch.equal(call(x), module(x)), module
+        x = torch.randn(2, view.config.n_embd)
+        assert torch.equal(step.final_norm(x), view.transformer.ln_f(x))
+    norm = blocks[0].ln_1
+    handle = norm.register_forward_hook(lambda *args: None)
+    try:
+        assert stepping.called(norm) is norm and stepping.module_of(norm) is norm
+    finally:
+        handle.remove()
+    held = copy.deepcopy(ai.model).to(torch.bfloat16)
+    storage16.compute_in_fp32(held)
+    norm = held.transformer.h[0].ln_1
+    assert stepping.called(norm) == norm.forward
+    with torch.inference_mode():
+        x = torch.randn(2, held.config.n_embd)
+        assert stepping.called(norm)(x).dtype == torch.float32 and torch.equal(stepping.called(norm)(x), norm(x))
 
 
 def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_file, monkeypatch):
