@@ -10,13 +10,16 @@ base).  transformers' fp32 generate() always runs the fp32 weights.
     python benchmarks/generate_speed.py --sizes --memory 1558M        # peak RSS generating from a saved folder
     python benchmarks/generate_speed.py --sizes --memory 1558M --saved-dtype bf16
     python benchmarks/generate_speed.py --sizes --first-call 355M     # from aitextgen(model_folder=) to a token
+    FBGEMM_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python benchmarks/generate_speed.py --sizes 355M --avx2-only      # as on an AVX2-only CPU (emulated)
 
 Reports tokens/s (the median of the rounds), time to first token (one new token, after a warm-up) and the
 ratios to transformers' fp32.  --memory: in a new process, aitextgen(model_folder=<a saved random model>)
 generating 32 tokens with a seed (int8 at once; unseeded, a short first call decodes as held where fp32
 fits the memory: decoding.VIEW_PAYS_AFTER), its peak resident size (the whole run: reading, the decoding form,
 generating).  --first-call: seconds from the constructor to the end of a first call of 1 and of 128 new tokens,
-unseeded.
+unseeded.  --avx2-only: our kernels (native.py) read the CPU's flags without AVX-512 and AMX, as on an AVX2-only
+CPU; torch's kernel libraries are held to AVX2 by their own variables (above), set before the process starts.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 import torch
 from transformers import GPT2Config
 
-from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen import aitextgen, hardware, native
 
 SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=24, n_embd=1024, n_head=16),
          "1558M": dict(n_layer=48, n_embd=1600, n_head=25)}
@@ -171,7 +174,12 @@ def main() -> None:
     parser.add_argument("--first-call", nargs="*", default=[])
     parser.add_argument("--kinds", nargs="*", default=["fp32"], choices=["fp32", "bf16 folder", "prefix"])
     parser.add_argument("--saved-dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--avx2-only", action="store_true",
+                        help="our kernels shown an AVX2-only CPU's flags (the speeds in this process)")
     args = parser.parse_args()
+    if args.avx2_only:
+        flags = native.cpu_flags()
+        native.cpu_flags = lambda: {flag for flag in flags if not flag.startswith(("avx512", "amx"))}
     report = {"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}
     for size in args.sizes:
         for kind in args.kinds:
