@@ -330,10 +330,10 @@ def called(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """How a step calls `module`: where no hook is on it or on every module, its forward, or what computes the
     same with fewer Python calls (a module's `stepping_call`; a LayerNorm's aten op, its forward's arguments read
     once; not where the module was given a forward of its own); else the module, so that its hooks run as in the
-    forward.  (torch's __call__ only looks for hooks, ~3 us
-    a call, and a forward reads its parameters through Module.__getattr__, ~1 us each: ~150 calls a step.)  Hooks
-    are looked for when the Step is made (as stepper() looks for them on the modules it bypasses): the engine makes
-    its Step from a view made after the model's hooks were carried onto it."""
+    forward.  (torch's __call__ only looks for hooks, ~3 us a call, and a forward reads its parameters through
+    Module.__getattr__, ~1 us each: ~150 calls a step.)  Hooks are looked for when the Step is made (as stepper()
+    looks for them on the modules it bypasses): the engine makes its Step from a view made after the model's hooks
+    were carried onto it."""
     if _hooked(module) or _hooked_globally():
         return module
     if "forward" in module.__dict__:  # a forward of its own (storage16.compute_in_fp32's): that one
@@ -351,7 +351,8 @@ def called(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def module_of(call: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
     """The module `called` gave `call` for (a hooked module is its own call)."""
-    return getattr(call, "stepping_module", None) or getattr(call, "__self__", call)
+    module = getattr(call, "stepping_module", None)
+    return getattr(call, "__self__", call) if module is None else module
 
 
 def stepper(model: nn.Module) -> Step | None:
