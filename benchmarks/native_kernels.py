@@ -1,5 +1,6 @@
 """Our one-token attention and top-k kernels (native_attention.py, native_top_k.py) against torch's, per call and
-end to end, alternating in one process.
+end to end, alternating in one process; end to end also a GPT-2 block's step in one call (native_block.py) against
+the stepping decoder's calls one by one.
 
     python benchmarks/native_kernels.py --calls
     python benchmarks/native_kernels.py --sizes 355M --batches 1 8 --rounds 4
@@ -7,8 +8,9 @@ end to end, alternating in one process.
 --calls: one layer's attention of 8 rows, 16 heads of 64 (355M's) over a cache of `places` (a bf16 and an fp32
 cache, views into buffers with room), ours against what the stepping decoder did on torch's (the query to the
 cache's dtype, scaled_dot_product_attention, transposed and back to fp32); and the top-51 of 8 and 1 rows of
-50,257 logits.  End to end: generate() of 128 new tokens, seeded (the default form), with both kernels, with
-torch's attention, with torch's topk: tokens/s, the median of the rounds, and the ratios.
+50,257 logits.  End to end: generate() of 128 new tokens, seeded (the default form), with both kernels and the
+blocks in one call, with the blocks' calls one by one (torch's layer norm), with torch's attention (and so calls one
+by one), with torch's topk: tokens/s, the median of the rounds, and the ratios.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from generate_speed import ours, saved_gpt2  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware, native_attention, native_top_k  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware, native_attention, native_block, native_top_k  # noqa: E402
 
 
 def timed(call, repeats: int = 300) -> float:
@@ -62,9 +64,10 @@ def calls() -> None:
 
 
 def end_to_end(sizes: list[str], batches: list[int], rounds: int) -> None:
-    available, largest = native_attention.available, native_top_k.largest
-    variants = {"ours": (available, largest), "torch's attention": (lambda: False, largest),
-                "torch's topk": (available, lambda logits, k: logits.topk(k))}
+    available, largest, blocks = native_attention.available, native_top_k.largest, native_block.available
+    variants = {"ours": (available, largest, blocks), "blocks one by one": (available, largest, lambda: False),
+                "torch's attention": (lambda: False, largest, blocks),
+                "torch's topk": (available, lambda logits, k: logits.topk(k), blocks)}
     for size in sizes:
         with tempfile.TemporaryDirectory() as folder:
             saved_gpt2(size, folder)
@@ -73,12 +76,14 @@ def end_to_end(sizes: list[str], batches: list[int], rounds: int) -> None:
                 default(ai, None, batch, 8)
                 got: dict[str, list[float]] = {name: [] for name in variants}
                 for _ in range(rounds):
-                    for name, (attention, top_k) in variants.items():
-                        native_attention.available, native_top_k.largest = attention, top_k  # read at each call
+                    for name, (attention, top_k, in_one) in variants.items():
+                        # (read at each call: the engine makes its Step, which reads native_block's, each call)
+                        native_attention.available, native_top_k.largest, native_block.available = attention, top_k, \
+                            in_one
                         start = time.perf_counter()
                         default(ai, None, batch, 128)
                         got[name].append(batch * 128 / (time.perf_counter() - start))
-                native_attention.available, native_top_k.largest = available, largest
+                native_attention.available, native_top_k.largest, native_block.available = available, largest, blocks
                 medians = {name: statistics.median(values) for name, values in got.items()}
                 print(f"{size}, batch {batch}: " + "; ".join(
                     f"{name} {medians[name]:.1f} tok/s ({medians['ours'] / medians[name]:.3f}x)" for name in got))

@@ -21,9 +21,9 @@ oneDNN's operands are rounded here by plain operations as fbgemm rounds them (a 
 inverse; an activation by one fused multiply-add with the zero point, emulated in float64), the native kernel
 rounds them the same way in C, and both dequantize their integer sums as fbgemm does, so the three give the same
 bits (on oneDNN's AMX, AVX512-VNNI and AVX2 kernels, the native kernel's three paths and fbgemm's AVX512 and AVX2
-ones): a text is the same on any, and their quality is the tokenwise form's measured one
-(decoding.MEASURED_QUALITY).  In each, a row's output is its own alone or in any batch
-(tests/test_int8_kernels.py).
+ones): a projection's output is the same on any (a text's other operations may not be: our kernel's fused GELU,
+native_block.py's layer norm), and their quality is the tokenwise form's measured one (decoding.MEASURED_QUALITY).
+In each, a row's output is its own alone or in any batch (tests/test_int8_kernels.py).
 """
 
 from __future__ import annotations

@@ -208,7 +208,8 @@ __attribute__((target("avx2"))) static inline __m256 tanh_gelu(__m256 v) {
  * GPT-2's GELU where `gelu` (the stepping decoder's c_fc and its activation in one call). */
 __attribute__((target("avx2"))) static void dequantize(const int32_t *sums, int rows, const int32_t *zero_sums,
                                                        int n, int column, float scale, const float *sizes,
-                                                       const float *bias, int gelu, float *y) {
+                                                       const float *bias, int gelu, const float *residual,
+                                                       float *y) {
     const __m256 by = _mm256_set1_ps(scale);
     for (int h = 0; h < PANEL && column + h < n; h += 8) {
         int c = column + h, left = n - c < 8 ? n - c : 8;
@@ -220,6 +221,7 @@ __attribute__((target("avx2"))) static void dequantize(const int32_t *sums, int 
             __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), by), _mm256_set1_ps(sizes[r]));
             if (bias) v = _mm256_add_ps(v, b);
             if (gelu) v = tanh_gelu(v);
+            if (residual) v = _mm256_add_ps(_mm256_maskload_ps(residual + (long)r * n + c, mask), v);
             _mm256_maskstore_ps(y + (long)r * n + c, mask, v);
         }
     }
@@ -229,10 +231,11 @@ static const int ROWS_A_PASS[3] = {2, 8, 16};
 
 /* y (m x n) = the int8 Linear of x (m x k) by the packed weights w (kp = k padded), zero_sums[c] = the zero
  * point times column c's weights, scale = the float product of the two scales, `gelu`: GPT-2's GELU applied to
- * the output; `path` as the table.  Returns 0, or -1 where the scratch memory cannot be had. */
+ * the output, `residual` (m x n; NULL: none) added to it last (a rounding of its own: the bits of torch's add of
+ * the two); `path` as the table.  Returns 0, or -1 where the scratch memory cannot be had. */
 int lowmem_int8_linear(int path, const float *x, int m, int k, int kp, const int8_t *w, const int32_t *zero_sums,
                        int n, float scale, const float *bias, int gelu, float inverse, float zero, float *y,
-                       int threads) {
+                       int threads, const float *residual) {
     uint8_t *q = aligned_alloc(64, ((size_t)m * kp + 63) / 64 * 64);
     float *sizes = malloc(sizeof(float) * (size_t)m);
     if (!q || !sizes) {
@@ -258,7 +261,8 @@ int lowmem_int8_linear(int path, const float *x, int m, int k, int kp, const int
                     configured = rows;
                 }
                 panel(q + (long)r * kp, kp, rows, wp, kp, sums);
-                dequantize(sums, rows, zero_sums, n, p * PANEL, scale, sizes + r, bias, gelu, y + (long)r * n);
+                dequantize(sums, rows, zero_sums, n, p * PANEL, scale, sizes + r, bias, gelu,
+                           residual ? residual + (long)r * n : NULL, y + (long)r * n);
             }
         }
         if (configured) amx_release();

@@ -44,6 +44,7 @@ in the cache's dtype, the output back in fp32 (stepping.py):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,10 +81,19 @@ class Slots:
             with torch.inference_mode():
                 return self.append(keys, values)
         added = keys.shape[-2]
-        if self.end + added + PAD > self.buffers[0].shape[-2] or self._frees_memory():
-            self._move(self.rows, self.end - self.start + added)
+        self.make_room(added)
         for buffer, new in zip(self.buffers, (keys, values)):
             buffer[:self.rows, :, self.end:self.end + added] = new
+        self.added(added)
+
+    def make_room(self, added: int) -> None:
+        """Room for `added` places after each row's last (a move where there is none, or where it frees memory), for
+        the caller to write at `views(added)`'s last places, then to count by `added`."""
+        if self.end + added + PAD > self.buffers[0].shape[-2] or self._frees_memory():
+            self._move(self.rows, self.end - self.start + added)
+
+    def added(self, added: int) -> None:
+        """`added` places written after each row's last (make_room's)."""
         self.end += added
         self.reach = max(0, self.reach - added)
         self._zeros_after()
@@ -185,6 +195,27 @@ def slot_layer(dtype: torch.dtype | None = None) -> type:
                 self.slots.append(key_states, value_states)
             self.keys, self.values = self.slots.views()
             return self.keys, self.values
+
+        def written(self, places: int, write: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+            """What `write(keys, values)` returns, given the views with room for `places` more places at their end,
+            which it writes (the stepping decoder's one-token attention appends a step's keys itself)."""
+            if not torch.is_inference_mode_enabled():
+                with torch.inference_mode():
+                    return self.written(places, write)
+            done = write(*self.room(places).views(places))
+            self.wrote(places)
+            return done
+
+        def room(self, places: int) -> Slots:
+            """The slots, with room for `places` more places after the rows' last, for the caller to write (in
+            inference mode) and count by `wrote`."""
+            self.slots.make_room(places)
+            return self.slots
+
+        def wrote(self, places: int) -> None:
+            """`places` places written after the rows' last (`room`'s)."""
+            self.slots.added(places)
+            self.keys, self.values = self.slots.views()
 
         def keep(self, order: list[int], cut: int) -> None:
             self.slots.keep(order, cut)

@@ -1,6 +1,7 @@
 """lowmem_aitextgen's own C kernels (int8_linear.c: int8_kernels' native product; one_token_attention.c: the
-stepping decoder's one-token attention; top_k.c: sampling's top-k), built at first use by the machine's gcc into one
-library, called through ctypes by native_int8.py, native_attention.py and native_top_k.py.
+stepping decoder's one-token attention; gpt2_block.c: a GPT-2 block's step in one call, and its layer norm; top_k.c:
+sampling's top-k), built at first use by the machine's gcc into one library, called through ctypes by
+native_int8.py, native_attention.py, native_block.py and native_top_k.py.
 
 | what          | how                                                                                           |
 |---------------|-----------------------------------------------------------------------------------------------|
@@ -13,7 +14,8 @@ library, called through ctypes by native_int8.py, native_attention.py and native
 |               | not hardware.cpu(), as fbgemm and oneDNN choose their own kernels (a presented CPU must not run |
 |               | instructions the real one lacks)                                                               |
 | not built     | not Linux on x86-64, a CPU without AVX2, no gcc, a failed build (said once, INFO): torch's      |
-|               | kernels (int8_kernels.product_kernel, stepping.Step's attention, sampling's top-k)              |
+|               | kernels (int8_kernels.product_kernel, stepping.Step's attention and calls one by one, sampling's |
+|               | top-k)                                                                                          |
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from . import hardware
 logger = logging.getLogger("lowmem_aitextgen")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c", HERE / "top_k.c")
+SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c", HERE / "gpt2_block.c", HERE / "top_k.c")
 HEADERS = (HERE / "native_math.h",)  # (their bytes are in the library's name too: a changed header rebuilds it)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 KERNELS = "kernels"  # the cache's folder for built libraries
@@ -110,13 +112,18 @@ def _loaded(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     pointer, number, long, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     library.lowmem_int8_linear.argtypes = [number, pointer, number, number, number, pointer, pointer, number, real,
-                                           pointer, number, real, real, pointer, number]
+                                           pointer, number, real, real, pointer, number, pointer]
     library.lowmem_int8_linear.restype = number
     library.lowmem_amx_request.argtypes, library.lowmem_amx_request.restype = [], number
     library.lowmem_one_token_attention.argtypes = [pointer, number, long, long, pointer, pointer, number, long, long,
                                                    long, number, number, number, pointer, number, number, real,
-                                                   pointer, number]
+                                                   pointer, number, pointer, pointer]
     library.lowmem_one_token_attention.restype = number
+    library.lowmem_layer_norm.argtypes = [pointer, number, number, pointer, pointer, real, pointer]
+    library.lowmem_layer_norm.restype = None
+    library.lowmem_gpt2_block_step.argtypes = [pointer, pointer, number, pointer, pointer, number, long, long, long,
+                                               number, pointer, pointer, number, number]
+    library.lowmem_gpt2_block_step.restype = number
     library.lowmem_top_k.argtypes = [pointer, long, number, number, number, pointer, pointer, number]
     library.lowmem_top_k.restype = number
     return library

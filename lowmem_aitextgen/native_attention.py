@@ -51,27 +51,39 @@ def takes(query: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, places: torch.Tensor,
-           window: int | None, scale: float) -> torch.Tensor:
+           window: int | None, scale: float, new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each row's attention (rows, heads x head size; fp32) of its one query (rows, heads, 1, head size) over its
     last min(`places`[row], window) places of `keys` and `values` (rows, heads, width, head size; the same strides):
-    its scores times `scale`; a row of 0 places is zeros (the caller's to compute)."""
+    its scores times `scale`; a row of 0 places is zeros (the caller's to compute).  `new`: each row's new key and
+    value (the query's shape, dtype and strides), written first at every row's last place of `keys` and `values`,
+    converted as torch's copy converts them (a step's cache append in the same call)."""
     rows, heads, tokens, size = query.shape
     width = keys.shape[2]
     if tokens != 1 or keys.shape != values.shape or keys.shape[:2] + keys.shape[3:] != (rows, heads, size) \
             or keys.stride() != values.stride() or keys.dtype != values.dtype or places.dtype != torch.int32 \
-            or not places.is_contiguous() or places.numel() != rows:
+            or not places.is_contiguous() or places.numel() != rows \
+            or (new is not None and any(t.shape != query.shape or t.stride() != query.stride()
+                                        or t.dtype != query.dtype for t in new)):
         raise ValueError("native_attention.attend: one query a row, keys and values of its rows, heads and size in "
                          f"one layout, and int32 places (one a row) are needed; got a query of {tuple(query.shape)}, "
                          f"keys of {tuple(keys.shape)} {keys.stride()}, values of {tuple(values.shape)} "
-                         f"{values.stride()}, places {places}")
+                         f"{values.stride()}, places {places}" + _told(new))
     out = torch.empty(rows, heads * size)
     done = native.built().lowmem_one_token_attention(
         query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), query.stride(1), keys.data_ptr(),
         values.data_ptr(), int(keys.dtype == torch.bfloat16), keys.stride(0), keys.stride(1), keys.stride(2), rows,
-        heads, size, places.data_ptr(), width, window or 0, scale, out.data_ptr(), torch.get_num_threads())
+        heads, size, places.data_ptr(), width, window or 0, scale, out.data_ptr(), torch.get_num_threads(),
+        *((None, None) if new is None else (new[0].data_ptr(), new[1].data_ptr())))
     if done == -2:  # (checked by the kernel before any work: a reduction here cost ~3 us a layer)
         raise ValueError(f"native_attention.attend: places={places.tolist()}: each row's must be within the cache's "
                          f"{width}")
     if done != 0:
         raise MemoryError(f"lowmem_aitextgen's attention kernel could not allocate {4 * width} bytes a thread")
     return out
+
+
+def _told(new: tuple[torch.Tensor, torch.Tensor] | None) -> str:
+    """attend's `new` as its error names it."""
+    if new is None:
+        return ""
+    return ", new keys and values of " + " and ".join(f"{tuple(t.shape)} {t.stride()} {t.dtype}" for t in new)

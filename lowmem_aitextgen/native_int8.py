@@ -6,7 +6,8 @@ it will remove) takes 1.5-2x at 8 rows its time at one, being bound by its arith
 oneDNN's is slower at one row; inductor's AMX template pays only inside a compiled graph (compiled_step.py).  This
 one reads a panel of weights once for every row of the call (on AMX, 8 rows in about one row's time), and quantizes
 each row alone and dequantizes its sums in the same call (six elementwise calls a projection otherwise), with
-fbgemm's bits (int8_linear.c says how): a text is the same on either kernel (RESULTS.md, twenty-first session).
+fbgemm's bits (int8_linear.c says how): a projection's output is the same on either kernel (RESULTS.md,
+twenty-first session); where asked, the tanh GELU of it or a residual added in the same call.
 
 | what          | how                                                                                           |
 |---------------|-----------------------------------------------------------------------------------------------|
@@ -65,10 +66,11 @@ def pack(weight: torch.Tensor, scale: float, zero: int) -> Packed:
 
 
 def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: float, zero: int,
-           path: str | None = None, gelu: bool = False) -> torch.Tensor:
+           path: str | None = None, gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The int8 Linear of `x` (..., k; fp32) by `packed` (int8_linear.c's order of operations): each row quantized
     alone by `inverse` and `zero`; `path` (PATHS) the CPU's quickest for the rows where not given; `gelu`: GPT-2's
-    tanh GELU of the output in the same call (to ~1e-7 of its size torch's F.gelu(approximate="tanh"))."""
+    tanh GELU of the output in the same call (to ~1e-7 of its size torch's F.gelu(approximate="tanh")); `residual`
+    (fp32, the output's shape): added to the output in the same call, the bits of `residual + output`."""
     library = native.built()
     if library is None:
         raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native.built)")
@@ -80,11 +82,16 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: 
         rows = rows.float().contiguous()
     m = rows.shape[0]
     out = torch.empty(m, packed.n)
+    if residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                 or residual.numel() != out.numel()):
+        raise ValueError(f"native_int8.linear: residual={residual.dtype} {tuple(residual.shape)}: a contiguous fp32 "
+                         f"tensor of the output's {m * packed.n} elements is needed")
     if m:
         done = library.lowmem_int8_linear(
             PATHS.index(path or path_for(m)), rows.data_ptr(), m, packed.k, packed.kp, packed.weights.data_ptr(),
             packed.zero_sums.data_ptr(), packed.n, packed.scale, None if bias is None else bias.data_ptr(),
-            int(gelu), inverse, float(zero), out.data_ptr(), torch.get_num_threads())
+            int(gelu), inverse, float(zero), out.data_ptr(), torch.get_num_threads(),
+            None if residual is None else residual.data_ptr())
         if done != 0:
             raise MemoryError(f"lowmem_aitextgen's int8 kernel could not allocate {m * packed.kp} bytes")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.n)

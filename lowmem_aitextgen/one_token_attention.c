@@ -9,6 +9,10 @@
  * probabilities to bf16): it is as near the exact attention as torch's in fp32, to a small factor (its exponential
  * within 2 ulp; tests/test_native_attention.py).
  *
+ * Where given the row's new key and value (a step's), the thread writes them first at the row's last place of the
+ * cache, as torch's copy converts them (fp32 to bf16 rounded to nearest even, NaN as 0x7fc0; bf16 to fp32 exact):
+ * a step's cache append and attention in one call, with the bits of the append torch would have made.
+ *
  * AVX512F only: one path, where the cache's reads are the cost (a bf16 cache widened 16 lanes at a time).  In a
  * step the cache comes from memory (the weights read since pushed it out of the caches); the keys' pass asks for
  * the values it is followed by (prefetch), which made an 8-row 355M step's attention ~1.05x quicker against
@@ -18,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "native_math.h"
 
@@ -85,15 +90,40 @@ __attribute__((target("avx512f"))) static void attend(const void *q, int q_bf16,
     for (int j = 0; j < hs / 16; j++) _mm512_storeu_ps(out + j * 16, _mm512_div_ps(sum[j], _mm512_set1_ps(total)));
 }
 
+/* One head's new key or value (hs elements, bf16 where from_bf16) into its place of the cache (bf16 where to_bf16),
+ * converted as torch's copy converts (module comment). */
+static void write_place(const void *from, int from_bf16, void *to, int to_bf16, int hs) {
+    for (int j = 0; j < hs; j++) {
+        uint32_t bits;
+        if (from_bf16) {
+            bits = (uint32_t)((const uint16_t *)from)[j] << 16;
+        } else {
+            memcpy(&bits, (const float *)from + j, 4);
+        }
+        if (!to_bf16) {
+            memcpy((float *)to + j, &bits, 4);
+        } else if (from_bf16) {
+            ((uint16_t *)to)[j] = (uint16_t)(bits >> 16);
+        } else {
+            int nan = (bits & 0x7fffffffu) > 0x7f800000u;
+            ((uint16_t *)to)[j] = nan ? 0x7fc0 : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
 /* out (rows x heads*hs, fp32) = each row's attention over its places: the last min(places[r], window) (window 0:
  * no window) of the `width` the views k and v hold; rows of 0 places are zeros (the caller's to compute).
  * q: (rows, heads, hs) at element strides q_row, q_head; k, v: (rows, heads, width, hs) at element strides c_row,
- * c_head, c_place (hs contiguous); *_bf16: bf16, else fp32.  Returns 0; -2, before any work, where a row's places
- * are more than `width` or fewer than 0; -1 where scratch memory cannot be had. */
+ * c_head, c_place (hs contiguous); *_bf16: bf16, else fp32.  new_k, new_v (NULL: none): each row's new key and
+ * value, in q's dtype at q's strides, written first at place width - 1 of k and v (every row's, whatever its
+ * places).  Returns 0; -2, before any work, where a row's places are more than `width` or fewer than 0 (or `width`
+ * is 0 where there are new keys); -1 where scratch memory cannot be had. */
 int lowmem_one_token_attention(const void *q, int q_bf16, long q_row, long q_head, const void *k, const void *v,
                                int kv_bf16, long c_row, long c_head, long c_place, int rows, int heads, int hs,
-                               const int32_t *places, int width, int window, float scale, float *out, int threads) {
+                               const int32_t *places, int width, int window, float scale, float *out, int threads,
+                               const void *new_k, const void *new_v) {
     int most = 1, failed = 0;
+    if (new_k && width < 1) return -2;
     for (int r = 0; r < rows; r++) {
         if (places[r] < 0 || places[r] > width) return -2;
         most = places[r] > most ? places[r] : most;
@@ -110,6 +140,12 @@ int lowmem_one_token_attention(const void *q, int q_bf16, long q_row, long q_hea
         for (int t = 0; t < rows * heads; t++) {
             int r = t / heads, h = t % heads, n = places[r];
             float *o = out + ((long)r * heads + h) * hs;
+            if (new_k) {
+                long from = ((long)r * q_row + (long)h * q_head) * q_size;
+                long to = ((long)r * c_row + (long)h * c_head + (long)(width - 1) * c_place) * c_size;
+                write_place((const char *)new_k + from, q_bf16, (char *)k + to, kv_bf16, hs);
+                write_place((const char *)new_v + from, q_bf16, (char *)v + to, kv_bf16, hs);
+            }
             if (!s || n == 0) {
                 for (int j = 0; j < hs; j++) o[j] = 0.f;
                 continue;

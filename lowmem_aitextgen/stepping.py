@@ -31,8 +31,13 @@ joining costs the others its tokens' share of the products, not a pass over the 
 |               | 16-row step a seventh more)                                                                 |
 | GELU          | GPT-2's tanh approximation as one operation (F.gelu, approximate="tanh") in place of        |
 |               | transformers' eight: the same function, rounded differently                                 |
-| cache         | the engine's cache (kv_cache.py: written in place); one in fewer bits than the activations  |
-|               | (an int8 view's bf16 cache) attended in its dtype, the output back in the activations'      |
+| cache         | the engine's cache (kv_cache.py: written in place; a one-token row's keys and values by our |
+|               | attention kernel, as torch's copy writes them); one in fewer bits than the activations (an  |
+|               | int8 view's bf16 cache) attended in its dtype, the output back in the activations'          |
+| blocks in one | a GPT-2 int8 view on our kernels: a step of the running rows alone, one token each, goes    |
+| call          | through each block in one call of the same kernels (native_block.py; ~1.15x at batch 1 and  |
+|               | 8), the view's block norms gpt2_block.c's in every pass, so a row's bits are the same       |
+|               | either way                                                                                  |
 | not stepped   | other families, GPT-2 with cross-attention, and a model with hooks on the modules bypassed  |
 |               | (the model, its blocks, attention, MLP, activation): transformers' forward, as before       |
 """
@@ -48,7 +53,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import native_attention
+from . import native_attention, native_block
 from .row_attention import RowOwn, each_row_alone
 
 TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation")
@@ -84,6 +89,7 @@ class Step:
                         for block in self.blocks]
         first = attention.q_proj if self.neo else attention.c_attn
         self.rows_alone = bool(getattr(first, "each_token_alone", False))  # module docstring: attention
+        self.native_blocks = self._native_blocks()
         self.layers = [self._layer(block) for block in self.blocks]
         self.embeddings, self.positions = called(self.transformer.wte), called(self.transformer.wpe)
         self.final_norm, self.head = called(self.transformer.ln_f), called(model.lm_head)
@@ -103,8 +109,22 @@ class Step:
         if both is not None:
             fc, act = both, _as_is
             both.stepping_module = block.mlp.c_fc
-        return Layer(called(block.ln_1), [called(p) for p in qkv], called(out), scale, called(block.ln_2), fc, act,
+        norm = called if self.native_blocks is None else native_block.norm  # (its bits either way a step goes)
+        return Layer(norm(block.ln_1), [called(p) for p in qkv], called(out), scale, norm(block.ln_2), fc, act,
                      called(block.mlp.c_proj))
+
+    def _native_blocks(self) -> list[native_block.BlockStep] | None:
+        """Each block's one-token step in one call of our kernels, where this model takes it (native_block.py),
+        nothing of it hooked; else None."""
+        if self.neo or not native_block.available():
+            return None
+        modules = [m for b in self.blocks for m in (b.ln_1, b.ln_2, b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc,
+                                                     b.mlp.c_proj)]
+        if _hooked_globally() or any(_hooked(m) or "forward" in m.__dict__ for m in modules):
+            return None
+        made = [native_block.block_step(b, gpt2_scaling(b.attn), self.heads, self.head_size,
+                                        type(b.mlp.act).__name__ in TANH_GELUS) for b in self.blocks]
+        return None if any(step is None for step in made) else made
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
                  alone: list[int] | None = None) -> torch.Tensor:
@@ -119,6 +139,9 @@ class Step:
         bounds = _bounds([part.ids.numel() for part in parts])
         x = _flat([self.embeddings(p.ids) + self.positions(p.positions) for p in parts])
         seen = [self._masks(part) for part in parts]
+        if self._in_native_blocks(parts, x, seen):
+            return [self.head(self.final_norm(native_block.steps(self.native_blocks, x, parts[0].cache.layers,
+                                                                 seen[0][2].places)))[:, None]]
         for index, (layer, window) in enumerate(zip(self.layers, self.windows)):
             h = layer.ln_1(x)
             projected = [projection(h) for projection in layer.qkv]
@@ -131,6 +154,17 @@ class Step:
                              for p, (start, end) in zip(parts, bounds)]).to(x.device)]
         logits = self.head(self.final_norm(x))
         return [logits[start:end, None] for start, end in _bounds([p.ids.shape[0] for p in parts])]
+
+    def _in_native_blocks(self, parts: list[Part], x: torch.Tensor, seen: list[tuple[Any, Any, OwnPlaces | None]]
+                          ) -> bool:
+        """Whether this pass goes through native_block.steps: a step of the running rows alone, one token each, each
+        row's places the cache's last, every layer's cache our slots (native_block.py)."""
+        if self.native_blocks is None or len(parts) > 1 or parts[0].ids.shape[1] != 1 or x.dtype != torch.float32:
+            return False
+        natives, layers = seen[0][2], parts[0].cache.layers
+        return natives is not None and not natives.gathered and len(layers) == len(self.blocks) \
+            and all(getattr(layer, "slots", None) is not None and layer.slots.rows == x.shape[0] for layer in layers) \
+            and native_attention.takes(torch.empty(1, 1, 1, self.head_size), layers[0].slots.buffers[0])
 
     def _masks(self, part: Part) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn],
                                           OwnPlaces | None]:
@@ -170,8 +204,13 @@ class Step:
             query, key, value = qkv.unbind()  # one call (unpacking the tensor itself makes three)
         else:
             query, key, value = (t.view(rows, new, self.heads, self.head_size).transpose(1, 2) for t in projected)
-        keys, values = part.cache.update(key, value, index)
         (seen, local), owns, natives = masks
+        layer = part.cache.layers[index] if index < len(part.cache.layers) else None
+        if natives is not None and new == 1 and getattr(layer, "slots", None) is not None \
+                and native_attention.takes(query, layer.slots.buffers[0]):  # the kernel appends the keys itself
+            return layer.written(1, functools.partial(_natively, query, natives=natives, window=window, scale=scale,
+                                                      new=(key, value)))
+        keys, values = part.cache.update(key, value, index)
         if natives is not None and not native_attention.takes(query, keys):
             natives = None
         if natives is not None and new == 1:
@@ -244,16 +283,17 @@ def own_places(part: Part, owns: dict[int, RowOwn]) -> OwnPlaces | None:
 
 
 def _natively(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, natives: OwnPlaces,
-              window: int | None, scale: float) -> torch.Tensor:
+              window: int | None, scale: float, new: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> torch.Tensor:
     """One-token rows' attention output (rows, width) in the query's dtype, on our kernel (native_attention.py):
     the rows whose places are the cache's last in one call, each other row over its own places gathered, as it
-    attends alone."""
-    out = native_attention.attend(query, keys, values, natives.places, window, scale)
+    attends alone; `new`: the rows' keys and values, which that call writes at the cache's last place first."""
+    out = native_attention.attend(query, keys, values, natives.places, window, scale, new)
     for row, index in natives.gathered.items():
         held = [t[row:row + 1, :, index] for t in (keys, values)]
         places = torch.tensor([len(index)], dtype=torch.int32)
         out[row] = native_attention.attend(query[row:row + 1], *held, places, window, scale)[0]
-    return out.to(query.dtype)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 def _row_of(views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], row: int, after: int

@@ -261,6 +261,25 @@ def test_our_kernel_with_gpt2s_gelu_is_torchs_gelu_of_its_output_to_float_precis
     assert TokenwiseInt8Linear(plain, FbgemmProduct).then_tanh_gelu() is None
 
 
+def test_our_kernel_adds_a_residual_with_torchs_bits():
+    """native_int8.linear's `residual`: the bits of torch's add of it and the output, on every path, at any rows;
+    one not of the output's shape or not fp32 refused."""
+    module = TokenwiseInt8Linear(linear(256, 1000), NativeProduct)
+    torch.manual_seed(7)
+    x, residual = torch.randn(17, 256), torch.randn(17, 1000) * 3
+    with torch.inference_mode():
+        for path in native_int8.cpu_paths():
+            expected = residual + module.product.linear(x, module.bias, path)
+            for rows in (1, 9, 17):
+                got = native_int8.linear(module.product.packed, x[:rows], module.bias, int8_kernels.TOKEN_INVERSE,
+                                         int8_kernels.TOKEN_ZERO, path, residual=residual[:rows])
+                assert torch.equal(got, expected[:rows]), (path, rows)
+        for wrong in (residual[:3], residual.double(), residual.t().contiguous().t()):
+            with pytest.raises(ValueError, match="residual="):
+                native_int8.linear(module.product.packed, x, module.bias, int8_kernels.TOKEN_INVERSE,
+                                   int8_kernels.TOKEN_ZERO, residual=wrong)
+
+
 def test_our_kernel_takes_no_rows_and_any_leading_shape():
     module = TokenwiseInt8Linear(linear(), NativeProduct)
     x = torch.randn(2, 3, 64)  # (rows, tokens, width), as transformers' forward gives it

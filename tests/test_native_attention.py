@@ -106,3 +106,29 @@ def test_it_takes_what_it_computes_and_leaves_the_rest_to_torch(monkeypatch):
     assert not native_attention.takes(narrow, keys8)  # a head size not a multiple of 16
     monkeypatch.setattr(native, "built", lambda: None)  # as a machine without gcc
     assert not native_attention.available() and not native_attention.takes(query, keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_keys_and_values_are_written_as_torchs_copy_writes_them(dtype, query_dtype):
+    """attend's `new`: each row's new key and value written at its last place first (as torch's copy converts them:
+    to bf16 to nearest, ties to even), then attended over: the output of the cache torch wrote."""
+    places = [7, 3, 10]
+    query, keys, values = cache(3, 2, 10, 32, dtype, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    qkv = (torch.randn(3, 1, 3, 2, 32, generator=generator) * 4).to(query_dtype)
+    bits = qkv.view(-1).float().view(torch.int32)
+    qkv.view(-1)[:12] = (bits[:12] & ~0xFFFF | 0x8000).view(torch.float32).to(query_dtype)  # ties, fp32's
+    qkv[0, 0, 1, 0, 0] = float("nan")
+    query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind()
+    theirs = [t.clone() for t in (keys, values)]
+    theirs[0][:, :, -1:] = key
+    theirs[1][:, :, -1:] = value
+    counts = torch.tensor(places, dtype=torch.int32)
+    got = native_attention.attend(query, keys, values, counts, None, 0.2, new=(key, value))
+    assert torch.equal(keys[1:], theirs[0][1:]) and torch.equal(values, theirs[1])
+    assert torch.isnan(keys[0, 0, -1, 0]) and torch.equal(keys[0, 1:], theirs[0][0, 1:])
+    expected = native_attention.attend(query[1:], theirs[0][1:], theirs[1][1:], counts[1:], None, 0.2)
+    assert torch.equal(got[1:], expected)
+    with pytest.raises(ValueError, match="new keys and values"):
+        native_attention.attend(query, keys, values, counts, None, 0.2, new=(key.float().clone(), value))

@@ -1,0 +1,145 @@
+"""A GPT-2 block's step of one new token a row in one call of our own kernels (gpt2_block.c, built by native.py),
+for an int8 view on them: the stepping decoder's blocks, when a step is only the running rows' one token each.
+
+Why: at batch 1 a 355M step's products are ~10 ms of ~15, and most of the rest was Python around a block's dozen
+calls, each slowed 2-3x by the caches the weights' stream empties (RESULTS.md, twenty-fourth session).  Here a
+block's step is one call of the kernels the stepping decoder calls one by one (int8_linear.c, one_token_attention.c,
+which writes the step's keys and values into the cache itself): the same bits.  Its layer norm is gpt2_block.c's,
+and the stepping decoder calls that one (`norm`) for such a view's block norms in every other step too (a prompt,
+a step beside a joining prompt), so that a row's text is its own whichever way its steps go.
+
+| takes                                               | else                                                     |
+|-----------------------------------------------------|----------------------------------------------------------|
+| a GPT-2 int8 view on our kernel: every projection a | stepping.Step's calls one by one, torch's layer norm     |
+| TokenwiseInt8Linear on NativeProduct, the norms     |                                                          |
+| plain fp32 LayerNorms, GPT-2's tanh GELU, nothing   |                                                          |
+| hooked (stepping.Step checks), our attention here   |                                                          |
+| a step of one token a row, each row's places the    | stepping.Step's calls one by one, this file's norm      |
+| cache's last (no prefix row gathered), fp32         |                                                          |
+| activations, every layer's cache a kv_cache.Slots   |                                                          |
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import native, native_attention, native_int8
+from .int8_kernels import TOKEN_INVERSE, TOKEN_ZERO, NativeProduct, TokenwiseInt8Linear
+
+
+class _Product(ctypes.Structure):
+    """gpt2_block.c's lowmem_product: an int8 projection as int8_linear.c takes it."""
+
+    _fields_ = [("weights", ctypes.c_void_p), ("zero_sums", ctypes.c_void_p), ("n", ctypes.c_int),
+                ("k", ctypes.c_int), ("kp", ctypes.c_int), ("scale", ctypes.c_float), ("bias", ctypes.c_void_p)]
+
+
+class _Block(ctypes.Structure):
+    """gpt2_block.c's lowmem_gpt2_block: a block's parts, read once."""
+
+    _fields_ = [("norm1_weight", ctypes.c_void_p), ("norm1_bias", ctypes.c_void_p), ("norm2_weight", ctypes.c_void_p),
+                ("norm2_bias", ctypes.c_void_p), ("norm1_eps", ctypes.c_float), ("norm2_eps", ctypes.c_float),
+                ("qkv", _Product), ("out", _Product), ("fc", _Product), ("proj", _Product), ("heads", ctypes.c_int),
+                ("hs", ctypes.c_int), ("scale", ctypes.c_float), ("inverse", ctypes.c_float),
+                ("zero", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """One block as gpt2_block.c's call takes it; `modules`: what its pointers point into, held while it is."""
+
+    parts: _Block
+    modules: tuple[nn.Module, ...]
+    scratch: int  # floats a row: the norm's output or attention's, the query-key-value, the MLP's inner width
+
+
+def available() -> bool:
+    """Whether the call runs here: our kernels built, our attention kernel on this CPU."""
+    return native.built() is not None and native_attention.available()
+
+
+def block_step(block: nn.Module, scale: float, heads: int, head_size: int, tanh: bool) -> BlockStep | None:
+    """`block` (a GPT-2 block of an int8 view) as one call, or None where it is not made of what the call computes
+    (module docstring); `scale`: its attention scores' factor; `tanh`: whether its activation is GPT-2's tanh
+    GELU; hooks are the caller's to have looked for."""
+    norms = (block.ln_1, block.ln_2)
+    projections = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+    if not tanh or not all(_plain_norm(norm) for norm in norms) or not all(_native(p) for p in projections) \
+            or head_size % 16 or head_size > native_attention.MOST_HEAD:
+        return None
+    qkv, out, fc, proj = (_product(p) for p in projections)
+    if qkv.n != 3 * qkv.k or out.k != qkv.k or fc.k != qkv.k or proj.k != fc.n or proj.n != qkv.k \
+            or heads * head_size != qkv.k:
+        return None
+    parts = _Block(block.ln_1.weight.data_ptr(), block.ln_1.bias.data_ptr(), block.ln_2.weight.data_ptr(),
+                   block.ln_2.bias.data_ptr(), block.ln_1.eps, block.ln_2.eps, qkv, out, fc, proj, heads, head_size,
+                   scale, TOKEN_INVERSE, float(TOKEN_ZERO))
+    return BlockStep(parts, (*norms, *projections), qkv.k + qkv.n + fc.n)
+
+
+def steps(blocks: list[BlockStep], x: torch.Tensor, layers: list[Any], places: torch.Tensor) -> torch.Tensor:
+    """`x` (rows, width; fp32, each row's one new token) through every block, in place: each layer's keys and
+    values written to its cache layer (`layers`: kv_cache's slot layers, the rows' own) and attended over each row's
+    last `places` (int32, one a row)."""
+    if not torch.is_inference_mode_enabled():  # the caches' buffers are written only in inference mode
+        with torch.inference_mode():
+            return steps(blocks, x, layers, places)
+    rows = x.shape[0]
+    scratch = torch.empty(rows * blocks[0].scratch)
+    path, threads, library = native_int8.PATHS.index(native_int8.path_for(rows)), torch.get_num_threads(), native.built()
+    slots = [layer.room(1) for layer in layers]
+    for block, held in zip(blocks, slots):
+        keys, values = held.buffers
+        row, head, place = keys.stride()[:3]
+        at = held.start * place * keys.element_size()
+        done = library.lowmem_gpt2_block_step(
+            ctypes.byref(block.parts), x.data_ptr(), rows, keys.data_ptr() + at, values.data_ptr() + at,
+            int(keys.dtype == torch.bfloat16), row, head, place, held.end + 1 - held.start, places.data_ptr(),
+            scratch.data_ptr(), path, threads)
+        if done == -2:
+            raise ValueError(f"native_block.steps: places={places.tolist()}: each row's must be within the cache's "
+                             f"{held.end + 1 - held.start}")
+        if done:
+            raise MemoryError("lowmem_aitextgen's kernels could not allocate their scratch memory (a block's step)")
+    for layer in layers:
+        layer.wrote(1)
+    return x
+
+
+def norm(module: nn.LayerNorm) -> Callable[[torch.Tensor], torch.Tensor]:
+    """gpt2_block.c's layer norm of `module` (fp32 inputs), as the block step computes it (module docstring)."""
+    call = functools.partial(_norm, module.weight, module.bias, module.eps)
+    call.stepping_module = module  # (stepping.module_of: the module a call computes)
+    return call
+
+
+def _norm(weight: torch.Tensor, bias: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    out = torch.empty_like(rows)
+    native.built().lowmem_layer_norm(rows.data_ptr(), rows.numel() // weight.numel(), weight.numel(),
+                                     weight.data_ptr(), bias.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def _plain_norm(module: nn.Module) -> bool:
+    return type(module) is nn.LayerNorm and module.weight is not None and module.bias is not None \
+        and all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in (module.weight, module.bias)) \
+        and tuple(module.normalized_shape) == (module.weight.numel(),)
+
+
+def _native(module: nn.Module) -> bool:
+    return isinstance(module, TokenwiseInt8Linear) and isinstance(module.product, NativeProduct) \
+        and (module.bias is None or (module.bias.dtype == torch.float32 and module.bias.is_contiguous()))
+
+
+def _product(module: TokenwiseInt8Linear) -> _Product:
+    packed = module.product.packed
+    return _Product(packed.weights.data_ptr(), packed.zero_sums.data_ptr(), packed.n, packed.k, packed.kp,
+                    packed.scale, None if module.bias is None else module.bias.data_ptr())
