@@ -47,9 +47,11 @@ __attribute__((target("avx2"))) static double lanes_sum(const float *row, int n,
     return sum;
 }
 
-/* y (rows x n) = the layer norm of each row of x (module comment); y may be x */
+/* y (rows x n) = the layer norm of each row of x (module comment), the rows on `threads` threads where there are
+ * several (a row's bits its own); y may be x */
 __attribute__((target("avx2"))) void lowmem_layer_norm(const float *x, int rows, int n, const float *weight,
-                                                       const float *bias, float eps, float *y) {
+                                                       const float *bias, float eps, float *y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
     for (int r = 0; r < rows; r++) {
         const float *row = x + (long)r * n;
         const float mean = (float)(lanes_sum(row, n, 0) / n);
@@ -101,14 +103,14 @@ int lowmem_gpt2_block_step(const lowmem_gpt2_block *b, float *x, int rows, void 
     const int width = b->qkv.k;
     float *h = scratch, *qkv = h + (long)rows * width, *f = qkv + (long)rows * b->qkv.n;
     int done;
-    lowmem_layer_norm(x, rows, width, b->norm1_weight, b->norm1_bias, b->norm1_eps, h);
+    lowmem_layer_norm(x, rows, width, b->norm1_weight, b->norm1_bias, b->norm1_eps, h, threads);
     if ((done = product(&b->qkv, path, h, rows, 0, b->inverse, b->zero, 0, qkv, threads))) return done;
     done = lowmem_one_token_attention(qkv, 0, b->qkv.n, b->hs, keys, values, kv_bf16, c_row, c_head, c_place, rows,
                                       b->heads, b->hs, places, width_places, 0, b->scale, h, threads, qkv + width,
                                       qkv + 2 * width);
     if (done) return done;
     if ((done = product(&b->out, path, h, rows, 0, b->inverse, b->zero, x, x, threads))) return done;
-    lowmem_layer_norm(x, rows, width, b->norm2_weight, b->norm2_bias, b->norm2_eps, h);
+    lowmem_layer_norm(x, rows, width, b->norm2_weight, b->norm2_bias, b->norm2_eps, h, threads);
     if ((done = product(&b->fc, path, h, rows, 1, b->inverse, b->zero, 0, f, threads))) return done;
     return product(&b->proj, path, f, rows, 0, b->inverse, b->zero, x, x, threads);
 }

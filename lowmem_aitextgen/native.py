@@ -119,7 +119,7 @@ def _loaded(path: Path) -> ctypes.CDLL:
                                                    long, number, number, number, pointer, number, number, real,
                                                    pointer, number, pointer, pointer]
     library.lowmem_one_token_attention.restype = number
-    library.lowmem_layer_norm.argtypes = [pointer, number, number, pointer, pointer, real, pointer]
+    library.lowmem_layer_norm.argtypes = [pointer, number, number, pointer, pointer, real, pointer, number]
     library.lowmem_layer_norm.restype = None
     library.lowmem_gpt2_block_step.argtypes = [pointer, pointer, number, pointer, pointer, number, long, long, long,
                                                number, pointer, pointer, number, number]

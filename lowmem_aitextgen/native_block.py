@@ -124,7 +124,7 @@ def _norm(weight: torch.Tensor, bias: torch.Tensor, eps: float, x: torch.Tensor)
     rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     out = torch.empty_like(rows)
     native.built().lowmem_layer_norm(rows.data_ptr(), rows.numel() // weight.numel(), weight.numel(),
-                                     weight.data_ptr(), bias.data_ptr(), eps, out.data_ptr())
+                                     weight.data_ptr(), bias.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
     return out
 
 
