@@ -72,7 +72,7 @@ from . import hardware, int8_kernels
 from .compiled_step import PEAK, pays, steps_of
 from .engine import Decoder, as_decoder
 from .int8_kernels import TokenwiseInt8Linear
-from .packed16 import pack_projections
+from .packed16 import NativeBf16Linear, head_copied, pack_projections
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -332,10 +332,11 @@ class DecodingMemory:
         parameters = sum(p.numel() for p in self.model.parameters())
         if form == _as_held(self.model):
             return 0 if self.read else parameters * held_dtype(self.model).itemsize
-        if not FORM_RECORDS[form].quantized:  # a copy of the model as held, read first where it is not yet
-            return FORM_RECORDS[form].dtype.itemsize * parameters + \
-                (0 if self.read else parameters * held_dtype(self.model).itemsize)
         head = self.model.get_input_embeddings().weight.numel()  # the int8 LM head, a copy of the tied embedding
+        if not FORM_RECORDS[form].quantized:  # a copy of the model as held, read first where it is not yet
+            copied = form == "bf16" and self.device == "cpu" and head_copied()  # a packed copy of the LM head
+            return FORM_RECORDS[form].dtype.itemsize * (parameters + (head if copied else 0)) + \
+                (0 if self.read else parameters * held_dtype(self.model).itemsize)
         embeddings = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, nn.Embedding))
         fp32_copy = self.read and held_dtype(self.model) != torch.float32  # a 16-bit model's embeddings in fp32
         return parameters - embeddings + head + (4 * embeddings if fp32_copy or not self.read else 0)
@@ -496,10 +497,11 @@ def sixteen_bit_view(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     1.5-1.6x at 355M)."""
     view = copy.deepcopy(model).to(dtype).eval()
     if dtype == torch.bfloat16 and next(view.parameters()).device.type == "cpu":
-        for projection, packed in pack_projections([(parent, name) for block in blocks_of(view)
-                                                    for parent in block.modules()
-                                                    for name, child in parent.named_children()
-                                                    if _is_projection(child)]):
+        replaced = pack_projections([(parent, name) for block in blocks_of(view) for parent in block.modules()
+                                     for name, child in parent.named_children() if _is_projection(child)])
+        if replaced and isinstance(replaced[0][1], NativeBf16Linear) and isinstance(view.lm_head, nn.Linear):
+            replaced += pack_projections([(view, "lm_head")])  # (packed16.head_copied: ours reads it quicker)
+        for projection, packed in replaced:
             carry_hooks(projection, packed)
     return view
 

@@ -37,7 +37,8 @@ from . import hardware
 logger = logging.getLogger("lowmem_aitextgen")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c", HERE / "gpt2_block.c", HERE / "top_k.c")
+SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c", HERE / "gpt2_block.c", HERE / "bf16_linear.c",
+           HERE / "top_k.c")
 HEADERS = (HERE / "native_math.h",)  # (their bytes are in the library's name too: a changed header rebuilds it)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 KERNELS = "kernels"  # the cache's folder for built libraries
@@ -124,6 +125,8 @@ def _loaded(path: Path) -> ctypes.CDLL:
     library.lowmem_gpt2_block_step.argtypes = [pointer, pointer, number, pointer, pointer, number, long, long, long,
                                                number, pointer, pointer, number, number]
     library.lowmem_gpt2_block_step.restype = number
+    library.lowmem_bf16_linear.argtypes = [pointer, number, number, long, pointer, number, pointer, pointer, number]
+    library.lowmem_bf16_linear.restype = None
     library.lowmem_top_k.argtypes = [pointer, long, number, number, number, pointer, pointer, number]
     library.lowmem_top_k.restype = number
     return library

@@ -23,6 +23,7 @@ from lowmem_aitextgen import (
     int8_kernels,
     native,
     native_attention,
+    native_bf16,
     packed16,
     stepping,
 )
@@ -129,6 +130,8 @@ def test_a_cpus_bf16_view_computes_each_projection_packed_as_the_module_did(ai):
     view = decoding.decoding_model(ai.model, "bf16").model
     packs = hardware.cpu().bf16_native
     assert all(isinstance(m, packed16.PackedLinear) == packs for m in _projections(view))
+    kind = packed16.NativeBf16Linear if native_bf16.available() else packed16.PackedLinear  # ours where it runs
+    assert not packs or all(type(m) is kind for m in _projections(view))
     with torch.inference_mode():
         for module, packed in zip(_projections(plain), _projections(view)):
             x = torch.randn(3, 5, module.weight.shape[0]).to(torch.bfloat16)  # Conv1D: (in, out)
@@ -136,20 +139,35 @@ def test_a_cpus_bf16_view_computes_each_projection_packed_as_the_module_did(ai):
             assert got.shape == expected.shape
             assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2), float((got - expected).abs().max())
     assert len(calls) == 2 and isinstance(calls[1], packed16.PackedLinear) == packs  # the plain copy's, the view's
+    copied = packs and kind is packed16.NativeBf16Linear  # ours packs the LM head too, a copy of the embedding
+    assert isinstance(view.lm_head, packed16.NativeBf16Linear) == copied == packed16.head_copied()
+    with torch.inference_mode():
+        x = torch.randn(2, view.config.n_embd).to(torch.bfloat16)
+        expected, got = plain.lm_head(x).float(), view.lm_head(x).float()
+    assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2), float((got - expected).abs().max())
+    memory = decoding.DecodingMemory(ai.model, "cpu", 64, True)
+    embedding = ai.model.get_input_embeddings().weight.numel()
+    assert memory.weights("bf16") == 2 * (sum(p.numel() for p in ai.model.parameters()) + embedding * copied)
     assert weights_hash(ai.model) == before  # the model's own weights and modules untouched
     assert all(type(m).__name__ == "Conv1D" for m in _projections(ai.model))
 
 
-@pytest.mark.parametrize("without", ["an op", "native bf16"])
+@pytest.mark.parametrize("without", ["an op, and ours", "an op", "native bf16"])
 def test_without_the_packed_kernels_a_bf16_view_keeps_its_modules_and_computes(ai, monkeypatch, without):
-    if without == "an op":
+    """Without oneDNN's ops our own kernel packs them where it runs (native_bf16.py); without it too, or on a CPU
+    without native bf16, the view keeps its modules."""
+    if without.startswith("an op"):
         monkeypatch.setattr(hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "_gone"))  # as a torch that dropped one
         assert hardware.missing_packed_kernels() == ["torch.ops.mkldnn._gone"]
-    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16" if without == "an op" else
+    if without != "an op":
+        monkeypatch.setattr(native_bf16, "available", lambda: False)  # as a CPU without AVX512-BF16, or no gcc
+    with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16" if without.startswith("an op") else
                                                                "no native bf16"])):
         view = decoding.decoding_model(ai.model, "bf16").model
-    assert not any(isinstance(m, packed16.PackedLinear) for m in view.modules())
-    assert all(m.weight.dtype == torch.bfloat16 for m in _projections(view))
+    ours = without == "an op" and native_bf16.available()
+    assert all(type(m) is packed16.NativeBf16Linear for m in _projections(view)) if ours else \
+        not any(isinstance(m, packed16.PackedLinear) for m in view.modules())
+    assert all(m.weight.dtype == torch.bfloat16 for m in _projections(view) if not ours)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
         got, expected = view(input_ids=ids).logits.float(), ai.model(input_ids=ids).logits

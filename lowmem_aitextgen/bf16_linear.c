@@ -1,0 +1,104 @@
+/* lowmem_aitextgen's bf16 Linear for decoding on x86 CPUs with AVX512-BF16 (native_bf16.py calls it, packed16.py's
+ * NativeBf16Linear holds its weights): y = x W^T + b, bf16 in and out, fp32 sums.
+ *
+ * Each (row of x, column) is summed in one order at any number of rows or threads: one 16-lane fp32 accumulator
+ * for 16 columns, vdpbf16ps over k two at a time in order (k even), the bias (bf16, widened
+ * exactly) added, rounded to bf16 to nearest even (NaN as 0x7fc0).  So a row's output is its own alone or beside
+ * any rows.  Its bits are not oneDNN's (which sums in an order of its own): the same function, rounded differently.
+ *
+ * The weights are packed once (native_bf16.pack): columns in panels of PANEL (the last padded with zeros), each panel
+ * (k/2 pairs) x (PANEL columns) x (2 consecutive k): what vdpbf16ps reads, contiguous, so one pass over a panel
+ * serves up to ROWS rows of the call (their accumulators in registers; more rows: another pass).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define PANEL 32
+#define ROWS 8
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* fp32 to bf16, nearest even (as torch's conversion) */
+BF16_TARGET static inline __m256i rounded(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    up = _mm512_mask_mov_epi32(up, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(up);
+}
+
+#define BF16_ROW(r)                                                                                             \
+    if (rows > r) {                                                                                             \
+        __m512i x = _mm512_set1_epi32(*(const int32_t *)(a + r * lda + 2 * g));                                 \
+        c##r##0 = _mm512_dpbf16_ps(c##r##0, (__m512bh)x, (__m512bh)w0);                                         \
+        c##r##1 = _mm512_dpbf16_ps(c##r##1, (__m512bh)x, (__m512bh)w1);                                         \
+    }
+#define BF16_STORE(r)                                                                                           \
+    if (rows > r) {                                                                                             \
+        _mm512_store_ps(sums + r * PANEL, c##r##0);                                                             \
+        _mm512_store_ps(sums + r * PANEL + 16, c##r##1);                                                        \
+    }
+
+/* sums (rows x PANEL) of rows [0, rows) of a (pairs of k, lda apart) over one panel w */
+BF16_TARGET static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *a, long lda, const int rows,
+                                                                         const uint16_t *w, int kp, float *sums) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
+    for (int g = 0; g < kp / 2; g++) {
+        __m512i w0 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * 2));
+        __m512i w1 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * 2 + 32));
+        BF16_ROW(0) BF16_ROW(1) BF16_ROW(2) BF16_ROW(3) BF16_ROW(4) BF16_ROW(5) BF16_ROW(6) BF16_ROW(7)
+    }
+    BF16_STORE(0) BF16_STORE(1) BF16_STORE(2) BF16_STORE(3) BF16_STORE(4) BF16_STORE(5) BF16_STORE(6) BF16_STORE(7)
+}
+
+BF16_TARGET static void bf16_panel(const uint16_t *a, long lda, int rows, const uint16_t *w, int kp, float *sums) {
+    switch (rows) { /* each a copy with its rows known, so that only their registers are used */
+    case 1: bf16_rows(a, lda, 1, w, kp, sums); break;
+    case 2: bf16_rows(a, lda, 2, w, kp, sums); break;
+    case 3: bf16_rows(a, lda, 3, w, kp, sums); break;
+    case 4: bf16_rows(a, lda, 4, w, kp, sums); break;
+    case 5: bf16_rows(a, lda, 5, w, kp, sums); break;
+    case 6: bf16_rows(a, lda, 6, w, kp, sums); break;
+    case 7: bf16_rows(a, lda, 7, w, kp, sums); break;
+    default: bf16_rows(a, lda, 8, w, kp, sums); break;
+    }
+}
+
+/* y's rows [0, rows), the panel's columns from `column`, from their sums: the bias added, rounded to bf16 */
+BF16_TARGET static void written(const float *sums, int rows, int n, int column, const uint16_t *bias, uint16_t *y,
+                                long ldy) {
+    for (int h = 0; h < PANEL && column + h < n; h += 16) {
+        int left = n - column - h < 16 ? n - column - h : 16;
+        __mmask16 mask = (__mmask16)((1u << left) - 1u);
+        __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + column + h)), 16))
+                        : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            __m512 v = _mm512_load_ps(sums + r * PANEL + h);
+            if (bias) v = _mm512_add_ps(v, b);
+            _mm256_mask_storeu_epi16(y + r * ldy + column + h, mask, rounded(v));
+        }
+    }
+}
+
+/* y (m x n, bf16) = x (m x k, bf16, k even; rows lda apart) times the packed weights w + bias (n, bf16; NULL:
+ * none) */
+void lowmem_bf16_linear(const uint16_t *x, int m, int k, long lda, const uint16_t *w, int n, const uint16_t *bias,
+                        uint16_t *y, int threads) {
+    const int panels = (n + PANEL - 1) / PANEL, kp = k;
+#pragma omp parallel num_threads(threads)
+    {
+        float sums[ROWS * PANEL] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            const uint16_t *wp = w + (long)p * kp * PANEL;
+            for (int r = 0; r < m; r += ROWS) {
+                int rows = m - r < ROWS ? m - r : ROWS;
+                bf16_panel(x + (long)r * lda, lda, rows, wp, kp, sums);
+                written(sums, rows, n, p * PANEL, bias, y + (long)r * n, n);
+            }
+        }
+    }
+}

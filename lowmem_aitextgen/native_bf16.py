@@ -1,0 +1,70 @@
+"""Our own bf16 Linear for decoding on x86 CPUs with AVX512-BF16 (bf16_linear.c, built by native.py), called through
+ctypes; packed16.NativeBf16Linear holds a projection's packed weights and calls `linear`.
+
+Why our own: oneDNN's bf16 product at one row reads a 355M view's weights at ~18-25 GB/s on the AMD EPYC kind, where
+llama.cpp's F16 reads ~33 (RESULTS.md, twenty-fourth and twenty-fifth sessions); this one reads a panel of weights
+once for up to 8 rows of the call with vdpbf16ps, and gives each row its own bits at any number of rows.
+
+| what          | how                                                                                           |
+|---------------|-----------------------------------------------------------------------------------------------|
+| build         | native.py: one library with the other kernels, built at first use, threads torch's          |
+| takes         | a CPU with AVX512-BF16 (native.cpu_flags), an even number of inputs                           |
+| else          | packed16.PackedLinear (oneDNN's), or the view's modules as they were                          |
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+
+PANEL = 32  # bf16_linear.c's: the columns a pass computes
+NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A projection's bf16 weight (n outputs x k inputs) in bf16_linear.c's layout."""
+
+    weights: torch.Tensor  # bf16, (panels, k / 2, PANEL, 2)
+    n: int
+    k: int
+
+
+def available() -> bool:
+    """Whether the kernel runs here: built, on a CPU with AVX512-BF16."""
+    return native.built() is not None and _cpu_has()
+
+
+@functools.cache
+def _cpu_has() -> bool:
+    flags = native.cpu_flags()
+    return all(flag in flags for flag in NEEDS)
+
+
+def pack(weight: torch.Tensor) -> Packed:
+    """`weight` (n x k, k even) in bf16, packed for bf16_linear.c."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"native_bf16.pack: a weight of {k} inputs: an even number is needed")
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    panels = padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return Packed(panels, n, k)
+
+
+def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., k; bf16) times `packed`'s weight, plus `bias` (bf16), in bf16 (bf16_linear.c's sums)."""
+    rows = x.reshape(-1, packed.k)
+    if rows.dtype != torch.bfloat16 or rows.stride(-1) != 1:
+        rows = rows.to(torch.bfloat16).contiguous()
+    out = torch.empty(rows.shape[0], packed.n, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        native.built().lowmem_bf16_linear(rows.data_ptr(), rows.shape[0], packed.k, rows.stride(0),
+                                          packed.weights.data_ptr(), packed.n,
+                                          None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                          torch.get_num_threads())
+    return out.view(*x.shape[:-1], packed.n)
