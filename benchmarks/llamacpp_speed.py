@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from generate_speed import SIZES, ours, saved_gpt2, transformers_fp32  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware, native_bf16  # noqa: E402
 
 NEW, PROMPT_TOKENS = 128, 16
 BINARIES = ("llama-bench", "llama-batched-bench")
@@ -115,15 +115,22 @@ def timed(run: Callable[[int, int], None], batch: int) -> dict[str, float]:
 
 
 def sixteen_bit_paths(folder: str, prompt: str) -> dict[str, Callable[[int, int], None]]:
-    """--sixteen: ours asked for decoding="bf16" (against llama.cpp's F16), its projections packed for oneDNN
-    (packed16.py) and not (the ops hidden while that object's view is made), each an object of its own."""
-    packed, unpacked = aitextgen(model_folder=folder), aitextgen(model_folder=folder)
+    """--sixteen: ours asked for decoding="bf16" (against llama.cpp's F16), its projections packed for our bf16
+    kernel where it runs (native_bf16.py), for oneDNN (packed16.py; ours hidden while that object's view is made),
+    and not (oneDNN's ops hidden too), each an object of its own."""
+    packed, on_onednn, unpacked = (aitextgen(model_folder=folder) for _ in range(3))
     bf16 = ours("bf16", 1, prompt)
     bf16(packed, None, 1, 1)  # the views made here
-    with mock.patch.object(hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "hidden")):
-        bf16(unpacked, None, 1, 1)
-    return {"ours, bf16": lambda b, n: bf16(packed, None, b, n),
-            "ours, bf16 not packed": lambda b, n: bf16(unpacked, None, b, n)}
+    with mock.patch.object(native_bf16, "available", lambda: False):
+        bf16(on_onednn, None, 1, 1)
+        with mock.patch.object(hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "hidden")):
+            bf16(unpacked, None, 1, 1)
+    paths = {"ours, bf16": lambda b, n: bf16(packed, None, b, n),
+             "ours, bf16 on oneDNN": lambda b, n: bf16(on_onednn, None, b, n),
+             "ours, bf16 not packed": lambda b, n: bf16(unpacked, None, b, n)}
+    if not native_bf16.available():  # (the first is oneDNN's here)
+        del paths["ours, bf16 on oneDNN"]
+    return paths
 
 
 def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int, sixteen: bool = False,

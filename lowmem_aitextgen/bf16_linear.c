@@ -13,6 +13,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "native_math.h"
+
 #define PANEL 32
 #define ROWS 8
 
@@ -54,16 +56,9 @@ BF16_TARGET static inline __attribute__((always_inline)) void bf16_rows(const ui
 }
 
 BF16_TARGET static void bf16_panel(const uint16_t *a, long lda, int rows, const uint16_t *w, int kp, float *sums) {
-    switch (rows) { /* each a copy with its rows known, so that only their registers are used */
-    case 1: bf16_rows(a, lda, 1, w, kp, sums); break;
-    case 2: bf16_rows(a, lda, 2, w, kp, sums); break;
-    case 3: bf16_rows(a, lda, 3, w, kp, sums); break;
-    case 4: bf16_rows(a, lda, 4, w, kp, sums); break;
-    case 5: bf16_rows(a, lda, 5, w, kp, sums); break;
-    case 6: bf16_rows(a, lda, 6, w, kp, sums); break;
-    case 7: bf16_rows(a, lda, 7, w, kp, sums); break;
-    default: bf16_rows(a, lda, 8, w, kp, sums); break;
-    }
+#define BF16_CALL(r) bf16_rows(a, lda, r, w, kp, sums)
+    WITH_ROWS_KNOWN(rows, BF16_CALL)
+#undef BF16_CALL
 }
 
 /* y's rows [0, rows), the panel's columns from `column`, from their sums: the bias added, rounded to bf16 */

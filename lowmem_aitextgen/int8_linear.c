@@ -93,16 +93,9 @@ VNNI_TARGET static inline __attribute__((always_inline)) void vnni_rows(const ui
 }
 
 VNNI_TARGET static void vnni_panel(const uint8_t *a, long lda, int rows, const int8_t *w, int kp, int32_t *sums) {
-    switch (rows) {  /* each a copy with its rows known, so that only their registers are used */
-    case 1: vnni_rows(a, lda, 1, w, kp, sums); break;
-    case 2: vnni_rows(a, lda, 2, w, kp, sums); break;
-    case 3: vnni_rows(a, lda, 3, w, kp, sums); break;
-    case 4: vnni_rows(a, lda, 4, w, kp, sums); break;
-    case 5: vnni_rows(a, lda, 5, w, kp, sums); break;
-    case 6: vnni_rows(a, lda, 6, w, kp, sums); break;
-    case 7: vnni_rows(a, lda, 7, w, kp, sums); break;
-    default: vnni_rows(a, lda, 8, w, kp, sums); break;
-    }
+#define VNNI_CALL(r) vnni_rows(a, lda, r, w, kp, sums)
+    WITH_ROWS_KNOWN(rows, VNNI_CALL)
+#undef VNNI_CALL
 }
 
 /* ---- amx ------------------------------------------------------------------------------------------------- */

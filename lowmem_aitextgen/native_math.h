@@ -1,4 +1,4 @@
-/* The vector arithmetic lowmem_aitextgen's kernels share (int8_linear.c, one_token_attention.c). */
+/* The vector arithmetic lowmem_aitextgen's kernels share (int8_linear.c, one_token_attention.c, bf16_linear.c). */
 #ifndef LOWMEM_NATIVE_MATH_H
 #define LOWMEM_NATIVE_MATH_H
 
@@ -21,5 +21,19 @@ __attribute__((target("avx2"))) static inline __m256 exp_of(__m256 x) {
     __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
+
+/* call(r) with r the constant `rows` (1 to 8; more: 8), so that each kernel is a copy with its rows known and only
+ * their registers are used */
+#define WITH_ROWS_KNOWN(rows, call)                                                                             \
+    switch (rows) {                                                                                             \
+    case 1: call(1); break;                                                                                     \
+    case 2: call(2); break;                                                                                     \
+    case 3: call(3); break;                                                                                     \
+    case 4: call(4); break;                                                                                     \
+    case 5: call(5); break;                                                                                     \
+    case 6: call(6); break;                                                                                     \
+    case 7: call(7); break;                                                                                     \
+    default: call(8); break;                                                                                    \
+    }
 
 #endif
