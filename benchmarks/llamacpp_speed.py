@@ -116,21 +116,18 @@ def timed(run: Callable[[int, int], None], batch: int) -> dict[str, float]:
 
 def sixteen_bit_paths(folder: str, prompt: str) -> dict[str, Callable[[int, int], None]]:
     """--sixteen: ours asked for decoding="bf16" (against llama.cpp's F16), its projections packed for our bf16
-    kernel where it runs (native_bf16.py), for oneDNN (packed16.py; ours hidden while that object's view is made),
-    and not (oneDNN's ops hidden too), each an object of its own."""
-    packed, on_onednn, unpacked = (aitextgen(model_folder=folder) for _ in range(3))
+    kernel where it runs (native_bf16.py), beside the same packed for oneDNN (packed16.py; ours hidden while that
+    object's view is made); elsewhere packed for oneDNN beside not packed (its ops hidden).  Two objects of their
+    own (three of 1558M pass 24 GiB)."""
+    first, second = aitextgen(model_folder=folder), aitextgen(model_folder=folder)
     bf16 = ours("bf16", 1, prompt)
-    bf16(packed, None, 1, 1)  # the views made here
-    with mock.patch.object(native_bf16, "available", lambda: False):
-        bf16(on_onednn, None, 1, 1)
-        with mock.patch.object(hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "hidden")):
-            bf16(unpacked, None, 1, 1)
-    paths = {"ours, bf16": lambda b, n: bf16(packed, None, b, n),
-             "ours, bf16 on oneDNN": lambda b, n: bf16(on_onednn, None, b, n),
-             "ours, bf16 not packed": lambda b, n: bf16(unpacked, None, b, n)}
-    if not native_bf16.available():  # (the first is oneDNN's here)
-        del paths["ours, bf16 on oneDNN"]
-    return paths
+    bf16(first, None, 1, 1)  # the views made here
+    hidden = (native_bf16, "available", lambda: False) if native_bf16.available() else \
+        (hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "hidden"))
+    with mock.patch.object(*hidden):
+        bf16(second, None, 1, 1)
+    other = "ours, bf16 on oneDNN" if native_bf16.available() else "ours, bf16 not packed"
+    return {"ours, bf16": lambda b, n: bf16(first, None, b, n), other: lambda b, n: bf16(second, None, b, n)}
 
 
 def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int, sixteen: bool = False,

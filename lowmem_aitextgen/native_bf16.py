@@ -58,6 +58,9 @@ def pack(weight: torch.Tensor) -> Packed:
 
 def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., k; bf16) times `packed`'s weight, plus `bias` (bf16), in bf16 (bf16_linear.c's sums)."""
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.numel() != packed.n):
+        raise ValueError(f"native_bf16.linear: bias={bias.dtype} {tuple(bias.shape)}: a contiguous bf16 tensor of "
+                         f"{packed.n} is needed")
     rows = x.reshape(-1, packed.k)
     if rows.dtype != torch.bfloat16 or rows.stride(-1) != 1:
         rows = rows.to(torch.bfloat16).contiguous()

@@ -49,3 +49,6 @@ def test_it_takes_any_leading_shape_and_no_rows_and_refuses_an_odd_width():
     assert torch.equal(native_bf16.linear(packed, x.float(), None), native_bf16.linear(packed, x, None))
     with pytest.raises(ValueError, match="63 inputs: an even number"):
         native_bf16.pack(torch.randn(40, 63).to(torch.bfloat16))
+    for wrong in (torch.zeros(40), torch.zeros(39, dtype=torch.bfloat16)):  # read as bf16, it would be garbage
+        with pytest.raises(ValueError, match="bias="):
+            native_bf16.linear(packed, x, wrong)
