@@ -107,8 +107,9 @@ LONG = {"prompt": "a", "max_tokens": 1900, "min_length": 2000}
 @pytest.fixture(scope="module")
 def busy(tmp_path_factory, tokenizer_file):
     """One text at a time, one request waiting, three seconds a request (a text of 1,900 tokens takes longer:
-    eight blocks 512 wide, a step of milliseconds): the queue, the timeout and the disconnect."""
-    folder = model_folder(tmp_path_factory.mktemp("busy") / "model", n_positions=2048, n_layer=8, n_embd=512,
+    sixteen blocks 512 wide, a step of milliseconds; eight took under three seconds once a block's step was one
+    call, native_block.py): the queue, the timeout and the disconnect."""
+    folder = model_folder(tmp_path_factory.mktemp("busy") / "model", n_positions=2048, n_layer=16, n_embd=512,
                           n_head=8)
     server = start_server(folder, tokenizer_file, "--max_tokens=2000", "--max_batch=1", "--queue=1", "--timeout=3")
     yield server
