@@ -93,7 +93,8 @@ def steps(blocks: list[BlockStep], x: torch.Tensor, layers: list[Any], places: t
             return steps(blocks, x, layers, places)
     rows = x.shape[0]
     scratch = torch.empty(rows * blocks[0].scratch)
-    path, threads, library = native_int8.PATHS.index(native_int8.path_for(rows)), torch.get_num_threads(), native.built()
+    path, threads = native_int8.PATHS.index(native_int8.path_for(rows)), torch.get_num_threads()
+    library = native.built()
     slots = [layer.room(1) for layer in layers]
     for block, held in zip(blocks, slots):
         keys, values = held.buffers
