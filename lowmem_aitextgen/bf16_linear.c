@@ -20,16 +20,6 @@
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-/* fp32 to bf16, nearest even (as torch's conversion) */
-BF16_TARGET static inline __m256i rounded(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    up = _mm512_mask_mov_epi32(up, nan, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(up);
-}
-
 #define BF16_ROW(r)                                                                                             \
     if (rows > r) {                                                                                             \
         __m512i x = _mm512_set1_epi32(*(const int32_t *)(a + r * lda + 2 * g));                                 \
@@ -73,7 +63,7 @@ BF16_TARGET static void written(const float *sums, int rows, int n, int column, 
         for (int r = 0; r < rows; r++) {
             __m512 v = _mm512_load_ps(sums + r * PANEL + h);
             if (bias) v = _mm512_add_ps(v, b);
-            _mm256_mask_storeu_epi16(y + r * ldy + column + h, mask, rounded(v));
+            _mm256_mask_storeu_epi16(y + r * ldy + column + h, mask, bf16_of(v));
         }
     }
 }

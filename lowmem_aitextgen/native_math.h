@@ -22,6 +22,17 @@ __attribute__((target("avx2"))) static inline __m256 exp_of(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
+/* 16 floats as bf16, to nearest even, NaN as 0x7fc0: as torch converts them (one_token_attention.c's cache
+ * writes, bf16_linear.c's outputs) */
+__attribute__((target("avx512f"))) static inline __m256i bf16_of(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    up = _mm512_mask_mov_epi32(up, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(up);
+}
+
 /* call(r) with r the constant `rows` (1 to 8; more: 8), so that each kernel is a copy with its rows known and only
  * their registers are used */
 #define WITH_ROWS_KNOWN(rows, call)                                                                             \

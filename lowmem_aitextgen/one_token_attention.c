@@ -90,24 +90,18 @@ __attribute__((target("avx512f"))) static void attend(const void *q, int q_bf16,
     for (int j = 0; j < hs / 16; j++) _mm512_storeu_ps(out + j * 16, _mm512_div_ps(sum[j], _mm512_set1_ps(total)));
 }
 
-/* One head's new key or value (hs elements, bf16 where from_bf16) into its place of the cache (bf16 where to_bf16),
- * converted as torch's copy converts (module comment). */
-static void write_place(const void *from, int from_bf16, void *to, int to_bf16, int hs) {
-    for (int j = 0; j < hs; j++) {
-        uint32_t bits;
-        if (from_bf16) {
-            bits = (uint32_t)((const uint16_t *)from)[j] << 16;
-        } else {
-            memcpy(&bits, (const float *)from + j, 4);
-        }
-        if (!to_bf16) {
-            memcpy((float *)to + j, &bits, 4);
-        } else if (from_bf16) {
-            ((uint16_t *)to)[j] = (uint16_t)(bits >> 16);
-        } else {
-            int nan = (bits & 0x7fffffffu) > 0x7f800000u;
-            ((uint16_t *)to)[j] = nan ? 0x7fc0 : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-        }
+/* One head's new key or value (hs elements, a multiple of 16; bf16 where from_bf16) into its place of the cache
+ * (bf16 where to_bf16), converted as torch's copy converts (module comment): the same dtype copied as it is. */
+__attribute__((target("avx512f"))) static void write_place(const void *from, int from_bf16, void *to, int to_bf16,
+                                                           int hs) {
+    if (from_bf16 == to_bf16) {
+        memcpy(to, from, (size_t)hs * (to_bf16 ? 2 : 4));
+        return;
+    }
+    for (int j = 0; j < hs; j += 16) {
+        __m512 v = load16(from, j, from_bf16);
+        if (to_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)to + j), bf16_of(v));
+        else _mm512_storeu_ps((float *)to + j, v);
     }
 }
 

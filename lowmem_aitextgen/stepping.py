@@ -164,7 +164,7 @@ class Step:
         natives, layers = seen[0][2], parts[0].cache.layers
         return natives is not None and not natives.gathered and len(layers) == len(self.blocks) \
             and all(getattr(layer, "slots", None) is not None and layer.slots.rows == x.shape[0] for layer in layers) \
-            and native_attention.takes(torch.empty(1, 1, 1, self.head_size), layers[0].slots.buffers[0])
+            and layers[0].slots.both.dtype in native_attention.DTYPES  # (the rest of `takes` held when made)
 
     def _masks(self, part: Part) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], dict[int, RowOwn],
                                           OwnPlaces | None]:
