@@ -11,7 +11,9 @@ llama.cpp comes from llama-cpp-python's source distribution (pip downloads it in
 runs): its vendored llama.cpp is built with cmake (llama-bench, llama-batched-bench; a few minutes on 2 cores,
 -march=native) and its convert_hf_to_gguf.py converts each saved folder to F16 and Q8_0.  llama.cpp's batch 1
 is llama-bench's tg128 (and pp16 for the first token: the prompt's time plus one token's); its batch 8 is
-llama-batched-bench's 8 parallel sequences (S_TG).  Both use every core (-t: torch's thread count).
+llama-batched-bench's 8 parallel sequences (S_TG).  Both use every core (-t: torch's thread count).  Both count
+decoding alone (no prompt, no setup): ours' "decode tokens/s" counts the same (the tokens after the first over the
+call's time past a call of one), its "tokens/s" the whole generate() call's (prompt, setup, text included).
 --no-repack passes llama.cpp's own switch that keeps its weights as loaded: on a CPU with AMX its build repacks
 Q8_0 for AMX tiles, and on the Intel Xeon VM of 2026-12-01 that path dies of SIGILL at its first tile instruction
 (tilezero, in a worker thread), so llama.cpp is measured there on its AVX512-VNNI kernels.
@@ -84,7 +86,7 @@ def llama_bench(bin_dir: str, gguf: str, threads: int, repack: bool = True) -> d
     rows = json.loads(result.stdout)
     decode = next(r for r in rows if r["n_gen"] > 0)["avg_ts"]
     prompt = next(r for r in rows if r["n_prompt"] > 0)["avg_ts"]
-    return {"tokens/s": decode, "first token s": PROMPT_TOKENS / prompt + 1 / decode}
+    return {"tokens/s": decode, "first token s": PROMPT_TOKENS / prompt + 1 / decode, "decode tokens/s": decode}
 
 
 def llama_batched(bin_dir: str, gguf: str, threads: int, batch: int, repack: bool = True) -> dict[str, float]:
@@ -94,7 +96,8 @@ def llama_batched(bin_dir: str, gguf: str, threads: int, batch: int, repack: boo
                              "--output-format", "jsonl", *([] if repack else ["--no-repack"])],
                             capture_output=True, text=True, check=True)
     row = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    return {"tokens/s": row["speed_tg"], "first token s": row["t_pp"] + row["t_tg"] / NEW}
+    return {"tokens/s": row["speed_tg"], "first token s": row["t_pp"] + row["t_tg"] / NEW,
+            "decode tokens/s": row["speed_tg"]}
 
 
 def prompt_text(ai: aitextgen) -> str:
@@ -105,13 +108,17 @@ def prompt_text(ai: aitextgen) -> str:
 
 
 def timed(run: Callable[[int, int], None], batch: int) -> dict[str, float]:
-    """tokens/s of one call of NEW tokens a text, and seconds to one new token."""
+    """tokens/s of one call of NEW tokens a text (the whole call's), seconds to one new token (a call of one), and
+    the decoding's tokens/s: the NEW - 1 tokens after the first over the time the call took past a call of one (as
+    llama.cpp's tg and S_TG count: no prompt, no setup)."""
     start = time.perf_counter()
     run(batch, 1)
     first = time.perf_counter() - start
     start = time.perf_counter()
     run(batch, NEW)
-    return {"tokens/s": batch * NEW / (time.perf_counter() - start), "first token s": first}
+    took = time.perf_counter() - start
+    return {"tokens/s": batch * NEW / took, "first token s": first,
+            "decode tokens/s": batch * (NEW - 1) / (took - first)}
 
 
 def sixteen_bit_paths(folder: str, prompt: str) -> dict[str, Callable[[int, int], None]]:

@@ -2,7 +2,8 @@
  * kernels: layer norm, the query-key-value product (int8_linear.c), the new key and value written to the cache and
  * the attention over it (one_token_attention.c), the output product added to the residual, layer norm, the MLP's
  * products with GPT-2's GELU, added to the residual.  The same kernels a step calls one by one from Python, so the
- * same bits: one call into C a block in place of a dozen, and none of the Python between them.
+ * same bits: one call into C a block in place of a dozen, and none of the Python between them; a step's blocks one
+ * after the other in one call (lowmem_gpt2_blocks_step).
  *
  * The layer norm is this file's (lowmem_layer_norm, which the stepping decoder calls for such a view's norms
  * outside this call too, so that a row's bits are the same whichever way its step goes): per row, the mean and the
@@ -113,4 +114,19 @@ int lowmem_gpt2_block_step(const lowmem_gpt2_block *b, float *x, int rows, void 
     lowmem_layer_norm(x, rows, width, b->norm2_weight, b->norm2_bias, b->norm2_eps, h, threads);
     if ((done = product(&b->fc, path, h, rows, 1, b->inverse, b->zero, 0, f, threads))) return done;
     return product(&b->proj, path, f, rows, 0, b->inverse, b->zero, x, x, threads);
+}
+
+/* Every block of a step in turn (`count`; lowmem_gpt2_block_step's arguments, block i's cache at keys[i], values[i],
+ * its strides strides[3i..3i+2], its places' width widths[i]): one call a step, none of the Python between blocks
+ * (~0.35 ms of a 355M token).  Returns 0, or the first block's error. */
+int lowmem_gpt2_blocks_step(const lowmem_gpt2_block *const *blocks, int count, float *x, int rows, void *const *keys,
+                            void *const *values, int kv_bf16, const long *strides, const int *widths,
+                            const int32_t *places, float *scratch, int path, int threads) {
+    for (int i = 0; i < count; i++) {
+        const long *s = strides + 3L * i;
+        int done = lowmem_gpt2_block_step(blocks[i], x, rows, keys[i], values[i], kv_bf16, s[0], s[1], s[2],
+                                          widths[i], places, scratch, path, threads);
+        if (done) return done;
+    }
+    return 0;
 }

@@ -64,9 +64,8 @@ class Slots:
         self.rows, self.start, self.end = keys.shape[0], 0, 0
         self.reach = 0  # places the rows present may still add (expect): a new buffer's room past theirs
         self.moved_at = 0  # `end` when the buffers were made
-        self.both = _buffers(keys, dtype or keys.dtype, keys.shape[0], keys.shape[-2] + ROOM)  # (its dtype: docstring)
+        self._hold(_buffers(keys, dtype or keys.dtype, keys.shape[0], keys.shape[-2] + ROOM))  # (dtype: docstring)
         self.zeroed = 0  # the rows' places are zeros from `end` up to here
-        self.buffers = self.both.unbind()
         self.append(keys, values)
 
     def views(self, after: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,9 +142,22 @@ class Slots:
         both = _buffers(self.buffers[0], self.both.dtype, rows, width + max(ROOM, self.reach + PAD))
         for buffer, old in zip(both.unbind(), self.views()):
             buffer[:self.rows, :, width - held:width] = old
-        self.both, self.buffers, self.start, self.end = both, both.unbind(), width - held, width
+        self._hold(both)
+        self.start, self.end = width - held, width
         self.zeroed = self.moved_at = width
         self._zeros_after()
+
+    def _hold(self, both: torch.Tensor) -> None:
+        """The rows' places held in `both` (keys, values) from now on."""
+        self.both, self.buffers, self._addresses = both, both.unbind(), None
+
+    def addresses(self) -> tuple[int, int, tuple[int, int, int], int]:
+        """The keys' and the values' buffers' addresses, their strides (rows, heads, places; in elements) and the
+        size of an element: for a kernel writing them (native_block.steps), made once a buffer."""
+        if self._addresses is None:
+            keys, values = self.buffers
+            self._addresses = (keys.data_ptr(), values.data_ptr(), keys.stride()[:3], keys.element_size())
+        return self._addresses
 
     def _zeros_after(self) -> None:
         """At least PAD places of zeros after the rows' last, written ZEROED places at a time (a write a step cost
@@ -184,6 +196,32 @@ def slot_layer(dtype: torch.dtype | None = None) -> type:
 
     class SlotLayer(DynamicLayer):
         slots: Slots | None = None
+        # keys and values: the slots' views, made again where read after the slots changed (`_stale`), not at each
+        # change (a step's 24 layers' views cost ~0.15 ms a token, read by no one in a step of the stepping decoder);
+        # a tensor transformers' own methods set is kept as set
+        _held: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        _stale = False
+
+        @property
+        def keys(self) -> torch.Tensor | None:
+            return self._current()[0]
+
+        @keys.setter
+        def keys(self, tensor: torch.Tensor | None) -> None:
+            self._held = (tensor, self._current()[1])
+
+        @property
+        def values(self) -> torch.Tensor | None:
+            return self._current()[1]
+
+        @values.setter
+        def values(self, tensor: torch.Tensor | None) -> None:
+            self._held = (self._current()[0], tensor)
+
+        def _current(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if self._stale:
+                self._held, self._stale = self.slots.views(), False
+            return self._held
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,8 +231,8 @@ def slot_layer(dtype: torch.dtype | None = None) -> type:
                 self.slots = Slots(key_states, value_states, dtype)
             else:
                 self.slots.append(key_states, value_states)
-            self.keys, self.values = self.slots.views()
-            return self.keys, self.values
+            self._stale = True
+            return self._current()
 
         def written(self, places: int, write: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
             """What `write(keys, values)` returns, given the views with room for `places` more places at their end,
@@ -215,15 +253,15 @@ def slot_layer(dtype: torch.dtype | None = None) -> type:
         def wrote(self, places: int) -> None:
             """`places` places written after the rows' last (`room`'s)."""
             self.slots.added(places)
-            self.keys, self.values = self.slots.views()
+            self._stale = True
 
         def keep(self, order: list[int], cut: int) -> None:
             self.slots.keep(order, cut)
-            self.keys, self.values = self.slots.views()
+            self._stale = True
 
         def join(self, other: Any) -> None:
             self.slots.join(other.keys, other.values)
-            self.keys, self.values = self.slots.views()
+            self._stale = True
 
     return SlotLayer
 

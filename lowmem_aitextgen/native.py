@@ -1,13 +1,14 @@
 """lowmem_aitextgen's own C kernels (int8_linear.c: int8_kernels' native product; one_token_attention.c: the
-stepping decoder's one-token attention; gpt2_block.c: a GPT-2 block's step in one call, and its layer norm; top_k.c:
-sampling's top-k), built at first use by the machine's gcc into one library, called through ctypes by
-native_int8.py, native_attention.py, native_block.py and native_top_k.py.
+stepping decoder's one-token attention; gpt2_block.c: a step's GPT-2 blocks in one call, and its layer norm;
+top_k.c: sampling's top-k and its draw among them; bf16_linear.c: the bf16 view's products), built at first use by
+the machine's gcc into one library, called through ctypes by native_int8.py, native_attention.py, native_block.py,
+native_top_k.py and native_bf16.py.
 
 | what          | how                                                                                           |
 |---------------|-----------------------------------------------------------------------------------------------|
-| build         | `gcc -O3 -fopenmp -ffp-contract=off -shared`, each path's instructions by target attributes (no |
-|               | -march: the library runs on any x86-64 CPU), once a machine: into the user's cache, named by a  |
-|               | hash of the sources and the compiler, written atomically (KERNELS)                             |
+| build         | `gcc -O3 -fopenmp -ffp-contract=off -shared ... -lm`, each path's instructions by target       |
+|               | attributes (no -march: the library runs on any x86-64 CPU), once a machine: into the user's    |
+|               | cache, named by a hash of the sources, the compiler and its flags, written atomically (KERNELS) |
 | threads       | OpenMP, `torch.get_num_threads()` of them; the library links libgomp.so.1, which resolves to   |
 |               | the copy torch loaded (the same soname): one thread pool with torch's                          |
 | instructions  | each caller checks the CPU's flags (`cpu_flags`) before a path runs: read from the CPU itself,  |
@@ -15,7 +16,7 @@ native_int8.py, native_attention.py, native_block.py and native_top_k.py.
 |               | instructions the real one lacks)                                                               |
 | not built     | not Linux on x86-64, a CPU without AVX2, no gcc, a failed build (said once, INFO): torch's      |
 |               | kernels (int8_kernels.product_kernel, stepping.Step's attention and calls one by one, sampling's |
-|               | top-k)                                                                                          |
+|               | top-k and draw)                                                                                 |
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c", HERE / "gpt2_
            HERE / "top_k.c")
 HEADERS = (HERE / "native_math.h",)  # (their bytes are in the library's name too: a changed header rebuilds it)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
+LIBRARIES = ("-lm",)  # (sqrtf, exp: named, not left to the process to have loaded)
 KERNELS = "kernels"  # the cache's folder for built libraries
 
 
@@ -78,15 +80,15 @@ def _library_file() -> Path:
     """The built library's path, building it where it is not in the cache yet."""
     version = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True).stdout
     texts = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(texts + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(texts + version.encode() + " ".join(FLAGS + LIBRARIES).encode()).hexdigest()[:16]
     folder = _cache_folder()
     target = folder / f"lowmem_kernels-{key}.so"
     if not target.exists():
         fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         try:
-            subprocess.run(["gcc", *FLAGS, "-I", str(HERE), *map(str, SOURCES), "-o", partial], capture_output=True,
-                           text=True, check=True)
+            subprocess.run(["gcc", *FLAGS, "-I", str(HERE), *map(str, SOURCES), *LIBRARIES, "-o", partial],
+                           capture_output=True, text=True, check=True)
             os.replace(partial, target)  # another process building it at once writes the same bytes
         except subprocess.CalledProcessError as error:
             raise subprocess.SubprocessError(error.stderr.strip() or f"gcc exited with {error.returncode}") from None
@@ -122,11 +124,14 @@ def _loaded(path: Path) -> ctypes.CDLL:
     library.lowmem_one_token_attention.restype = number
     library.lowmem_layer_norm.argtypes = [pointer, number, number, pointer, pointer, real, pointer, number]
     library.lowmem_layer_norm.restype = None
-    library.lowmem_gpt2_block_step.argtypes = [pointer, pointer, number, pointer, pointer, number, long, long, long,
-                                               number, pointer, pointer, number, number]
-    library.lowmem_gpt2_block_step.restype = number
+    library.lowmem_gpt2_blocks_step.argtypes = [pointer, number, pointer, number, pointer, pointer, number, pointer,
+                                                pointer, pointer, pointer, number, number]
+    library.lowmem_gpt2_blocks_step.restype = number
     library.lowmem_bf16_linear.argtypes = [pointer, number, number, long, pointer, number, pointer, pointer, number]
     library.lowmem_bf16_linear.restype = None
     library.lowmem_top_k.argtypes = [pointer, long, number, number, number, pointer, pointer, number]
     library.lowmem_top_k.restype = number
+    library.lowmem_top_k_draw.argtypes = [pointer, long, number, number, number, pointer, number, pointer, pointer,
+                                          pointer, number]
+    library.lowmem_top_k_draw.restype = number
     return library

@@ -1,10 +1,12 @@
-"""A GPT-2 block's step of one new token a row in one call of our own kernels (gpt2_block.c, built by native.py),
+"""A step's GPT-2 blocks for one new token a row in one call of our own kernels (gpt2_block.c, built by native.py),
 for an int8 view on them: the stepping decoder's blocks, when a step is only the running rows' one token each.
 
 Why: at batch 1 a 355M step's products are ~10 ms of ~15, and most of the rest was Python around a block's dozen
 calls, each slowed 2-3x by the caches the weights' stream empties (RESULTS.md, twenty-fourth session).  Here a
 block's step is one call of the kernels the stepping decoder calls one by one (int8_linear.c, one_token_attention.c,
-which writes the step's keys and values into the cache itself): the same bits.  Its layer norm is gpt2_block.c's,
+which writes the step's keys and values into the cache itself): the same bits; and the blocks one after the other
+in the same call (each layer's cache's addresses from kv_cache.Slots.addresses, made once a buffer), none of the
+Python between them (~0.1 ms of a 355M token, RESULTS.md, twenty-sixth session).  Its layer norm is gpt2_block.c's,
 and the stepping decoder calls that one (`norm`) for such a view's block norms in every other step too (a prompt,
 a step beside a joining prompt), so that a row's text is its own whichever way its steps go.
 
@@ -60,6 +62,16 @@ class BlockStep:
     scratch: int  # floats a row: the norm's output or attention's, the query-key-value, the MLP's inner width
 
 
+class Blocks:
+    """A model's blocks as the step's one call takes them (`steps`): each BlockStep, and the array of their parts'
+    addresses, made once."""
+
+    def __init__(self, made: list[BlockStep]) -> None:
+        self.steps = tuple(made)
+        self.parts = (ctypes.c_void_p * len(made))(*[ctypes.addressof(step.parts) for step in made])
+        self.scratch = made[0].scratch
+
+
 def available() -> bool:
     """Whether the call runs here: our kernels built, our attention kernel on this CPU."""
     return native.built() is not None and native_attention.available()
@@ -84,31 +96,33 @@ def block_step(block: nn.Module, scale: float, heads: int, head_size: int, tanh:
     return BlockStep(parts, (*norms, *projections), qkv.k + qkv.n + fc.n)
 
 
-def steps(blocks: list[BlockStep], x: torch.Tensor, layers: list[Any], places: torch.Tensor) -> torch.Tensor:
-    """`x` (rows, width; fp32, each row's one new token) through every block, in place: each layer's keys and
-    values written to its cache layer (`layers`: kv_cache's slot layers, the rows' own) and attended over each row's
-    last `places` (int32, one a row)."""
+def steps(blocks: Blocks, x: torch.Tensor, layers: list[Any], places: torch.Tensor) -> torch.Tensor:
+    """`x` (rows, width; fp32, each row's one new token) through every block, in place, in one call: each layer's
+    keys and values written to its cache layer (`layers`: kv_cache's slot layers, the rows' own) and attended over
+    each row's last `places` (int32, one a row)."""
     if not torch.is_inference_mode_enabled():  # the caches' buffers are written only in inference mode
         with torch.inference_mode():
             return steps(blocks, x, layers, places)
-    rows = x.shape[0]
-    scratch = torch.empty(rows * blocks[0].scratch)
+    rows, count = x.shape[0], len(layers)
+    scratch = torch.empty(rows * blocks.scratch)
     path, threads = native_int8.PATHS.index(native_int8.path_for(rows)), torch.get_num_threads()
-    library = native.built()
-    slots = [layer.room(1) for layer in layers]
-    for block, held in zip(blocks, slots):
-        keys, values = held.buffers
-        row, head, place = keys.stride()[:3]
-        at = held.start * place * keys.element_size()
-        done = library.lowmem_gpt2_block_step(
-            ctypes.byref(block.parts), x.data_ptr(), rows, keys.data_ptr() + at, values.data_ptr() + at,
-            int(keys.dtype == torch.bfloat16), row, head, place, held.end + 1 - held.start, places.data_ptr(),
-            scratch.data_ptr(), path, threads)
-        if done == -2:
-            raise ValueError(f"native_block.steps: places={places.tolist()}: each row's must be within the cache's "
-                             f"{held.end + 1 - held.start}")
-        if done:
-            raise MemoryError("lowmem_aitextgen's kernels could not allocate their scratch memory (a block's step)")
+    keys, values = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
+    strides, widths = (ctypes.c_long * (3 * count))(), (ctypes.c_int * count)()
+    for i, layer in enumerate(layers):
+        held = layer.room(1)
+        key_address, value_address, held_strides, size = held.addresses()
+        at = held.start * held_strides[2] * size
+        keys[i], values[i] = key_address + at, value_address + at
+        strides[3 * i:3 * i + 3] = held_strides
+        widths[i] = held.end + 1 - held.start
+    bf16 = int(layers[0].slots.both.dtype == torch.bfloat16)  # (one dtype for all: the engine's cache_dtype)
+    done = native.built().lowmem_gpt2_blocks_step(blocks.parts, count, x.data_ptr(), rows, keys, values, bf16, strides,
+                                                  widths, places.data_ptr(), scratch.data_ptr(), path, threads)
+    if done == -2:
+        raise ValueError(f"native_block.steps: places={places.tolist()}: each row's must be within the cache's "
+                         f"{min(widths)}")
+    if done:
+        raise MemoryError("lowmem_aitextgen's kernels could not allocate their scratch memory (a block's step)")
     for layer in layers:
         layer.wrote(1)
     return x

@@ -10,7 +10,8 @@ stopping criterion, or its client gone).  What each row's model outputs must not
 either: decoding.py's int8 form quantizes each token's activations alone for that.  The rows whose settings only
 scale and draw (no penalty, processor, top-k or top-p), and those that add only top_k (generate()'s default, 50),
 are picked a few calls for all of them (next_tokens; 8 rows of top_k 50: half the time of a row at a time,
-RESULTS.md), each row's arithmetic the one it gets alone.  top_k and top_p keep what transformers' warpers
+RESULTS.md), each row's arithmetic the one it gets alone; a top_k row's draw is one call of our kernel, alone or
+beside others (native_top_k.draws, where it runs).  top_k and top_p keep what transformers' warpers
 keep (at top_p's edge up to rounding: the likelier tokens' probabilities summed in float64 here, in float32 from
 the least likely up there), found among the likeliest tokens (likeliest_kept: the k-th logit, or the likeliest
 until they hold top_p), and the token is drawn among those alone: a pick with top_p sorted the whole vocabulary
@@ -146,6 +147,14 @@ class Row:
 
     def next_token(self, scores: torch.Tensor, eos: tuple[int, ...]) -> int:
         """The row's next token from the model's scores for it (1-D, the vocabulary)."""
+        if self.only_top_k(scores.shape[-1]) and self.settings.temperature != 0:  # the draw rows together take
+            token = _drawn_among_top_k([self], scores[None], self.settings.top_k, eos)[0]
+            if token is not None:
+                return token
+        return self._picked(scores, eos)
+
+    def _picked(self, scores: torch.Tensor, eos: tuple[int, ...]) -> int:
+        """next_token's pick by transformers' processors and warpers, or among what they keep (likeliest_kept)."""
         from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
         s = self.settings
@@ -246,11 +255,17 @@ def next_tokens(rows: list[Row], scores: torch.Tensor, eos: tuple[int, ...]) -> 
     return [picks[i] for i in range(len(rows))]
 
 
+def _barred_ids(row: Row, eos: tuple[int, ...]) -> list[int]:
+    """The tokens `row` may not pick now: its end-of-text while it is short of its min_new (transformers'
+    MinNewTokensLength), as Row.next_token bars them."""
+    ends = row.settings.eos or eos
+    return list(ends) if ends and len(row.tokens) < row.settings.min_new else []
+
+
 def _barred(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
-    """`logits` (a row each of `rows`) with end-of-text impossible in each row still short of its min_new, as
-    Row.next_token bars it (transformers' MinNewTokensLength): a copy where a row is barred, else `logits`."""
-    barred = [(j, list(row.settings.eos or eos)) for j, row in enumerate(rows)
-              if (row.settings.eos or eos) and len(row.tokens) < row.settings.min_new]
+    """`logits` (a row each of `rows`) with each row's _barred_ids impossible: a copy where a row is barred, else
+    `logits`."""
+    barred = [(j, ids) for j, row in enumerate(rows) if (ids := _barred_ids(row, eos))]
     if barred:
         logits = logits.clone()
     for j, ends in barred:
@@ -271,33 +286,52 @@ def _picked_together(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]
     """next_tokens's picks for plain rows and rows adding only top_k, `logits` their scores (rows, vocabulary),
     never changed: the rows of one top_k (0: none) drawn by a few calls for all of them; a row tied at its k-th
     logit picked by next_token (transformers' warper keeps every tied token)."""
-    logits = _barred(rows, logits, eos)
-    picks = {j: int(logits[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
+    barred = _barred(rows, logits, eos) if any(not row.settings.top_k for row in rows) else logits
+    picks = {j: int(barred[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
     drawn = [j for j, row in enumerate(rows) if row.settings.temperature != 0]
-    unscaled = logits if len(drawn) == len(rows) else logits[drawn]
     for k in sorted({rows[j].settings.top_k for j in drawn}):
-        group = [n for n, j in enumerate(drawn) if rows[j].settings.top_k == k]
-        among, members = unscaled if len(group) == len(drawn) else unscaled[group], [rows[drawn[n]] for n in group]
-        tokens = (_drawn_among_top_k(members, among, k) if k
-                  else _drawn(_scaled(members, among).softmax(-1), _uniform(members)).tolist())
-        for n, token in zip(group, tokens):  # (a tied row's logits barred again by next_token: the same logits)
-            j = drawn[n]
-            picks[j] = rows[j].next_token(logits[j], rows[j].settings.eos or eos) if token is None else token
+        group = [j for j in drawn if rows[j].settings.top_k == k]
+        members = [rows[j] for j in group]
+        tokens = (_drawn_among_top_k(members, logits if len(group) == len(rows) else logits[group], k, eos) if k
+                  else _drawn(_scaled(members, barred[group]).softmax(-1), _uniform(members)).tolist())
+        for j, token in zip(group, tokens):
+            picks[j] = rows[j]._picked(logits[j], rows[j].settings.eos or eos) if token is None else token
     return [picks[j] for j in range(len(rows))]
 
 
 def _uniform(rows: list[Row]) -> torch.Tensor:
     """A uniform number (float64) from each row's own stream."""
+    if len(rows) == 1:
+        return torch.rand(1, generator=rows[0].generator, dtype=torch.float64)
     return torch.cat([torch.rand(1, generator=row.generator, dtype=torch.float64) for row in rows])
 
 
-def _drawn_among_top_k(rows: list[Row], logits: torch.Tensor, k: int) -> list[int | None]:
+def _drawn_among_top_k(rows: list[Row], logits: torch.Tensor, k: int, eos: tuple[int, ...]) -> list[int | None]:
     """Each row's token drawn among its `k` likeliest of `logits` (a row each of `rows`, not yet divided by their
-    temperatures), as likeliest_kept and _draw_among draw a row alone; None for a row tied at its k-th logit (it
-    keeps more than k: left to next_token).  The k + 1 largest are divided, not the whole row: a division rounds
-    each logit alone and never reorders two (it may make them equal: the tie is seen after it), so they are the
-    k + 1 largest of the divided row, with its bits (the draw is in the order of the ids, whatever order equal
-    values come in)."""
+    temperatures, its _barred_ids not yet barred) by a uniform number of its stream, as likeliest_kept and
+    _draw_among would draw it; None for a row tied at its k-th logit (it keeps more than k: left to Row._picked;
+    its uniform number drawn and not used).  On our kernel where it takes the row (native_top_k.draws: one call
+    for all, its probabilities in float64), else on torch's (_top_k_on_torch)."""
+    uniforms = _uniform(rows)
+    tokens = native_top_k.draws(logits, k, [_barred_ids(row, eos) for row in rows],
+                                [row.settings.temperature for row in rows], uniforms.tolist())
+    if tokens is None:  # (not here: every row on torch's)
+        tokens = [native_top_k.REFUSED] * len(rows)
+    refused = [m for m, token in enumerate(tokens) if token == native_top_k.REFUSED]
+    if refused:
+        theirs = _top_k_on_torch([rows[m] for m in refused], logits[refused], k, eos, uniforms[refused])
+        for m, token in zip(refused, theirs):
+            tokens[m] = token
+    return [None if token == native_top_k.TIED else token for token in tokens]
+
+
+def _top_k_on_torch(rows: list[Row], logits: torch.Tensor, k: int, eos: tuple[int, ...], uniforms: torch.Tensor
+                    ) -> list[int | None]:
+    """_drawn_among_top_k on torch's kernels, `uniforms` the rows' numbers.  The k + 1 largest are divided, not the
+    whole row: a division rounds each logit alone and never reorders two (it may make them equal: the tie is seen
+    after it), so they are the k + 1 largest of the divided row, with its bits (the draw is in the order of the
+    ids, whatever order equal values come in)."""
+    logits = _barred(rows, logits, eos)
     values, ids = native_top_k.largest(logits, k + 1)
     values = _scaled(rows, values)
     tied = (values[:, k] == values[:, k - 1]).tolist()
@@ -307,7 +341,7 @@ def _drawn_among_top_k(rows: list[Row], logits: torch.Tensor, k: int) -> list[in
         return tokens
     values, ids = (values[:, :k], ids[:, :k]) if len(kept) == len(rows) else (values[kept, :k], ids[kept, :k])
     order = ids.argsort(-1)  # the draw in the order of the ids, as _draw_among's
-    found = _drawn(values.gather(-1, order).softmax(-1), _uniform([rows[m] for m in kept]))
+    found = _drawn(values.gather(-1, order).softmax(-1), uniforms[kept])
     for m, token in zip(kept, ids.gather(-1, order.gather(-1, found[:, None]))[:, 0].tolist()):
         tokens[m] = token
     return tokens

@@ -113,7 +113,7 @@ class Step:
         return Layer(norm(block.ln_1), [called(p) for p in qkv], called(out), scale, norm(block.ln_2), fc, act,
                      called(block.mlp.c_proj))
 
-    def _native_blocks(self) -> list[native_block.BlockStep] | None:
+    def _native_blocks(self) -> native_block.Blocks | None:
         """Each block's one-token step in one call of our kernels, where this model takes it (native_block.py),
         nothing of it hooked; else None."""
         if self.neo or not native_block.available():
@@ -124,7 +124,7 @@ class Step:
             return None
         made = [native_block.block_step(b, gpt2_scaling(b.attn), self.heads, self.head_size,
                                         type(b.mlp.act).__name__ in TANH_GELUS) for b in self.blocks]
-        return None if any(step is None for step in made) else made
+        return None if any(step is None for step in made) else native_block.Blocks(made)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
                  alone: list[int] | None = None) -> torch.Tensor:
@@ -138,10 +138,11 @@ class Step:
         cache (the running rows' step beside new rows' prompts: continuous batching's chunked prefill)."""
         bounds = _bounds([part.ids.numel() for part in parts])
         x = _flat([self.embeddings(p.ids) + self.positions(p.positions) for p in parts])
-        seen = [self._masks(part) for part in parts]
-        if self._in_native_blocks(parts, x, seen):
+        natives = own_places(parts[0], {}) if self._in_native_blocks(parts, x) else None
+        if natives is not None and not natives.gathered:  # (only the places: none of _masks' other masks)
             return [self.head(self.final_norm(native_block.steps(self.native_blocks, x, parts[0].cache.layers,
-                                                                 seen[0][2].places)))[:, None]]
+                                                                 natives.places)))[:, None]]
+        seen = [self._masks(part) for part in parts]
         for index, (layer, window) in enumerate(zip(self.layers, self.windows)):
             h = layer.ln_1(x)
             projected = [projection(h) for projection in layer.qkv]
@@ -155,14 +156,14 @@ class Step:
         logits = self.head(self.final_norm(x))
         return [logits[start:end, None] for start, end in _bounds([p.ids.shape[0] for p in parts])]
 
-    def _in_native_blocks(self, parts: list[Part], x: torch.Tensor, seen: list[tuple[Any, Any, OwnPlaces | None]]
-                          ) -> bool:
-        """Whether this pass goes through native_block.steps: a step of the running rows alone, one token each, each
-        row's places the cache's last, every layer's cache our slots (native_block.py)."""
+    def _in_native_blocks(self, parts: list[Part], x: torch.Tensor) -> bool:
+        """Whether this pass may go through native_block.steps: a step of the running rows alone, one token each,
+        every layer's cache our slots (native_block.py); the caller checks that each row's places are the cache's
+        last (own_places)."""
         if self.native_blocks is None or len(parts) > 1 or parts[0].ids.shape[1] != 1 or x.dtype != torch.float32:
             return False
-        natives, layers = seen[0][2], parts[0].cache.layers
-        return natives is not None and not natives.gathered and len(layers) == len(self.blocks) \
+        layers = parts[0].cache.layers
+        return len(layers) == len(self.blocks) \
             and all(getattr(layer, "slots", None) is not None and layer.slots.rows == x.shape[0] for layer in layers) \
             and layers[0].slots.both.dtype in native_attention.DTYPES  # (the rest of `takes` held when made)
 

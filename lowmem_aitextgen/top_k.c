@@ -136,3 +136,71 @@ int lowmem_top_k(const float *x, long stride, int rows, int n, int k, float *val
     }
     return failed;
 }
+
+/* The token of one row drawn among its k likeliest (sampling.py's top-k draw, its module docstring): the k + 1
+ * largest of x (n) less the `barred` ids (nb, -1 for none), each divided by `temperature`; -2 where the k-th is
+ * tied with the next (the caller keeps every tied token); else, in the order of the ids, the probabilities
+ * e^(v - max) / their sum and their cumulative sum in double, and the first place where it passes `uniform` times
+ * the total.  -1 where x holds NaN or fewer than k + 1 ids are left. */
+static int64_t row_draw(const float *x, int n, int k, const int64_t *barred, int nb, float temperature,
+                        double uniform, entry *kept, float *values, int64_t *ids) {
+    const int wanted = k + 1 + nb;
+    if (wanted > n || row_top_k(x, n, wanted, kept, values, ids) != 0) return -1;
+    int count = 0;
+    for (int j = 0; j < wanted && count <= k; j++) {
+        int is_barred = 0;
+        for (int b = 0; b < nb; b++) is_barred |= ids[j] == barred[b];
+        if (!is_barred) {
+            values[count] = values[j] / temperature;
+            ids[count++] = ids[j];
+        }
+    }
+    if (count <= k) return -1;
+    if (values[k] == values[k - 1]) return -2;
+    for (int j = 1; j < k; j++) { /* the k in the order of their ids: insertion */
+        float v = values[j];
+        int64_t id = ids[j];
+        int at = j;
+        for (; at > 0 && ids[at - 1] > id; at--) {
+            values[at] = values[at - 1];
+            ids[at] = ids[at - 1];
+        }
+        values[at] = v;
+        ids[at] = id;
+    }
+    float most = values[0];
+    for (int j = 1; j < k; j++) most = values[j] > most ? values[j] : most;
+    double total = 0.0, *cumulative = (double *)kept; /* (kept holds 4k + 64 entries: room for k doubles) */
+    for (int j = 0; j < k; j++) cumulative[j] = total += exp((double)(values[j] - most));
+    const double target = uniform * total;
+    for (int j = 0; j < k; j++)
+        if (cumulative[j] > target) return ids[j];
+    return ids[k - 1];
+}
+
+/* tokens[r] = row r of x (rows x n, `stride` floats apart) drawn among its k likeliest (row_draw, its barred ids
+ * barred[r * nb ...], its temperatures[r] and uniforms[r]): a token, -2 where the row's k-th is tied (the caller's
+ * to draw), -1 where it holds NaN or too few ids are left.  Returns 0; -2 where scratch memory cannot be had. */
+int lowmem_top_k_draw(const float *x, long stride, int rows, int n, int k, const int64_t *barred, int nb,
+                      const float *temperatures, const double *uniforms, int64_t *tokens, int threads) {
+    int failed = 0;
+    const size_t room = (size_t)4 * (k + 1 + nb) + 64;
+#pragma omp parallel num_threads(threads) if (rows > 1)
+    {
+        entry *kept = malloc(sizeof(entry) * room);
+        float *values = malloc(sizeof(float) * (size_t)(k + 1 + nb));
+        int64_t *ids = malloc(sizeof(int64_t) * (size_t)(k + 1 + nb));
+        if (!kept || !values || !ids) {
+#pragma omp atomic write
+            failed = -2;
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++)
+            tokens[r] = failed ? -1 : row_draw(x + r * stride, n, k, barred + (long)r * nb, nb, temperatures[r],
+                                                uniforms[r], kept, values, ids);
+        free(kept);
+        free(values);
+        free(ids);
+    }
+    return failed;
+}

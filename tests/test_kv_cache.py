@@ -57,11 +57,41 @@ def test_slots_hold_each_rows_own_places_through_steps_rows_leaving_and_joining_
             slots.append(keys, values)
             truth = [(torch.cat((k, nk), 1), torch.cat((v, nv), 1)) for (k, v), nk, nv in zip(truth, keys, values)]
         held_keys, held_values = slots.views()
+        assert slots.addresses() == (slots.buffers[0].data_ptr(), slots.buffers[1].data_ptr(),
+                                     slots.buffers[0].stride()[:3], slots.buffers[0].element_size())
         assert held_keys.dtype == held_values.dtype == (dtype or torch.float32)
         assert torch.equal(held_keys, padded([k for k, _ in truth]).to(held_keys.dtype))
         assert torch.equal(held_values, padded([v for _, v in truth]).to(held_keys.dtype))
         for held, after in zip((held_keys, held_values), slots.views(kv_cache.PAD)):
             assert torch.equal(after, torch.cat((held, held.new_zeros(len(truth), HEADS, kv_cache.PAD, SIZE)), 2))
+
+
+def test_a_layers_keys_and_values_are_its_slots_views_after_each_change_and_what_transformers_sets_them_to():
+    """A slot layer (transformers' DynamicLayer) read after update, a kernel's write (room, wrote), keep and join:
+    its keys and values are the slots' views at that moment; a tensor transformers' own methods assign is kept."""
+    layer = kv_cache.slot_layer(None)()
+    layer.update(*places(2, 3))
+    with torch.inference_mode():
+        for event in range(2 * kv_cache.ROOM):
+            if event % 7 == 3:
+                layer.keep([1, 0], 0)
+            elif event % 11 == 5:
+                other = kv_cache.slot_layer(None)()
+                other.update(*places(1, 2))
+                layer.join(other)
+            elif event % 2:
+                layer.update(*places(layer.slots.rows, 1))
+            else:
+                held = layer.room(1)
+                for buffer, new in zip(held.views(1), places(held.rows, 1)):
+                    buffer[:, :, -1:] = new
+                layer.wrote(1)
+            keys, values = layer.slots.views()
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+            assert layer.keys.data_ptr() == keys.data_ptr() and layer.get_seq_length() == keys.shape[-2]
+    chosen = layer.keys[:1].clone()
+    layer.batch_select_indices(torch.tensor([0]))  # transformers' own: keys and values set to its selection
+    assert torch.equal(layer.keys, chosen) and layer.values.shape[0] == 1
 
 
 def stepped(slots: kv_cache.Slots, steps: int, rows: int) -> int:

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import decoding, int8_kernels, native, native_block, stepping
+from lowmem_aitextgen import decoding, int8_kernels, kv_cache, native, native_block, stepping
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, TokenwiseInt8Linear
 from lowmem_aitextgen.kv_cache import new_cache
 
@@ -17,10 +17,10 @@ pytestmark = [pytest.mark.skipif(not native_block.available() or NativeProduct i
               pytest.mark.edges]  # (transformers' GPT-2 and GPT-Neo blocks and cache layers, at the oldest too)
 
 
-def int8_view(seed: int = 0, **config) -> torch.nn.Module:
+def int8_view(seed: int = 0, positions: int = 64, **config) -> torch.nn.Module:
     """A tiny GPT-2's seeded int8 view (random weights)."""
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=300, n_layer=3, n_positions=64, **config)).eval()
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=300, n_layer=3, n_positions=positions, **config)).eval()
     return decoding.decoding_model(model, "int8", True).model
 
 
@@ -43,22 +43,23 @@ PROMPTS = [(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[1, 1, 1, 1]])),
             torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1]]))]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+@pytest.mark.parametrize("dtype, steps", [(torch.bfloat16, 6), (None, 6), (torch.bfloat16, kv_cache.ROOM + 10)])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["one row", "three rows, two padded"])
-def test_a_blocks_step_in_one_call_is_the_decoders_calls_one_by_one_bit_for_bit(monkeypatch, dtype, prompt):
+def test_a_blocks_step_in_one_call_is_the_decoders_calls_one_by_one_bit_for_bit(monkeypatch, dtype, steps, prompt):
     """Steps through native_block.steps give the logits the same Step's calls give one by one, and write the same
-    keys and values (bf16: converted as torch's copy converts them)."""
-    view = int8_view()
+    keys and values (bf16: converted as torch's copy converts them); past the cache's ROOM too, where its buffers
+    move (the call writes into the new ones)."""
+    view = int8_view(positions=128)
     through, one_by_one = stepping.Step(view), stepping.Step(view)
     assert through.native_blocks is not None
     one_by_one.native_blocks = None  # (its layers keep the blocks' norms: those of the call)
     calls = []
     original = native_block.steps
     monkeypatch.setattr(native_block, "steps", lambda *args: calls.append(1) or original(*args))
-    ours, our_cache = stepped(through, *prompt, 6, dtype)
-    assert len(calls) == 6  # every step after the prompt
-    theirs, their_cache = stepped(one_by_one, *prompt, 6, dtype)
-    assert len(calls) == 6
+    ours, our_cache = stepped(through, *prompt, steps, dtype)
+    assert len(calls) == steps  # every step after the prompt
+    theirs, their_cache = stepped(one_by_one, *prompt, steps, dtype)
+    assert len(calls) == steps
     for got, expected in zip(ours, theirs):
         assert torch.equal(got, expected)
     for mine, others in zip(our_cache.layers, their_cache.layers):

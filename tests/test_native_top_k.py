@@ -82,3 +82,48 @@ def test_rows_adding_top_k_draw_what_each_draws_alone_though_their_logits_tie(ke
             for row, token in zip(rows, picked):
                 row.tokens.append(token)
     assert tied > 0 and len({token for row in together for token in row.tokens}) > 30
+
+
+@pytest.mark.edges  # (transformers' TopK warper, at the oldest too)
+@pytest.mark.parametrize("kernel", ["ours", "torch's"])
+def test_a_rows_top_k_draw_picks_what_transformers_warpers_and_a_whole_vocabulary_draw_pick(kernel, monkeypatch):
+    """A row adding top_k (its end-of-text barred while short of min_new) draws, uniform number by uniform number of
+    its stream, the token transformers' temperature and TopK warper and a softmax over GPT-2's whole vocabulary give
+    the inverse CDF in the order of the ids; on our kernel (one call) and on torch's."""
+    from transformers import TopKLogitsWarper
+
+    from lowmem_aitextgen.sampling import _draw
+
+    if kernel == "torch's":
+        monkeypatch.setattr(native, "built", lambda: None)
+    elif native.built() is None:
+        pytest.skip("our kernels need gcc on x86-64 Linux with AVX2")
+    answered = []
+    draws = native_top_k.draws
+    monkeypatch.setattr(native_top_k, "draws", lambda *args: answered.append(draws(*args)) or answered[-1])
+    scores = torch.randn(50257, generator=torch.Generator().manual_seed(3)) * 3
+    for temperature, k, min_new in [(0.7, 50, 0), (1.3, 5, 400), (1.0, 1, 0)]:
+        row = Row(torch.tensor([1]), RowSettings(max_new=500, temperature=temperature, top_k=k, min_new=min_new,
+                                                 seed=k))
+        logits = scores.clone()
+        if min_new:
+            logits[[int(scores.argmax())]] = -torch.inf  # the likeliest token its end-of-text here
+        truth = TopKLogitsWarper(k)(None, (logits / temperature)[None])[0].softmax(-1)
+        theirs = torch.Generator().manual_seed(k)
+        eos = (int(scores.argmax()),)
+        picks = [row.next_token(scores, eos) for _ in range(300)]
+        assert picks == [_draw(truth, theirs) for _ in range(300)]
+        assert len(set(picks)) == min(k, 300) or len(set(picks)) > 20
+    assert all(answer is None for answer in answered) if kernel == "torch's" else all(answered)
+
+
+@built
+def test_a_row_holding_nan_beside_others_leaves_their_draws_their_own():
+    """A row our kernel refuses (NaN) is drawn on torch's with its own uniform number; the rows beside it draw on
+    ours what they draw alone."""
+    settings = [RowSettings(max_new=5, temperature=0.8, top_k=20, seed=s) for s in range(3)]
+    scores = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)) * 3
+    scores[1, 17] = float("nan")
+    together = next_tokens([Row(torch.tensor([1]), s) for s in settings], scores, ())
+    alone = [Row(torch.tensor([1]), s).next_token(scores[i], ()) for i, s in enumerate(settings)]
+    assert together == alone
