@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import huge_pages, native
 
 PANEL = 32  # bf16_linear.c's: the columns a pass computes
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -52,7 +52,8 @@ def pack(weight: torch.Tensor) -> Packed:
         raise ValueError(f"native_bf16.pack: a weight of {k} inputs: an even number is needed")
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
     padded[:n] = weight
-    panels = padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    panels = huge_pages.empty((padded.shape[0] // PANEL, k // 2, PANEL, 2), torch.bfloat16)  # (read every token)
+    panels.copy_(padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3))
     return Packed(panels, n, k)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import huge_pages, native
 
 PANEL, KSTEP = 32, 64  # int8_linear.c's: the columns a pass computes, K padded to a multiple of KSTEP
 PATHS = ("avx2", "vnni", "amx")  # int8_linear.c's path numbers, in order
@@ -60,7 +60,8 @@ def pack(weight: torch.Tensor, scale: float, zero: int) -> Packed:
     kp, padded_n = -(-k // KSTEP) * KSTEP, -(-n // PANEL) * PANEL
     padded = torch.zeros(padded_n, kp, dtype=torch.int8)
     padded[:n, :k] = weight
-    panels = padded.view(padded_n // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    panels = huge_pages.empty((padded_n // PANEL, kp // 4, PANEL, 4), torch.int8)  # (read whole every token)
+    panels.copy_(padded.view(padded_n // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3))
     zero_sums = (weight.sum(1, dtype=torch.int32) * zero).to(torch.int32)
     return Packed(panels, zero_sums, scale, n, k, kp)
 

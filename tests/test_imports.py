@@ -20,7 +20,7 @@ FLOORS = {
     "planner": {"step_time", "estimate", "budget", "oom"},
     "generation": {"decoding", "generation", "sampling", "batching", "engine", "kv_cache", "stepping",
                    "streaming", "packed16", "row_attention", "int8_kernels", "native", "native_int8",
-                   "native_attention", "native_block", "native_bf16", "native_top_k", "compiled_step"},
+                   "native_attention", "native_block", "native_bf16", "native_top_k", "compiled_step", "huge_pages"},
     "run": {"resume", "report", "outputs", "loading", "lightning_module", "evaluation", "run"},
     "serving": {"completions", "server_metrics", "serving"},
     "faces": {"aitextgen", "cards", "cli", "__init__", "colab", "train", "utils"},
