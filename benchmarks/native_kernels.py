@@ -1,6 +1,7 @@
 """Our one-token attention and top-k kernels (native_attention.py, native_top_k.py) against torch's, per call and
-end to end, alternating in one process; end to end also a GPT-2 block's step in one call (native_block.py) against
-the stepping decoder's calls one by one.
+end to end, alternating in one process; end to end also a step's GPT-2 blocks in one call (native_block.py) against
+the stepping decoder's calls one by one, a top-k row's draw in one call against torch's calls, and the packed
+weights in huge pages (huge_pages.py) against torch's 4 KiB pages.
 
     python benchmarks/native_kernels.py --calls
     python benchmarks/native_kernels.py --sizes 355M --batches 1 8 --rounds 4
@@ -10,7 +11,9 @@ cache, views into buffers with room), ours against what the stepping decoder did
 cache's dtype, scaled_dot_product_attention, transposed and back to fp32); and the top-51 of 8 and 1 rows of
 50,257 logits.  End to end: generate() of 128 new tokens, seeded (the default form), with both kernels and the
 blocks in one call, with the blocks' calls one by one (torch's layer norm), with torch's attention (and so calls one
-by one), with torch's topk: tokens/s, the median of the rounds, and the ratios.
+by one), with torch's topk (and the draw on torch's calls), with the draw on torch's calls (ours' top-k), and
+from a second object whose view was made with its weights in 4 KiB pages: tokens/s, the median of the rounds, and
+the ratios.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.nn import functional as F
@@ -28,7 +32,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from generate_speed import ours, saved_gpt2  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware, native_attention, native_block, native_top_k  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware, huge_pages, native_attention, native_block, native_top_k  # noqa: E402
 
 
 def timed(call, repeats: int = 300) -> float:
@@ -64,26 +68,33 @@ def calls() -> None:
 
 
 def end_to_end(sizes: list[str], batches: list[int], rounds: int) -> None:
-    available, largest, blocks = native_attention.available, native_top_k.largest, native_block.available
-    variants = {"ours": (available, largest, blocks), "blocks one by one": (available, largest, lambda: False),
-                "torch's attention": (lambda: False, largest, blocks),
-                "torch's topk": (available, lambda logits, k: logits.topk(k), blocks)}
+    kept = native_attention.available, native_top_k.largest, native_block.available, native_top_k.draws
+    available, largest, blocks, draws = kept
+    variants = {"ours": (available, largest, blocks, draws, False),
+                "blocks one by one": (available, largest, lambda: False, draws, False),
+                "torch's attention": (lambda: False, largest, blocks, draws, False),
+                "torch's topk": (available, lambda logits, k: logits.topk(k), blocks, lambda *args: None, False),
+                "draw on torch's": (available, largest, blocks, lambda *args: None, False),
+                "4 KiB pages": (available, largest, blocks, draws, True)}
     for size in sizes:
         with tempfile.TemporaryDirectory() as folder:
             saved_gpt2(size, folder)
-            ai, default = aitextgen(model_folder=folder), ours("auto", 1)
+            ai, small_pages, default = aitextgen(model_folder=folder), aitextgen(model_folder=folder), ours("auto", 1)
+            default(ai, None, 1, 1)
+            with mock.patch.object(huge_pages, "available", lambda: False):  # this object's view: torch's pages
+                default(small_pages, None, 1, 1)
             for batch in batches:
                 default(ai, None, batch, 8)
                 got: dict[str, list[float]] = {name: [] for name in variants}
                 for _ in range(rounds):
-                    for name, (attention, top_k, in_one) in variants.items():
+                    for name, (*patches, small) in variants.items():
                         # (read at each call: the engine makes its Step, which reads native_block's, each call)
-                        native_attention.available, native_top_k.largest, native_block.available = attention, top_k, \
-                            in_one
+                        native_attention.available, native_top_k.largest, native_block.available, \
+                            native_top_k.draws = patches
                         start = time.perf_counter()
-                        default(ai, None, batch, 128)
+                        default(small_pages if small else ai, None, batch, 128)
                         got[name].append(batch * 128 / (time.perf_counter() - start))
-                native_attention.available, native_top_k.largest, native_block.available = available, largest, blocks
+                native_attention.available, native_top_k.largest, native_block.available, native_top_k.draws = kept
                 medians = {name: statistics.median(values) for name, values in got.items()}
                 print(f"{size}, batch {batch}: " + "; ".join(
                     f"{name} {medians[name]:.1f} tok/s ({medians['ours'] / medians[name]:.3f}x)" for name in got))
