@@ -98,7 +98,7 @@ static int product(const lowmem_product *p, int path, const float *x, int rows, 
  * and value written at place width_places - 1 of keys and values (one_token_attention.c's layout and strides) and
  * attended over each row's last places[r].  scratch: rows x (width + qkv's n + fc's n) floats.  Returns 0, or an
  * error of the kernels called (-1: no scratch memory; -2: places out of the cache). */
-int lowmem_gpt2_block_step(const lowmem_gpt2_block *b, float *x, int rows, void *keys, void *values, int kv_bf16,
+static int gpt2_block_step(const lowmem_gpt2_block *b, float *x, int rows, void *keys, void *values, int kv_bf16,
                            long c_row, long c_head, long c_place, int width_places, const int32_t *places,
                            float *scratch, int path, int threads) {
     const int width = b->qkv.k;
@@ -116,16 +116,16 @@ int lowmem_gpt2_block_step(const lowmem_gpt2_block *b, float *x, int rows, void 
     return product(&b->proj, path, f, rows, 0, b->inverse, b->zero, x, x, threads);
 }
 
-/* Every block of a step in turn (`count`; lowmem_gpt2_block_step's arguments, block i's cache at keys[i], values[i],
+/* Every block of a step in turn (`count`; gpt2_block_step's arguments, block i's cache at keys[i], values[i],
  * its strides strides[3i..3i+2], its places' width widths[i]): one call a step, none of the Python between blocks
- * (~0.35 ms of a 355M token).  Returns 0, or the first block's error. */
+ * (~0.1 ms of a 355M token: RESULTS.md, twenty-sixth session).  Returns 0, or the first block's error. */
 int lowmem_gpt2_blocks_step(const lowmem_gpt2_block *const *blocks, int count, float *x, int rows, void *const *keys,
                             void *const *values, int kv_bf16, const long *strides, const int *widths,
                             const int32_t *places, float *scratch, int path, int threads) {
     for (int i = 0; i < count; i++) {
         const long *s = strides + 3L * i;
-        int done = lowmem_gpt2_block_step(blocks[i], x, rows, keys[i], values[i], kv_bf16, s[0], s[1], s[2],
-                                          widths[i], places, scratch, path, threads);
+        int done = gpt2_block_step(blocks[i], x, rows, keys[i], values[i], kv_bf16, s[0], s[1], s[2], widths[i],
+                                   places, scratch, path, threads);
         if (done) return done;
     }
     return 0;

@@ -103,7 +103,9 @@ def steps(blocks: Blocks, x: torch.Tensor, layers: list[Any], places: torch.Tens
     if not torch.is_inference_mode_enabled():  # the caches' buffers are written only in inference mode
         with torch.inference_mode():
             return steps(blocks, x, layers, places)
-    rows, count = x.shape[0], len(layers)
+    rows, count = x.shape[0], len(blocks.steps)
+    if len(layers) != count:
+        raise ValueError(f"native_block.steps: {len(layers)} cache layers for {count} blocks: one a block is needed")
     scratch = torch.empty(rows * blocks.scratch)
     path, threads = native_int8.PATHS.index(native_int8.path_for(rows)), torch.get_num_threads()
     keys, values = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
