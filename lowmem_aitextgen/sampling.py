@@ -285,8 +285,10 @@ def _scaled(rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
 def _picked_together(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
     """next_tokens's picks for plain rows and rows adding only top_k, `logits` their scores (rows, vocabulary),
     never changed: the rows of one top_k (0: none) drawn by a few calls for all of them; a row tied at its k-th
-    logit picked by next_token (transformers' warper keeps every tied token)."""
-    barred = _barred(rows, logits, eos) if any(not row.settings.top_k for row in rows) else logits
+    logit picked by Row._picked (transformers' warper keeps every tied token)."""
+    # (barred in a copy only for what reads the whole row: a greedy row's argmax, a plain row's softmax)
+    wholly = any(row.settings.temperature == 0 or not row.settings.top_k for row in rows)
+    barred = _barred(rows, logits, eos) if wholly else logits
     picks = {j: int(barred[j].argmax()) for j, row in enumerate(rows) if row.settings.temperature == 0}
     drawn = [j for j, row in enumerate(rows) if row.settings.temperature != 0]
     for k in sorted({rows[j].settings.top_k for j in drawn}):

@@ -127,3 +127,15 @@ def test_a_row_holding_nan_beside_others_leaves_their_draws_their_own():
     together = next_tokens([Row(torch.tensor([1]), s) for s in settings], scores, ())
     alone = [Row(torch.tensor([1]), s).next_token(scores[i], ()) for i, s in enumerate(settings)]
     assert together == alone
+
+
+def test_greedy_rows_beside_rows_adding_top_k_never_pick_a_barred_end_of_text():
+    """Greedy rows (temperature 0) keep generate()'s default top_k: while short of min_new their end-of-text, the
+    likeliest token here, is barred together as alone."""
+    scores = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
+    scores[:, 7] = 50.0  # end-of-text the likeliest
+    settings = [RowSettings(max_new=5, temperature=t, top_k=50, min_new=m, seed=0) for t, m in
+                [(0, 3), (0.8, 3), (0, 0)]]
+    together = next_tokens([Row(torch.tensor([1]), s) for s in settings], scores, (7,))
+    alone = [Row(torch.tensor([1]), s).next_token(scores[i], (7,)) for i, s in enumerate(settings)]
+    assert together == alone and together[0] != 7 and together[1] != 7 and together[2] == 7
