@@ -57,7 +57,7 @@ def available() -> bool:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor of `shape` and `dtype`, in huge pages where they are available
     (module docstring), else torch's."""
-    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    size = torch.Size(shape).numel() * dtype.itemsize
     if not available() or size == 0:
         return torch.empty(shape, dtype=dtype)
     try:
@@ -65,6 +65,12 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except (OSError, ValueError):  # (a mapping refused: memory is short, or the system's map count reached)
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset).view(dtype).view(shape)
+
+
+def copy_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `tensor` (a layout made by a view of it: a packing), in huge pages where they are
+    available."""
+    return empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
 
 
 _lock = threading.Lock()

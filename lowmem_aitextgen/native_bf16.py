@@ -52,8 +52,7 @@ def pack(weight: torch.Tensor) -> Packed:
         raise ValueError(f"native_bf16.pack: a weight of {k} inputs: an even number is needed")
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
     padded[:n] = weight
-    panels = huge_pages.empty((padded.shape[0] // PANEL, k // 2, PANEL, 2), torch.bfloat16)  # (read every token)
-    panels.copy_(padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3))
+    panels = huge_pages.copy_of(padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3))  # (read whole every token)
     return Packed(panels, n, k)
 
 

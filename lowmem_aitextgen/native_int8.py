@@ -60,8 +60,8 @@ def pack(weight: torch.Tensor, scale: float, zero: int) -> Packed:
     kp, padded_n = -(-k // KSTEP) * KSTEP, -(-n // PANEL) * PANEL
     padded = torch.zeros(padded_n, kp, dtype=torch.int8)
     padded[:n, :k] = weight
-    panels = huge_pages.empty((padded_n // PANEL, kp // 4, PANEL, 4), torch.int8)  # (read whole every token)
-    panels.copy_(padded.view(padded_n // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3))
+    # (in huge pages: read whole every token)
+    panels = huge_pages.copy_of(padded.view(padded_n // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3))
     zero_sums = (weight.sum(1, dtype=torch.int32) * zero).to(torch.int32)
     return Packed(panels, zero_sums, scale, n, k, kp)
 

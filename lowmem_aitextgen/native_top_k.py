@@ -48,7 +48,6 @@ def largest(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (values, ids) if done == 0 else logits.topk(k)  # (-1: a NaN, which torch's takes as the largest)
 
 
-
 def draws(logits: torch.Tensor, k: int, barred: list[list[int]], temperatures: list[float],
           uniforms: list[float]) -> list[int] | None:
     """Each row of `logits` (rows, n; fp32) drawn among its `k` likeliest less its `barred` ids, divided by its
@@ -69,5 +68,6 @@ def draws(logits: torch.Tensor, k: int, barred: list[list[int]], temperatures: l
                                      (ctypes.c_float * rows)(*temperatures), (ctypes.c_double * rows)(*uniforms),
                                      tokens, torch.get_num_threads())
     if done == -2:
-        raise MemoryError(f"lowmem_aitextgen's top-k kernel could not allocate room for {4 * (k + width) + 64} logits")
+        raise MemoryError(f"lowmem_aitextgen's top-k kernel could not allocate room for {4 * (k + 1 + width) + 64} "
+                          f"logits")
     return list(tokens)

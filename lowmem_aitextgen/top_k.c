@@ -157,6 +157,7 @@ static int64_t row_draw(const float *x, int n, int k, const int64_t *barred, int
     }
     if (count <= k) return -1;
     if (values[k] == values[k - 1]) return -2;
+    const float most = values[0]; /* (largest first until sorted by id) */
     for (int j = 1; j < k; j++) { /* the k in the order of their ids: insertion */
         float v = values[j];
         int64_t id = ids[j];
@@ -168,8 +169,6 @@ static int64_t row_draw(const float *x, int n, int k, const int64_t *barred, int
         values[at] = v;
         ids[at] = id;
     }
-    float most = values[0];
-    for (int j = 1; j < k; j++) most = values[j] > most ? values[j] : most;
     double total = 0.0, *cumulative = (double *)kept; /* (kept holds 4k + 64 entries: room for k doubles) */
     for (int j = 0; j < k; j++) cumulative[j] = total += exp((double)(values[j] - most));
     const double target = uniform * total;
@@ -196,8 +195,8 @@ int lowmem_top_k_draw(const float *x, long stride, int rows, int n, int k, const
         }
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++)
-            tokens[r] = failed ? -1 : row_draw(x + r * stride, n, k, barred + (long)r * nb, nb, temperatures[r],
-                                                uniforms[r], kept, values, ids);
+            tokens[r] = kept && values && ids ? row_draw(x + r * stride, n, k, barred + (long)r * nb, nb,
+                                                         temperatures[r], uniforms[r], kept, values, ids) : -1;
         free(kept);
         free(values);
         free(ids);
