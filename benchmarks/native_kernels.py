@@ -5,6 +5,7 @@ weights in huge pages (huge_pages.py) against torch's 4 KiB pages.
 
     python benchmarks/native_kernels.py --calls
     python benchmarks/native_kernels.py --sizes 355M --batches 1 8 --rounds 4
+    python benchmarks/native_kernels.py --sizes 355M --batches 1 8 --rounds 4 --form bf16
 
 --calls: one layer's attention of 8 rows, 16 heads of 64 (355M's) over a cache of `places` (a bf16 and an fp32
 cache, views into buffers with room), ours against what the stepping decoder did on torch's (the query to the
@@ -13,7 +14,7 @@ cache's dtype, scaled_dot_product_attention, transposed and back to fp32); and t
 blocks in one call, with the blocks' calls one by one (torch's layer norm), with torch's attention (and so calls one
 by one), with torch's topk (and the draw on torch's calls), with the draw on torch's calls (ours' top-k), and
 from a second object whose view was made with its weights in 4 KiB pages: tokens/s, the median of the rounds, and
-the ratios.
+the ratios; `--form bf16`: the same for a bf16 view (decoding="bf16").
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def calls() -> None:
               f"torch's {timed(lambda: logits[:many].topk(51)):.1f} us")
 
 
-def end_to_end(sizes: list[str], batches: list[int], rounds: int) -> None:
+def end_to_end(sizes: list[str], batches: list[int], rounds: int, form: str) -> None:
     kept = native_attention.available, native_top_k.largest, native_block.available, native_top_k.draws
     available, largest, blocks, draws = kept
     variants = {"ours": (available, largest, blocks, draws, False),
@@ -79,7 +80,7 @@ def end_to_end(sizes: list[str], batches: list[int], rounds: int) -> None:
     for size in sizes:
         with tempfile.TemporaryDirectory() as folder:
             saved_gpt2(size, folder)
-            ai, small_pages, default = aitextgen(model_folder=folder), aitextgen(model_folder=folder), ours("auto", 1)
+            ai, small_pages, default = aitextgen(model_folder=folder), aitextgen(model_folder=folder), ours(form, 1)
             default(ai, None, 1, 1)
             with mock.patch.object(huge_pages, "available", lambda: False):  # this object's view: torch's pages
                 default(small_pages, None, 1, 1)
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="*", default=["355M"])
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--form", default="auto", choices=["auto", "bf16"],
+                        help="end to end: the default form (an int8 view), or decoding='bf16' (a bf16 view)")
     args = parser.parse_args()
     if not native_attention.available():
         sys.exit("our attention kernel does not run here (it needs AVX512F and gcc)")
@@ -113,7 +116,7 @@ def main() -> None:
     if args.calls:
         calls()
     else:
-        end_to_end(args.sizes, args.batches, args.rounds)
+        end_to_end(args.sizes, args.batches, args.rounds, args.form)
 
 
 if __name__ == "__main__":

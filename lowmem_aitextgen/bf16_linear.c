@@ -1,5 +1,6 @@
 /* lowmem_aitextgen's bf16 Linear for decoding on x86 CPUs with AVX512-BF16 (native_bf16.py calls it, packed16.py's
- * NativeBf16Linear holds its weights): y = x W^T + b, bf16 in and out, fp32 sums.
+ * NativeBf16Linear holds its weights): y = x W^T + b, bf16 in and out, fp32 sums; where asked, GPT-2's GELU of y and
+ * a residual added to it in the same call (gpt2_block.c's bf16 block, the stepping decoder's c_fc).
  *
  * Each (row of x, column) is summed in one order at any number of rows or threads: one 16-lane fp32 accumulator
  * for 16 columns, vdpbf16ps over k two at a time in order (k even), the bias (bf16, widened
@@ -18,7 +19,7 @@
 #define PANEL 32
 #define ROWS 8
 
-#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 #define BF16_ROW(r)                                                                                             \
     if (rows > r) {                                                                                             \
@@ -51,27 +52,44 @@ BF16_TARGET static void bf16_panel(const uint16_t *a, long lda, int rows, const 
 #undef BF16_CALL
 }
 
-/* y's rows [0, rows), the panel's columns from `column`, from their sums: the bias added, rounded to bf16 */
-BF16_TARGET static void written(const float *sums, int rows, int n, int column, const uint16_t *bias, uint16_t *y,
-                                long ldy) {
+/* 16 bf16 widened to floats exactly */
+BF16_TARGET static inline __m512 widened(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* GPT-2's GELU of 16 floats (native_math.h's, 8 at a time) */
+BF16_TARGET static inline __m512 gelu16(__m512 v) {
+    __m256 low = tanh_gelu(_mm512_castps512_ps256(v)),
+           high = tanh_gelu(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high),
+                                               1));
+}
+
+/* y's rows [0, rows), the panel's columns from `column`, from their sums: the bias added, rounded to bf16; then,
+ * where asked, GPT-2's GELU of that (rounded again), and the residual (bf16, rows ldy apart; y's own place may be
+ * it) added to that last (rounded again): each step the bits of torch's bf16 operation on the one before */
+BF16_TARGET static void written(const float *sums, int rows, int n, int column, const uint16_t *bias, int gelu,
+                                const uint16_t *residual, uint16_t *y, long ldy) {
     for (int h = 0; h < PANEL && column + h < n; h += 16) {
         int left = n - column - h < 16 ? n - column - h : 16;
         __mmask16 mask = (__mmask16)((1u << left) - 1u);
-        __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + column + h)), 16))
-                        : _mm512_setzero_ps();
+        __m512 b = bias ? widened(_mm256_maskz_loadu_epi16(mask, bias + column + h)) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             __m512 v = _mm512_load_ps(sums + r * PANEL + h);
             if (bias) v = _mm512_add_ps(v, b);
+            if (gelu) v = gelu16(widened(bf16_of(v)));
+            if (residual)
+                v = _mm512_add_ps(widened(_mm256_maskz_loadu_epi16(mask, residual + r * ldy + column + h)),
+                                  widened(bf16_of(v)));
             _mm256_mask_storeu_epi16(y + r * ldy + column + h, mask, bf16_of(v));
         }
     }
 }
 
 /* y (m x n, bf16) = x (m x k, bf16, k even; rows lda apart) times the packed weights w + bias (n, bf16; NULL:
- * none) */
+ * none), then GPT-2's GELU where `gelu`, then plus `residual` (m x n, bf16; NULL: none; it may be y) */
 void lowmem_bf16_linear(const uint16_t *x, int m, int k, long lda, const uint16_t *w, int n, const uint16_t *bias,
-                        uint16_t *y, int threads) {
+                        int gelu, const uint16_t *residual, uint16_t *y, int threads) {
     const int panels = (n + PANEL - 1) / PANEL, kp = k;
 #pragma omp parallel num_threads(threads)
     {
@@ -82,7 +100,8 @@ void lowmem_bf16_linear(const uint16_t *x, int m, int k, long lda, const uint16_
             for (int r = 0; r < m; r += ROWS) {
                 int rows = m - r < ROWS ? m - r : ROWS;
                 bf16_panel(x + (long)r * lda, lda, rows, wp, kp, sums);
-                written(sums, rows, n, p * PANEL, bias, y + (long)r * n, n);
+                written(sums, rows, n, p * PANEL, bias, gelu, residual ? residual + (long)r * n : NULL,
+                        y + (long)r * n, n);
             }
         }
     }

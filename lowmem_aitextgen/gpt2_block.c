@@ -1,37 +1,53 @@
 /* A GPT-2 block's step of one new token a row in one call (native_block.py calls it), for an int8 view on our
- * kernels: layer norm, the query-key-value product (int8_linear.c), the new key and value written to the cache and
- * the attention over it (one_token_attention.c), the output product added to the residual, layer norm, the MLP's
- * products with GPT-2's GELU, added to the residual.  The same kernels a step calls one by one from Python, so the
+ * kernels or a bf16 view on ours: layer norm, the query-key-value product (int8_linear.c or bf16_linear.c), the new
+ * key and value written to the cache and the attention over it (one_token_attention.c), the output product added to
+ * the residual, layer norm, the MLP's products with GPT-2's GELU, added to the residual.  The same kernels a step calls one by one from Python, so the
  * same bits: one call into C a block in place of a dozen, and none of the Python between them; a step's blocks one
  * after the other in one call (lowmem_gpt2_blocks_step).
  *
  * The layer norm is this file's (lowmem_layer_norm, which the stepping decoder calls for such a view's norms
  * outside this call too, so that a row's bits are the same whichever way its step goes): per row, the mean and the
  * mean square deviation from it summed in double (16 lanes, then across), 1/sqrt(variance + eps) in float, then
- * ((x - mean) * rstd) * weight + bias, each operation rounded alone (AVX2: the library needs it anyway).  Not
- * torch's bits (its sums are in float, in a vectorized order of its own): as near the exact norm, or nearer.
+ * ((x - mean) * rstd) * weight + bias, each operation rounded alone (AVX2: the library needs it anyway); a bf16
+ * view's the same over its values widened, rounded to bf16 once.  Not torch's bits (its sums are in float, in a
+ * vectorized order of its own): as near the exact norm, or nearer.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
+#include "native_math.h"
+
 int lowmem_int8_linear(int path, const float *x, int m, int k, int kp, const int8_t *w, const int32_t *zero_sums,
                        int n, float scale, const float *bias, int gelu, float inverse, float zero, float *y,
                        int threads, const float *residual);
+void lowmem_bf16_linear(const uint16_t *x, int m, int k, long lda, const uint16_t *w, int n, const uint16_t *bias,
+                        int gelu, const uint16_t *residual, uint16_t *y, int threads);
 int lowmem_one_token_attention(const void *q, int q_bf16, long q_row, long q_head, const void *k, const void *v,
                                int kv_bf16, long c_row, long c_head, long c_place, int rows, int heads, int hs,
                                const int32_t *places, int width, int window, float scale, float *out, int threads,
                                const void *new_k, const void *new_v);
 
+/* 4 values of a row from place i, as floats: the row's floats, or its bf16 widened exactly */
+__attribute__((target("avx2"))) static inline __m128 four(const void *row, int i, int bf16) {
+    if (!bf16) return _mm_loadu_ps((const float *)row + i);
+    __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)row + i));
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+static inline float one(const void *row, int i, int bf16) {
+    return bf16 ? float_of(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
 /* The sum of f(row[i]) over i < n in double: 16 lanes of partial sums, then across them in a fixed order (the same
  * bits for a row wherever it is); f: the value itself, or (where `centre` is given) its square deviation from it. */
-__attribute__((target("avx2"))) static double lanes_sum(const float *row, int n, const float *centre) {
+__attribute__((target("avx2"))) static double lanes_sum(const void *row, int bf16, int n, const float *centre) {
     __m256d lanes[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
     const __m256d by = _mm256_set1_pd(centre ? (double)*centre : 0.0);
     int i = 0;
     for (; i + 16 <= n; i += 16)
         for (int j = 0; j < 4; j++) {
-            __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(row + i + 4 * j));
+            __m256d v = _mm256_cvtps_pd(four(row, i + 4 * j, bf16));
             if (centre) {
                 v = _mm256_sub_pd(v, by);
                 v = _mm256_mul_pd(v, v);
@@ -42,84 +58,120 @@ __attribute__((target("avx2"))) static double lanes_sum(const float *row, int n,
     for (int j = 0; j < 4; j++) _mm256_storeu_pd(parts + 4 * j, lanes[j]);
     for (int j = 0; j < 16; j++) sum += parts[j];
     for (; i < n; i++) {
-        double v = centre ? (double)row[i] - (double)*centre : (double)row[i];
+        double v = centre ? (double)one(row, i, bf16) - (double)*centre : (double)one(row, i, bf16);
         sum += centre ? v * v : v;
     }
     return sum;
 }
 
 /* y (rows x n) = the layer norm of each row of x (module comment), the rows on `threads` threads where there are
- * several (a row's bits its own); y may be x */
-__attribute__((target("avx2"))) void lowmem_layer_norm(const float *x, int rows, int n, const float *weight,
-                                                       const float *bias, float eps, float *y, int threads) {
+ * several (a row's bits its own); y may be x.  bf16: x, weight, bias and y in bf16 (a bf16 view's norms: read
+ * widened, computed as for floats, y rounded to bf16 once), else floats. */
+__attribute__((target("avx2"))) void lowmem_layer_norm(const void *x, int bf16, int rows, int n, const void *weight,
+                                                       const void *bias, float eps, void *y, int threads) {
+    const long size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
     for (int r = 0; r < rows; r++) {
-        const float *row = x + (long)r * n;
-        const float mean = (float)(lanes_sum(row, n, 0) / n);
-        const float rstd = 1.f / sqrtf((float)(lanes_sum(row, n, &mean) / n) + eps);
+        const char *row = (const char *)x + (long)r * n * size;
+        char *out = (char *)y + (long)r * n * size;
+        const float mean = (float)(lanes_sum(row, bf16, n, 0) / n);
+        const float rstd = 1.f / sqrtf((float)(lanes_sum(row, bf16, n, &mean) / n) + eps);
         const __m256 m = _mm256_set1_ps(mean), s = _mm256_set1_ps(rstd);
-        float *out = y + (long)r * n;
         int i = 0;
         for (; i + 8 <= n; i += 8) {
-            __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + i), m), s);
-            v = _mm256_add_ps(_mm256_mul_ps(v, _mm256_loadu_ps(weight + i)), _mm256_loadu_ps(bias + i));
-            _mm256_storeu_ps(out + i, v);
+            __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_set_m128(four(row, i + 4, bf16), four(row, i, bf16)), m), s);
+            __m256 w = _mm256_set_m128(four(weight, i + 4, bf16), four(weight, i, bf16)),
+                   b = _mm256_set_m128(four(bias, i + 4, bf16), four(bias, i, bf16));
+            v = _mm256_add_ps(_mm256_mul_ps(v, w), b);
+            if (bf16)
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + i), bf16_of8(v));
+            else
+                _mm256_storeu_ps((float *)out + i, v);
         }
-        for (; i < n; i++) out[i] = ((row[i] - mean) * rstd) * weight[i] + bias[i];
+        for (; i < n; i++) {
+            float v = ((one(row, i, bf16) - mean) * rstd) * one(weight, i, bf16) + one(bias, i, bf16);
+            if (bf16)
+                ((uint16_t *)out)[i] = bf16_bits(v);
+            else
+                ((float *)out)[i] = v;
+        }
     }
 }
 
-/* an int8 projection as int8_linear.c takes it (native_int8.Packed's fields and its bias) */
+/* y (n bf16) = x (n floats) rounded (native_math.h's rule) */
+__attribute__((target("avx2"))) static void bf16_rounded(const float *x, long n, uint16_t *y) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(y + i), bf16_of8(_mm256_loadu_ps(x + i)));
+    for (; i < n; i++) y[i] = bf16_bits(x[i]);
+}
+
+/* a projection as its kernel takes it: int8_linear.c's (native_int8.Packed's fields, its bias in fp32) or
+ * bf16_linear.c's (native_bf16.Packed's weights, n, k; its bias in bf16; no zero_sums, scale) */
 typedef struct {
-    const int8_t *weights;
+    const void *weights;
     const int32_t *zero_sums;
     int n, k, kp;
     float scale;
-    const float *bias;
+    const void *bias;
 } lowmem_product;
 
-/* a block's parts, read once (native_block.py makes it) */
+/* a block's parts, read once (native_block.py makes it); bf16: a bf16 view's (its norms' weights, the projections
+ * and the residual stream in bf16), else an int8 view's (fp32 norms and residual stream) */
 typedef struct {
-    const float *norm1_weight, *norm1_bias, *norm2_weight, *norm2_bias;
+    const void *norm1_weight, *norm1_bias, *norm2_weight, *norm2_bias;
     float norm1_eps, norm2_eps;
     lowmem_product qkv, out, fc, proj;
     int heads, hs;
     float scale;            /* the attention scores' */
     float inverse, zero;    /* the activations' quantization (int8_kernels.TOKEN_INVERSE, TOKEN_ZERO) */
+    int bf16;
 } lowmem_gpt2_block;
 
-static int product(const lowmem_product *p, int path, const float *x, int rows, int gelu, float inverse, float zero,
-                   const float *residual, float *y, int threads) {
+/* y (rows x p's n) = x (rows x p's k) by projection p, then GPT-2's GELU where `gelu`, then plus `residual` (NULL:
+ * none; it may be y), on p's kernel: the residual stream's type (the block's bf16) */
+static int product(const lowmem_gpt2_block *b, const lowmem_product *p, int path, const void *x, int rows, int gelu,
+                   const void *residual, void *y, int threads) {
+    if (b->bf16) {
+        lowmem_bf16_linear(x, rows, p->k, p->k, p->weights, p->n, p->bias, gelu, residual, y, threads);
+        return 0;
+    }
     return lowmem_int8_linear(path, x, rows, p->k, p->kp, p->weights, p->zero_sums, p->n, p->scale, p->bias, gelu,
-                              inverse, zero, y, threads, residual);
+                              b->inverse, b->zero, y, threads, residual);
 }
 
-/* x (rows x width, fp32; the residual stream) = the block's output for each row's one new token, in place; its key
- * and value written at place width_places - 1 of keys and values (one_token_attention.c's layout and strides) and
- * attended over each row's last places[r].  scratch: rows x (width + qkv's n + fc's n) floats.  Returns 0, or an
- * error of the kernels called (-1: no scratch memory; -2: places out of the cache). */
-static int gpt2_block_step(const lowmem_gpt2_block *b, float *x, int rows, void *keys, void *values, int kv_bf16,
+/* x (rows x width, the block's type: the residual stream) = the block's output for each row's one new token, in
+ * place; its key and value written at place width_places - 1 of keys and values (one_token_attention.c's layout and
+ * strides) and attended over each row's last places[r].  scratch: rows x (width + qkv's n + fc's n) floats (a
+ * bf16 block uses half).
+ * Returns 0, or an error of the kernels called (-1: no scratch memory; -2: places out of the cache). */
+static int gpt2_block_step(const lowmem_gpt2_block *b, void *x, int rows, void *keys, void *values, int kv_bf16,
                            long c_row, long c_head, long c_place, int width_places, const int32_t *places,
                            float *scratch, int path, int threads) {
     const int width = b->qkv.k;
-    float *h = scratch, *qkv = h + (long)rows * width, *f = qkv + (long)rows * b->qkv.n;
+    const long size = b->bf16 ? 2 : 4;
+    /* the norms' output (then, int8, the attention's), the query-key-value and the MLP's inner activations, in the
+     * block's type; a bf16 block's attention output (floats) where the MLP's go later, then rounded into the first */
+    char *start = (char *)scratch;
+    void *h = start, *qkv = start + rows * width * size, *f = start + rows * (width + b->qkv.n) * size;
+    float *attended = b->bf16 ? f : h;
     int done;
-    lowmem_layer_norm(x, rows, width, b->norm1_weight, b->norm1_bias, b->norm1_eps, h, threads);
-    if ((done = product(&b->qkv, path, h, rows, 0, b->inverse, b->zero, 0, qkv, threads))) return done;
-    done = lowmem_one_token_attention(qkv, 0, b->qkv.n, b->hs, keys, values, kv_bf16, c_row, c_head, c_place, rows,
-                                      b->heads, b->hs, places, width_places, 0, b->scale, h, threads, qkv + width,
-                                      qkv + 2 * width);
+    lowmem_layer_norm(x, b->bf16, rows, width, b->norm1_weight, b->norm1_bias, b->norm1_eps, h, threads);
+    if ((done = product(b, &b->qkv, path, h, rows, 0, 0, qkv, threads))) return done;
+    done = lowmem_one_token_attention(qkv, b->bf16, b->qkv.n, b->hs, keys, values, kv_bf16, c_row, c_head, c_place,
+                                      rows, b->heads, b->hs, places, width_places, 0, b->scale, attended, threads,
+                                      (char *)qkv + width * size, (char *)qkv + 2 * width * size);
     if (done) return done;
-    if ((done = product(&b->out, path, h, rows, 0, b->inverse, b->zero, x, x, threads))) return done;
-    lowmem_layer_norm(x, rows, width, b->norm2_weight, b->norm2_bias, b->norm2_eps, h, threads);
-    if ((done = product(&b->fc, path, h, rows, 1, b->inverse, b->zero, 0, f, threads))) return done;
-    return product(&b->proj, path, f, rows, 0, b->inverse, b->zero, x, x, threads);
+    if (b->bf16) bf16_rounded(attended, (long)rows * width, h);
+    if ((done = product(b, &b->out, path, h, rows, 0, x, x, threads))) return done;
+    lowmem_layer_norm(x, b->bf16, rows, width, b->norm2_weight, b->norm2_bias, b->norm2_eps, h, threads);
+    if ((done = product(b, &b->fc, path, h, rows, 1, 0, f, threads))) return done;
+    return product(b, &b->proj, path, f, rows, 0, x, x, threads);
 }
 
 /* Every block of a step in turn (`count`; gpt2_block_step's arguments, block i's cache at keys[i], values[i],
  * its strides strides[3i..3i+2], its places' width widths[i]): one call a step, none of the Python between blocks
  * (~0.1 ms of a 355M token: RESULTS.md, twenty-sixth session).  Returns 0, or the first block's error. */
-int lowmem_gpt2_blocks_step(const lowmem_gpt2_block *const *blocks, int count, float *x, int rows, void *const *keys,
+int lowmem_gpt2_blocks_step(const lowmem_gpt2_block *const *blocks, int count, void *x, int rows, void *const *keys,
                             void *const *values, int kv_bf16, const long *strides, const int *widths,
                             const int32_t *places, float *scratch, int path, int threads) {
     for (int i = 0; i < count; i++) {

@@ -184,19 +184,6 @@ __attribute__((target("avx2"))) static void quantize_row(const float *row, int k
     memset(out + k, 0, (size_t)(kp - k));
 }
 
-/* GPT-2's GELU, the tanh approximation: v/2 (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), tanh(u) = 1 - 2/(e^2u + 1)
- * (u within [-9, 9], where tanh is 1 to float precision); within ~1e-7 of |v| of torch's */
-__attribute__((target("avx2"))) static inline __m256 tanh_gelu(__m256 v) {
-    __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
-    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                             _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
-    u = _mm256_min_ps(_mm256_max_ps(u, _mm256_set1_ps(-9.f)), _mm256_set1_ps(9.f));
-    __m256 e = exp_of(_mm256_add_ps(u, u));
-    __m256 tanh = _mm256_sub_ps(_mm256_set1_ps(1.f),
-                                _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
-    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.f), tanh));
-}
-
 /* y's rows [0, rows) for the panel's columns from their sums (module comment's order of operations), then
  * GPT-2's GELU where `gelu` (the stepping decoder's c_fc and its activation in one call). */
 __attribute__((target("avx2"))) static void dequantize(const int32_t *sums, int rows, const int32_t *zero_sums,

@@ -122,12 +122,13 @@ def _loaded(path: Path) -> ctypes.CDLL:
                                                    long, number, number, number, pointer, number, number, real,
                                                    pointer, number, pointer, pointer]
     library.lowmem_one_token_attention.restype = number
-    library.lowmem_layer_norm.argtypes = [pointer, number, number, pointer, pointer, real, pointer, number]
+    library.lowmem_layer_norm.argtypes = [pointer, number, number, number, pointer, pointer, real, pointer, number]
     library.lowmem_layer_norm.restype = None
     library.lowmem_gpt2_blocks_step.argtypes = [pointer, number, pointer, number, pointer, pointer, number, pointer,
                                                 pointer, pointer, pointer, number, number]
     library.lowmem_gpt2_blocks_step.restype = number
-    library.lowmem_bf16_linear.argtypes = [pointer, number, number, long, pointer, number, pointer, pointer, number]
+    library.lowmem_bf16_linear.argtypes = [pointer, number, number, long, pointer, number, pointer, number, pointer,
+                                           pointer, number]
     library.lowmem_bf16_linear.restype = None
     library.lowmem_top_k.argtypes = [pointer, long, number, number, number, pointer, pointer, number]
     library.lowmem_top_k.restype = number

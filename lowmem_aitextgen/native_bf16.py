@@ -56,11 +56,16 @@ def pack(weight: torch.Tensor) -> Packed:
     return Packed(panels, n, k)
 
 
-def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., k; bf16) times `packed`'s weight, plus `bias` (bf16), in bf16 (bf16_linear.c's sums)."""
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.numel() != packed.n):
-        raise ValueError(f"native_bf16.linear: bias={bias.dtype} {tuple(bias.shape)}: a contiguous bf16 tensor of "
-                         f"{packed.n} is needed")
+def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., k; bf16) times `packed`'s weight, plus `bias` (bf16), in bf16 (bf16_linear.c's sums); then GPT-2's
+    tanh GELU where `gelu`, then plus `residual` (x's shape but n outputs; bf16), each rounded to bf16 as torch's
+    bf16 operations round."""
+    for name, given, count in (("bias", bias, packed.n), ("residual", residual, x.numel() // packed.k * packed.n)):
+        if given is not None and (given.dtype != torch.bfloat16 or not given.is_contiguous()
+                                  or given.numel() != count):
+            raise ValueError(f"native_bf16.linear: {name}={given.dtype} {tuple(given.shape)}: a contiguous bf16 "
+                             f"tensor of {count} is needed")
     rows = x.reshape(-1, packed.k)
     if rows.dtype != torch.bfloat16 or rows.stride(-1) != 1:
         rows = rows.to(torch.bfloat16).contiguous()
@@ -68,6 +73,7 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.
     if rows.shape[0]:
         native.built().lowmem_bf16_linear(rows.data_ptr(), rows.shape[0], packed.k, rows.stride(0),
                                           packed.weights.data_ptr(), packed.n,
-                                          None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                          None if bias is None else bias.data_ptr(), int(gelu),
+                                          None if residual is None else residual.data_ptr(), out.data_ptr(),
                                           torch.get_num_threads())
     return out.view(*x.shape[:-1], packed.n)

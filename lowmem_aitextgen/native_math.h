@@ -3,6 +3,7 @@
 #define LOWMEM_NATIVE_MATH_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 /* e^x for x within [-87, 88], where 2^n is a normal float (Cephes' expf: 2^n times a polynomial of the rest; within
  * 2 ulp) */
@@ -22,6 +23,20 @@ __attribute__((target("avx2"))) static inline __m256 exp_of(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
+/* GPT-2's GELU, the tanh approximation: v/2 (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), tanh(u) = 1 - 2/(e^2u + 1)
+ * (u within [-9, 9], where tanh is 1 to float precision); within ~1e-7 of |v| of torch's (the c_fc outputs of
+ * int8_linear.c and bf16_linear.c) */
+__attribute__((target("avx2"))) static inline __m256 tanh_gelu(__m256 v) {
+    __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                             _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
+    u = _mm256_min_ps(_mm256_max_ps(u, _mm256_set1_ps(-9.f)), _mm256_set1_ps(9.f));
+    __m256 e = exp_of(_mm256_add_ps(u, u));
+    __m256 tanh = _mm256_sub_ps(_mm256_set1_ps(1.f),
+                                _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.f), tanh));
+}
+
 /* 16 floats as bf16, to nearest even, NaN as 0x7fc0: as torch converts them (one_token_attention.c's cache
  * writes, bf16_linear.c's outputs) */
 __attribute__((target("avx512f"))) static inline __m256i bf16_of(__m512 v) {
@@ -31,6 +46,29 @@ __attribute__((target("avx512f"))) static inline __m256i bf16_of(__m512 v) {
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     up = _mm512_mask_mov_epi32(up, nan, _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(up);
+}
+
+/* 8 floats as bf16 (bf16_of's rule) */
+__attribute__((target("avx2"))) static inline __m128i bf16_of8(__m256 v) {
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i up = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    up = _mm256_blendv_epi8(up, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(up, up), 0x08));
+}
+
+/* a float as bf16 (bf16_of's rule), and a bf16 as a float (exactly) */
+static inline uint16_t bf16_bits(float v) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &v, sizeof bits);
+    return v != v ? 0x7fc0 : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float float_of(uint16_t bf16) {
+    uint32_t bits = (uint32_t)bf16 << 16;
+    float v;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    return v;
 }
 
 /* call(r) with r the constant `rows` (1 to 8; more: 8), so that each kernel is a copy with its rows known and only

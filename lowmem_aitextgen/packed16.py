@@ -32,7 +32,9 @@ kernel the head is packed too, a copy of the tied embedding (`head_copied`: coun
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ class PackedLinear(nn.Module):
         weight = module.weight.detach()
         weight = weight if isinstance(module, nn.Linear) else weight.t()  # Conv1D holds (in, out)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self._packed = self._pack(weight.contiguous())
+        self.packed = self._pack(weight.contiguous())
         self.register_buffer("bias", None if module.bias is None else module.bias.detach().clone())
 
     @staticmethod
@@ -60,7 +62,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # 1: batch 1's layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self._packed, self.bias, "none",
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none",
                                                  [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -74,7 +76,12 @@ class NativeBf16Linear(PackedLinear):
         return native_bf16.pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return native_bf16.linear(self._packed, x, self.bias)
+        return native_bf16.linear(self.packed, x, self.bias)
+
+    def then_tanh_gelu(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This projection and GPT-2's tanh GELU after it as one call (bf16_linear.c computes both: the stepping
+        decoder's c_fc, the same bits in a block's one call, native_block.py)."""
+        return functools.partial(native_bf16.linear, self.packed, bias=self.bias, gelu=True)
 
 
 def pack_projections(projections: list[tuple[nn.Module, str]]) -> list[tuple[nn.Module, PackedLinear]]:

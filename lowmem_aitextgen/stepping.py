@@ -34,9 +34,9 @@ joining costs the others its tokens' share of the products, not a pass over the 
 | cache         | the engine's cache (kv_cache.py: written in place; a one-token row's keys and values by our |
 |               | attention kernel, as torch's copy writes them); one in fewer bits than the activations (an  |
 |               | int8 view's bf16 cache) attended in its dtype, the output back in the activations'          |
-| blocks in one | a GPT-2 int8 view on our kernels: a step of the running rows alone, one token each, goes    |
-| call          | through each block in one call of the same kernels (native_block.py; ~1.15x at batch 1 and  |
-|               | 8), the view's block norms gpt2_block.c's in every pass, so a row's bits are the same       |
+| blocks in one | a GPT-2 int8 or bf16 view on our kernels: a step of the running rows alone, one token each, |
+| call          | goes through each block in one call of the same kernels (native_block.py; ~1.15x at batch 1 |
+|               | and 8), the view's block norms gpt2_block.c's in every pass, so a row's bits are the same   |
 |               | either way                                                                                  |
 | not stepped   | other families, GPT-2 with cross-attention, and a model with hooks on the modules bypassed  |
 |               | (the model, its blocks, attention, MLP, activation): transformers' forward, as before       |
@@ -160,7 +160,8 @@ class Step:
         """Whether this pass may go through native_block.steps: a step of the running rows alone, one token each,
         every layer's cache our slots (native_block.py); the caller checks that each row's places are the cache's
         last (own_places)."""
-        if self.native_blocks is None or len(parts) > 1 or parts[0].ids.shape[1] != 1 or x.dtype != torch.float32:
+        if self.native_blocks is None or len(parts) > 1 or parts[0].ids.shape[1] != 1 \
+                or x.dtype != self.native_blocks.dtype:
             return False
         layers = parts[0].cache.layers
         return len(layers) == len(self.blocks) \
