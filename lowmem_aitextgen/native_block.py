@@ -106,10 +106,9 @@ def block_step(block: nn.Module, scale: float, heads: int, head_size: int, tanh:
 
 
 def steps(blocks: Blocks, x: torch.Tensor, layers: list[Any], places: torch.Tensor) -> torch.Tensor:
-    """`x` (rows, width; the blocks' dtype, each row's one new token) through every block, in place, in one call: each
-    layer's
-    keys and values written to its cache layer (`layers`: kv_cache's slot layers, the rows' own) and attended over
-    each row's last `places` (int32, one a row)."""
+    """`x` (rows, width; the blocks' dtype, each row's one new token) through every block, in place, in one call:
+    each layer's keys and values written to its cache layer (`layers`: kv_cache's slot layers, the rows' own) and
+    attended over each row's last `places` (int32, one a row)."""
     if not torch.is_inference_mode_enabled():  # the caches' buffers are written only in inference mode
         with torch.inference_mode():
             return steps(blocks, x, layers, places)
