@@ -1,9 +1,9 @@
 /* A GPT-2 block's step of one new token a row in one call (native_block.py calls it), for an int8 view on our
  * kernels or a bf16 view on ours: layer norm, the query-key-value product (int8_linear.c or bf16_linear.c), the new
  * key and value written to the cache and the attention over it (one_token_attention.c), the output product added to
- * the residual, layer norm, the MLP's products with GPT-2's GELU, added to the residual.  The same kernels a step calls one by one from Python, so the
- * same bits: one call into C a block in place of a dozen, and none of the Python between them; a step's blocks one
- * after the other in one call (lowmem_gpt2_blocks_step).
+ * the residual, layer norm, the MLP's products with GPT-2's GELU, added to the residual.  The same kernels a step
+ * calls one by one from Python, so the same bits: one call into C a block in place of a dozen, and none of the
+ * Python between them; a step's blocks one after the other in one call (lowmem_gpt2_blocks_step).
  *
  * The layer norm is this file's (lowmem_layer_norm, which the stepping decoder calls for such a view's norms
  * outside this call too, so that a row's bits are the same whichever way its step goes): per row, the mean and the
@@ -33,6 +33,13 @@ __attribute__((target("avx2"))) static inline __m128 four(const void *row, int i
     if (!bf16) return _mm_loadu_ps((const float *)row + i);
     __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)row + i));
     return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+/* the same for 8 values */
+__attribute__((target("avx2"))) static inline __m256 eight(const void *row, int i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 static inline float one(const void *row, int i, int bf16) {
@@ -79,10 +86,8 @@ __attribute__((target("avx2"))) void lowmem_layer_norm(const void *x, int bf16, 
         const __m256 m = _mm256_set1_ps(mean), s = _mm256_set1_ps(rstd);
         int i = 0;
         for (; i + 8 <= n; i += 8) {
-            __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_set_m128(four(row, i + 4, bf16), four(row, i, bf16)), m), s);
-            __m256 w = _mm256_set_m128(four(weight, i + 4, bf16), four(weight, i, bf16)),
-                   b = _mm256_set_m128(four(bias, i + 4, bf16), four(bias, i, bf16));
-            v = _mm256_add_ps(_mm256_mul_ps(v, w), b);
+            __m256 v = _mm256_mul_ps(_mm256_sub_ps(eight(row, i, bf16), m), s);
+            v = _mm256_add_ps(_mm256_mul_ps(v, eight(weight, i, bf16)), eight(bias, i, bf16));
             if (bf16)
                 _mm_storeu_si128((__m128i *)((uint16_t *)out + i), bf16_of8(v));
             else

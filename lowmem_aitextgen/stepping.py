@@ -124,7 +124,9 @@ class Step:
             return None
         made = [native_block.block_step(b, gpt2_scaling(b.attn), self.heads, self.head_size,
                                         type(b.mlp.act).__name__ in TANH_GELUS) for b in self.blocks]
-        return None if any(step is None for step in made) else native_block.Blocks(made)
+        if any(step is None for step in made) or len({step.parts.bf16 for step in made}) > 1:  # (one dtype a call)
+            return None
+        return native_block.Blocks(made)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
                  alone: list[int] | None = None) -> torch.Tensor:
