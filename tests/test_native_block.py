@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.skipif(not native_block.available() or NativeProduct i
               pytest.mark.edges]  # (transformers' GPT-2 and GPT-Neo blocks and cache layers, at the oldest too)
 
 
-def int8_view(seed: int = 0, positions: int = 64, form: str = "int8", **config) -> torch.nn.Module:
-    """A tiny GPT-2's seeded int8 view (or, `form`, its view in that form; random weights)."""
+def tiny_view(seed: int = 0, positions: int = 64, form: str = "int8", **config) -> torch.nn.Module:
+    """A tiny GPT-2's seeded decoding view in `form` (int8 or bf16; random weights)."""
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=300, n_layer=3, n_positions=positions, **config)).eval()
     return decoding.decoding_model(model, form, True).model
@@ -55,7 +55,7 @@ def test_a_blocks_step_in_one_call_is_the_decoders_calls_one_by_one_bit_for_bit(
     """Steps through native_block.steps give the logits the same Step's calls give one by one, and write the same
     keys and values (a bf16 cache beside fp32 activations: converted as torch's copy converts them); past the
     cache's ROOM too, where its buffers move (the call writes into the new ones)."""
-    view = int8_view(positions=128, form=form)
+    view = tiny_view(positions=128, form=form)
     through, one_by_one = stepping.Step(view), stepping.Step(view)
     assert through.native_blocks is not None
     one_by_one.native_blocks = None  # (its layers keep the blocks' norms: those of the call)
@@ -78,7 +78,7 @@ def test_its_steps_are_the_views_forward_to_its_precision(form, within):
     """Each step's logits, fed the same tokens, against the view's own forward over the whole text so far
     (transformers' attention and GELU, torch's layer norm): the same function, rounded differently (bf16: a few
     of its roundings apart)."""
-    view = int8_view(seed=1, form=form)
+    view = tiny_view(seed=1, form=form)
     step = stepping.Step(view)
     assert step.native_blocks is not None
     ids = torch.tensor([[3, 14, 15, 92, 65]])
@@ -156,7 +156,7 @@ def test_a_bf16_views_fused_products_are_torchs_operations_on_the_product():
 def test_what_it_does_not_take_steps_as_before(monkeypatch):
     """A hooked norm (its hook must run), a view whose products are fbgemm's, a bf16 view on oneDNN's products and
     GPT-Neo: no block step, and torch's layer norm."""
-    view = int8_view()
+    view = tiny_view()
     seen = []
     handle = view.transformer.h[1].ln_2.register_forward_hook(lambda *args: seen.append(1))
     try:
@@ -166,7 +166,7 @@ def test_what_it_does_not_take_steps_as_before(monkeypatch):
         assert len(seen) == 3  # the prompt and two steps
     finally:
         handle.remove()
-    fbgemm = int8_view()
+    fbgemm = tiny_view()
     for block in fbgemm.transformer.h:
         for name in ("c_attn", "c_proj"):
             module = getattr(block.attn, name)
@@ -187,7 +187,7 @@ def test_what_it_does_not_take_steps_as_before(monkeypatch):
 
 def test_a_wrong_place_is_refused_before_the_cache_is_counted():
     """Places beyond a layer's cache: refused by the call, naming them, and the step's places not counted."""
-    view = int8_view()
+    view = tiny_view()
     step = stepping.Step(view)
     _, cache = stepped(step, *PROMPTS[0], 1, None)
     ends = [layer.slots.end for layer in cache.layers]
