@@ -21,7 +21,7 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
-from . import arguments, evaluation, four_bit, generation, loading, outputs, saving
+from . import arguments, evaluation, four_bit, generate_options, generation, loading, outputs, saving
 from .adapters import base_matches, check_adapter_fits, is_adapter_model
 from .budget import CallPlan
 from .callbacks import TrainingDiverged
@@ -292,7 +292,11 @@ class aitextgen(_aitextgen):
         generation.check_generate(self.model_shape, self.tokenizer, "generate()", args)
         length = generation.row_length(self.model_shape, args.max_length)
         repeatable = generation.repeatable(args)
-        plan = self._plan_decoding(args.decoding, length, tokenwise=repeatable)
+        taken = generate_options.by_transformers(args)
+        if taken and args.decoding != "exact":  # transformers' generate() runs the model as held, as in aitextgen
+            logger.info(f"{taken[0]}={args[taken[0]]!r}: decoded by transformers' generate() over the model as held "
+                        f"(decoding='exact'), not in decoding={args.decoding!r}'s form.")
+        plan = self._plan_decoding("exact" if taken else args.decoding, length, tokenwise=repeatable)
         rows = args.n * len(generation.as_prompts(args.prompt))
         call = {k: v for k, v in args.items() if k != "decoding"}
         if args.batch_size is None and plan.max_rows is not None and not args.stream:

@@ -18,6 +18,9 @@ it ends, so a short request never waits for the longest one in flight.
 |                        | (500), the engine starts empty, and the server goes on                          |
 | rows let go unfinished | (an engine's fault) their request answered with an error (500) and logged:     |
 |                        | never waited for, which kept the loop stepping an empty engine for ever         |
+| draining (SIGTERM)     | no job joins any more: those queued and those submitted later are answered      |
+|                        | Stopping at once (503); the running ones decode until they end or the drain's   |
+|                        | deadline, when they are answered Stopping; then `run` returns                   |
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from .engine import Engine
@@ -33,6 +37,7 @@ from .sampling import Row
 logger = logging.getLogger("lowmem_aitextgen")
 
 STOP = object()  # put in the queue by Batcher.stop
+WAKE_SECONDS = 0.25  # how often a loop waiting for a job looks whether a drain began (set from a signal handler)
 
 
 class Stopping(RuntimeError):
@@ -86,6 +91,7 @@ class Batcher:
         self._lock = threading.Lock()
         self._held: object = None  # taken from the queue but not fitting beside the running rows: first next
         self._thread: threading.Thread | None = None
+        self.drain_until: float | None = None  # time.monotonic() by which the running jobs are answered (drain)
 
     def start(self) -> None:
         """Decoding on a thread of its own (`run` decodes on the caller's)."""
@@ -98,8 +104,19 @@ class Batcher:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def drain(self, seconds: float) -> None:
+        """No job joins from now on; the running ones have `seconds` to end (module docstring).  Only sets a time, so
+        that a signal handler may call it whatever the thread it interrupts holds."""
+        self.drain_until = time.monotonic() + seconds
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_until is not None
+
     def submit(self, job: Job) -> bool:
-        """Queued, or False where `limit` jobs already wait."""
+        """Queued, or False where `limit` jobs already wait; Stopping raised where the server drains."""
+        if self.draining:
+            raise Stopping("the server is stopping")
         with self._lock:
             if self._waiting >= self.limit:
                 return False
@@ -125,7 +142,8 @@ class Batcher:
         rows have all ended is answered.  Then every job still waiting or decoding is answered with an error."""
         engine, running = self.new_engine(), []
         try:
-            while self._admit(engine, running):
+            while self._admit(engine, running) and not (self.draining and (
+                    not running or time.monotonic() >= self.drain_until)):
                 if running:
                     running = self._step(engine, running)
         except BaseException:  # Ctrl-C: each client answered (503), then it goes on up
@@ -142,6 +160,9 @@ class Batcher:
         """The jobs waiting joined while their rows fit beside the running ones (waiting for one where none
         runs), their prompts encoded together; False once `stop` is taken."""
         joining: list[Job] = []
+        if self.draining:
+            self._turn_away()
+            return True
         try:
             going = self._take(engine, running, joining)
             self._join(engine, running, joining)
@@ -156,8 +177,8 @@ class Batcher:
             if self._held is not None:
                 job, self._held = self._held, None
             else:
-                try:
-                    job = self._queue.get(block=not (running or joining))
+                try:  # waiting for a job, woken now and then to see a drain begin
+                    job = self._queue.get(block=not (running or joining), timeout=WAKE_SECONDS)
                 except queue.Empty:
                     return True
             if job is STOP:
@@ -220,11 +241,14 @@ class Batcher:
             job.finish(error)
 
     def _turn_away(self) -> None:
+        """Every job waiting answered Stopping (503)."""
         waiting = [self._held] if isinstance(self._held, Job) else []
+        self._held = None
         while not self._queue.empty():
             waiting.append(self._queue.get_nowait())
         for job in waiting:
             if isinstance(job, Job) and job.start():
+                self._left_queue()
                 job.finish(Stopping("the server is stopping"))
 
 

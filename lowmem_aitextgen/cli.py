@@ -76,16 +76,19 @@ def generate_cli(to_file: bool = True, prompt: str = "", prompt_file: str | None
 
 def serve_cli(model_folder: str = "trained_model", host: str = "127.0.0.1", port: int = 8000,
               api_key: str | None = None, max_tokens: int = 256, max_batch: int = 8, queue: int = 64,
-              timeout: float = 60.0, cors: str | None = None, threads: int | None = None, **kwargs: Any) -> None:
+              timeout: float = 60.0, cors: str | None = None, threads: int | None = None,
+              shutdown_timeout: float = 10.0, **kwargs: Any) -> None:
     """Serve a trained model behind OpenAI's completions API (/v1/completions, /v1/models) and a page (/),
     batching requests that arrive together (docs/serve.md); --api_key: every /v1 request then needs it;
     --max_tokens: the most a request may ask; --max_batch: texts decoded together; --queue: requests that may
     wait (more are answered 429); --timeout: seconds a request may take (then 504); --cors: origins a browser
     page elsewhere may call it from (comma-separated, * for any); --threads: CPU threads it decodes with (replicas
-    on one machine: its cores divided among them)."""
+    on one machine: its cores divided among them); --shutdown_timeout: after SIGTERM, seconds the texts being
+    decoded have to end (the queued ones are answered 503 at once), then the process exits."""
     from .serving import ServeSettings, serve
 
-    settings = ServeSettings(host, port, api_key, max_tokens, max_batch, queue, timeout, cors, threads)
+    settings = ServeSettings(host, port, api_key, max_tokens, max_batch, queue, timeout, cors, threads,
+                             shutdown_timeout)
     settings.check()  # before the model is read, and the port bound and held (no other server takes it meanwhile)
     settings.take_threads()  # before the model is read: preparing its serving form uses them too
     listening = settings.listen()

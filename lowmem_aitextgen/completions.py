@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from .sampling import Row, RowSettings, row_seed
+from .generate_options import SAMPLING_RULES
+from .sampling import MIN_TEMPERATURE, Row, RowSettings, row_seed
 
 MAX_STOPS = 4  # OpenAI's
 # OpenAI's fields this server does not compute, each with the value that changes nothing
@@ -122,7 +123,7 @@ class CompletionRequest:
                            repetition_penalty=self.repetition_penalty, min_new=max(0, self.min_length - len(ids)),
                            seed=row_seed(self.seed, ids.tolist(), choice), stop=self.stop, logprobs=self.logprobs,
                            score_prompt=self.echo and self.logprobs is not None,
-                           repeatable=self.seed is not None or self.temperature == 0)
+                           repeatable=self.seed is not None or self.temperature < MIN_TEMPERATURE)
 
 
 def _encoded(encode: Callable[[str, bool], torch.Tensor], prompt: str, prepend_bos: bool) -> torch.Tensor:
@@ -163,9 +164,9 @@ def parse(raw: bytes, limits: Limits) -> CompletionRequest:
     return CompletionRequest(
         prompts=prompts, n=n, max_tokens=_number(body, "max_tokens", 16, int, 0, limits.max_tokens),
         temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0, above_low=True),
-        top_k=_number(body, "top_k", 0, int, 0, None), min_length=_number(body, "min_length", 0, int, 0, None),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, float, 0.0, None, above_low=True),
+        top_p=_sampling(body, "top_p", 1.0), top_k=_sampling(body, "top_k", 0),
+        min_length=_number(body, "min_length", 0, int, 0, None),
+        repetition_penalty=_sampling(body, "repetition_penalty", 1.0),
         prepend_bos=_flag(body, "prepend_bos"), seed=_seed(body.get("seed")), stop=_stops(body.get("stop")),
         stream=stream, include_usage=bool((options or {}).get("include_usage", False)), logprobs=logprobs,
         echo=echo)
@@ -222,6 +223,15 @@ def _number(body: dict[str, Any], name: str, default: Any, kind: type, low: floa
         what = "an integer" if kind is int else "a number"
         raise ApiError(400, f"{name}={value!r}: must be {what} {bound}.", name)
     return kind(value)
+
+
+def _sampling(body: dict[str, Any], name: str, default: Any) -> Any:
+    """body[name] (default where absent or null), checked by generate()'s rule (generate_options.SAMPLING_RULES)."""
+    value = body.get(name)
+    problem = SAMPLING_RULES[name](value)
+    if problem:
+        raise ApiError(400, f"{name}={value!r} {problem}.", name)
+    return default if value is None else type(default)(value)
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:

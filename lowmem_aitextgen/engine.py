@@ -34,6 +34,7 @@ from . import _compat, stepping
 from .compiled_step import compiled_stepper
 from .kv_cache import new_cache, refilled
 from .sampling import Row, next_tokens, scored
+from .storage16 import activation_dtype
 
 
 def window_kept(context: int) -> int:
@@ -327,8 +328,9 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def _compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype a model's activations are in: its embeddings' (an int8 view keeps fp32 embeddings)."""
-    return model.get_input_embeddings().weight.dtype
+    """The dtype a model's activations are in (an int8 view keeps fp32 embeddings; a 16-bit base computed in fp32
+    on a CPU without native bf16 has bf16 ones and fp32 activations): the prefix's keys must be theirs."""
+    return activation_dtype(model)
 
 
 def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

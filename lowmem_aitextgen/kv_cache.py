@@ -89,7 +89,7 @@ class Slots:
         """Room for `added` places after each row's last (a move where there is none, or where it frees memory), for
         the caller to write at `views(added)`'s last places, then to count by `added`."""
         if self.end + added + PAD > self.buffers[0].shape[-2] or self._frees_memory():
-            self._move(self.rows, self.end - self.start + added)
+            self._move(self.rows, self.end - self.start, added)
 
     def added(self, added: int) -> None:
         """`added` places written after each row's last (make_room's)."""
@@ -135,11 +135,13 @@ class Slots:
         self.rows, self.start = rows, start
         self._zeros_after()
 
-    def _move(self, rows: int, width: int) -> None:
-        """Into new buffers for `rows` rows and `width` places and room (ROOM, or what the rows may still add), the
-        rows held ending at `width`."""
+    def _move(self, rows: int, width: int, adding: int = 0) -> None:
+        """Into new buffers for `rows` rows and `width` places and room (ROOM, or what the rows may still add, and at
+        least the `adding` places the caller writes next: a prompt after a prefix's virtual tokens, a slid window,
+        of any length), the rows held ending at `width`."""
         held = self.end - self.start
-        both = _buffers(self.buffers[0], self.both.dtype, rows, width + max(ROOM, self.reach + PAD))
+        room = max(ROOM, self.reach + PAD, adding + PAD)
+        both = _buffers(self.buffers[0], self.both.dtype, rows, width + room)
         for buffer, old in zip(both.unbind(), self.views()):
             buffer[:self.rows, :, width - held:width] = old
         self._hold(both)

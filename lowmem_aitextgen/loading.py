@@ -3,11 +3,12 @@ from files, with every failure naming the argument and the file."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from torch import nn
 
@@ -94,18 +95,24 @@ def from_folder(model_folder: str, what: str, **kwargs: Any) -> nn.Module:
         raise _damaged(model_folder, what, error) from error
 
 
+def _generation_config(folder: str) -> Any:
+    """The folder's generation_config.json, read, or None."""
+    from transformers import GenerationConfig
+
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        return None
+    return GenerationConfig.from_pretrained(folder, local_files_only=True)
+
+
 def _damaged(model_folder: str, what: str, error: Exception) -> ValueError:
     weights = os.path.join(model_folder, saving.find_weights(model_folder) or "")
     return ValueError(f"{what}: the weights in {weights} cannot be loaded ({type(error).__name__}: {error}); "
                       "the file is damaged or incomplete. Save the model again, or load an earlier copy.")
 
 
-def _file_identity(path: str) -> tuple[int, int, int, int] | None:
-    """A file's device, inode, size and modification time (None: gone)."""
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
+def _file_identity(file: Any) -> tuple[int, int, int, int]:
+    """An open file's device, inode, size and modification time."""
+    stat = os.fstat(file.fileno())
     return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
@@ -117,6 +124,11 @@ class DeferredModel:
     keep 3.1 GB).  Until then a weightless copy on the meta device answers for the model's shape (config,
     parameter names and sizes), and the weights file's header is checked now, so a damaged file is still
     named by the constructor.  Only a single model.safetensors is deferred: other formats are read at once.
+
+    The weights are read from the file the constructor opened, held open until then: a save into the folder
+    meanwhile (another process training there: every save is a new file renamed into place) leaves this object
+    its own model, whole, as an open file outlives its name.  Only a file rewritten in place (its size or time
+    changed under the same handle) is refused, naming the folder: no whole copy of the model is left.
     """
 
     def __init__(self, folder: str, what: str) -> None:
@@ -126,8 +138,11 @@ class DeferredModel:
 
         self.folder, self.what = folder, what
         path = os.path.join(folder, "model.safetensors")
+        self.file = open(path, "rb")  # noqa: SIM115 - held until the weights are read (the class docstring)
+        self.seen = _file_identity(self.file)
         try:
-            with safe_open(path, framework="pt") as weights:
+            with safe_open(f"/proc/self/fd/{self.file.fileno()}" if os.path.isdir("/proc/self/fd") else path,
+                           framework="pt") as weights:
                 weights.keys()
         except Exception as error:  # safetensors raises its own SafetensorError
             raise _damaged(folder, what, error) from error
@@ -135,8 +150,8 @@ class DeferredModel:
         with torch.device("meta"):
             self.skeleton = AutoModelForCausalLM.from_config(config)
         self.skeleton.tie_weights()  # transformers 5.0 leaves a meta-device model untied
-        check_config_matches(folder, self.skeleton, path, what)
-        self.seen = _file_identity(path)
+        check_config_matches(folder, self.skeleton, self.file, what)
+        self.generation_config = _generation_config(folder)  # with the weights: the folder's as constructed
 
     @property
     def saved_dtype(self) -> Any:
@@ -152,13 +167,10 @@ class DeferredModel:
         return saving.find_weights(folder) == "model.safetensors"
 
     def load(self, dtype: Any = None) -> nn.Module:
-        """The model with its weights, in `dtype` (None: as transformers reads them), sharing the
-        skeleton's config (so that what was set on it is kept)."""
-        if dtype is None or not self._names_every_parameter():
-            self.check_unchanged()
-            kwargs = {"dtype": dtype} if dtype is not None else {}
-            return from_folder(self.folder, self.what, config=self.skeleton.config, **kwargs)
-        model = self._empty(dtype)
+        """The model with its weights, in `dtype` (None: the dtype saved, as transformers 5 reads them), sharing the
+        skeleton's config (so that what was set on it is kept).  Every parameter is in the file
+        (check_config_matches), so it is read as transformers would read it."""
+        model = self._empty(self.saved_dtype if dtype is None else dtype)
         self._read_into(model)
         return model.eval()  # as from_pretrained returns it
 
@@ -170,8 +182,6 @@ class DeferredModel:
         from . import four_bit
         from .adapters import Fingerprint
 
-        if not self._names_every_parameter():
-            return self.load(dtype), None  # checked there
         model = self._empty(dtype)
         quantizable = set(four_bit.quantizable_layers(model, trainable_too=True))
         layers = {f"{name}.weight": module for name, module in model.named_modules() if module in quantizable}
@@ -193,7 +203,7 @@ class DeferredModel:
         import torch
         from transformers import AutoModelForCausalLM
 
-        if not self._names_every_parameter() or any(True for _ in self.skeleton.buffers()):
+        if any(True for _ in self.skeleton.buffers()):
             return None  # buffers are the constructor's to compute (_empty): not read a module at a time
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.skeleton.config, dtype=dtype)
@@ -217,45 +227,37 @@ class DeferredModel:
         return model
 
     def check_unchanged(self) -> None:
-        """The folder still holds the weights file the constructor saw (saves replace it by a rename, so a run
-        writing there since gives it a new identity): else refused, naming the folder, rather than reading
-        another run's model as this object's."""
-        path = os.path.join(self.folder, "model.safetensors")
-        if _file_identity(path) != self.seen:
+        """The file the constructor opened still holds what it held then: refused, naming the folder, where it was
+        rewritten in place (a save by rename leaves it whole: the class docstring)."""
+        if _file_identity(self.file) != self.seen:
             raise ValueError(f"{self.what}: this object's model is read from {self.folder} on first use, and the "
-                             "weights there have changed since it was constructed (another run saved there, or "
-                             "the file was replaced or removed), so they are no longer this object's model. "
-                             f"Construct it again, aitextgen(model_folder={self.folder!r}), to use what the folder "
-                             "holds now.")
+                             "weights file there was rewritten in place since it was constructed, so no whole copy "
+                             "of this object's model is left. Construct it again, aitextgen(model_folder="
+                             f"{self.folder!r}), to use what the folder holds now.")
 
     def _read_into(self, model: nn.Module, each: Callable[[str, nn.Parameter], None] | None = None,
                    made_on_first_read: bool = False) -> None:
-        from transformers import GenerationConfig
-
         self.check_unchanged()
-
         try:
-            read_safetensors_into(model, os.path.join(self.folder, "model.safetensors"), each, made_on_first_read)
+            read_safetensors_into(model, self.file, each, made_on_first_read)
         except ImportError:  # a missing package (torchao, for a 4-bit base) says so itself: the file is fine
             raise
         except Exception as error:  # a file changed since the constructor checked it
+            self.check_unchanged()
             raise _damaged(self.folder, self.what, error) from error
-        if os.path.isfile(os.path.join(self.folder, "generation_config.json")):
-            model.generation_config = GenerationConfig.from_pretrained(self.folder, local_files_only=True)
-
-    def _names_every_parameter(self) -> bool:
-        """Whether the file names every parameter (tied ones aside): then read_safetensors_into reads it
-        exactly as transformers would."""
-        names = set(_file_keys(os.path.join(self.folder, "model.safetensors"), self.skeleton))
-        return all(name in names for name in _untied_parameter_names(self.skeleton))
+        self.check_unchanged()  # (not rewritten while it was read)
+        if self.generation_config is not None:
+            model.generation_config = copy.deepcopy(self.generation_config)
 
 
-def check_config_matches(folder: str, skeleton: nn.Module, path: str, what: str) -> None:
-    """The weights file holds every parameter config.json describes, in its shape: transformers would
+
+def check_config_matches(folder: str, skeleton: nn.Module, file: BinaryIO, what: str) -> None:
+    """The weights file (open) holds every parameter config.json describes, in its shape: transformers would
     otherwise start a missing one from random numbers without a word, and call a shape it did not expect
     a damaged file."""
-    header, _ = _safetensors_header(path)
-    keys = _file_keys(path, skeleton)
+    header, _ = _safetensors_header(file)
+    keys = _file_keys(file, skeleton)
+    path = file.name
     parameters = dict(skeleton.named_parameters())
     wrong = [f"{name} is {list(parameters[name].shape)} by config.json but {header[key]['shape']} in the file"
              for name, key in keys.items() if list(parameters[name].shape) != header[key]["shape"]]
@@ -282,14 +284,14 @@ def _untied_parameter_names(model: nn.Module) -> list[str]:
     return list(dict(model.named_parameters()))  # named_parameters() names a shared parameter once
 
 
-def _file_keys(path: str, model: nn.Module) -> dict[str, str]:
+def _file_keys(file: BinaryIO, model: nn.Module) -> dict[str, str]:
     """The model's parameter name for each tensor in a safetensors file (old GPT-2 files leave out the
     base model's prefix, "transformer."); tensors the model has no place for (old attention masks) are
     left out, as transformers leaves them."""
     own = set(_untied_parameter_names(model))
     prefix = getattr(model, "base_model_prefix", "")
     keys = {}
-    for key in _safetensors_header(path)[0]:
+    for key in _safetensors_header(file)[0]:
         for name in (key, f"{prefix}.{key}"):
             if name in own:
                 keys[name] = key
@@ -297,16 +299,17 @@ def _file_keys(path: str, model: nn.Module) -> dict[str, str]:
     return keys
 
 
-def _safetensors_header(path: str) -> tuple[dict[str, Any], int]:
-    """The header of a safetensors file (tensor name -> dtype, shape, byte offsets) and where the data starts."""
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
+def _safetensors_header(f: BinaryIO) -> tuple[dict[str, Any], int]:
+    """The header of an open safetensors file (tensor name -> dtype, shape, byte offsets) and where the data
+    starts."""
+    f.seek(0)
+    length = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return header, 8 + length
 
 
-def read_safetensors_into(model: nn.Module, path: str, each: Callable[[str, nn.Parameter], None] | None = None,
+def read_safetensors_into(model: nn.Module, f: BinaryIO, each: Callable[[str, nn.Parameter], None] | None = None,
                           made_on_first_read: bool = False) -> None:
     """Every parameter of `model` read from a safetensors file and cast to the parameter's dtype, one tensor
     at a time, in the order of their names; `each(name, parameter)` after each is read; made_on_first_read: a
@@ -316,9 +319,10 @@ def read_safetensors_into(model: nn.Module, path: str, each: Callable[[str, nn.P
     import torch
     from safetensors.torch import _getdtype
 
-    header, data_start = _safetensors_header(path)
-    with open(path, "rb") as f, torch.no_grad():
-        for name, key in sorted(_file_keys(path, model).items()):
+    header, data_start = _safetensors_header(f)
+    path = f.name
+    with torch.no_grad():
+        for name, key in sorted(_file_keys(f, model).items()):
             info = header[key]
             start, end = info["data_offsets"]
             f.seek(data_start + start)

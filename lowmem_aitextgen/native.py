@@ -61,9 +61,22 @@ def built() -> ctypes.CDLL | None:
     return None
 
 
+# LOWMEM_AITEXTGEN_MAX_ISA=avx2 holds our kernels to AVX2 on a CPU that has more (as ONEDNN_MAX_CPU_ISA=AVX2 holds
+# oneDNN's, ATEN_CPU_CAPABILITY=avx2 torch's): an AVX-512 machine then runs the paths an AVX2-only CPU takes
+MAX_ISA = "LOWMEM_AITEXTGEN_MAX_ISA"
+ABOVE_AVX2 = ("avx512", "amx")  # the prefixes of the flags an AVX2 cap leaves out
+
+
 def cpu_flags() -> set[str]:
-    """The CPU's flags as Linux lists them (/proc/cpuinfo)."""
-    return set((hardware.cpuinfo("flags") or "").split())
+    """The CPU's flags as Linux lists them (/proc/cpuinfo), less those above the cap MAX_ISA names."""
+    flags = set((hardware.cpuinfo("flags") or "").split())
+    cap = os.environ.get(MAX_ISA, "").strip().lower()
+    if cap == "avx2":
+        flags = {flag for flag in flags if not flag.startswith(ABOVE_AVX2)}
+    elif cap:
+        raise ValueError(f"{MAX_ISA}={cap!r}: the one cap taken is avx2 (our kernels held to AVX2); unset it for "
+                         "every path this CPU has.")
+    return flags
 
 
 def _not_buildable() -> str | None:

@@ -47,6 +47,10 @@ from . import native_top_k
 # than top_p (past the last, the whole vocabulary is sorted); topk of 64 and 2048 of 50,257: 0.14 and ~0.6 ms here
 CANDIDATES = (64, 2048)
 SEED_BITS = 63  # a row's seed: derived by row_seed, or (unseeded) drawn from the OS, never from torch's global
+# A temperature below this decodes as 0 (the most likely token), the limit of sampling as it goes to zero: divided by a
+# smaller one, a float32 logit past 3.4e8 overflows (the draw then picked among NaNs), and two logits further apart
+# than 1e-27 are already e^-1000 apart, a probability of zero beside the likeliest
+MIN_TEMPERATURE = 1e-30
 
 
 def row_seed(seed: int | None, prompt: Sequence[int], choice: int, attempt: int = 0) -> int:
@@ -85,6 +89,10 @@ class RowSettings:
     # attention is computed alone (row_attention.each_row_alone); False (the server's unseeded sampled requests):
     # the batch's attention (a 355M step of 16 rows a ninth to a seventh faster: RESULTS.md)
     repeatable: bool = True
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # (frozen) the one place a temperature is normalized
 
 
 # A token scored: its id, its log-probability under the model's own scores (before temperature, top-k/p) and

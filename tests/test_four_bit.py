@@ -232,6 +232,34 @@ def test_adapters_on_a_4_bit_base_train_save_reload_and_resume(tmp_path, corpus_
         assert (tmp_path / "resumed" / file).read_bytes() == (tmp_path / "lora" / file).read_bytes(), file
 
 
+@pytest.mark.parametrize("cpu", ["native bf16", "no native bf16"])
+@pytest.mark.parametrize("adapter", ["prefix", "prompt"])
+def test_prompt_learning_on_a_4_bit_base_samples_while_training_and_generates_past_the_context(
+        adapter, cpu, tmp_path, corpus_file, tokenizer_file, capsys):
+    """Samples at generate_every on a 4-bit base, on a CPU presented with and without native bf16: without it
+    the base is stored in bf16 and computed in fp32, and the virtual tokens' cache took the embeddings' bf16
+    beside fp32 queries (the run stopped at its first samples, nothing saved).  After it, a prompt longer than
+    the cache's room and a text past the context."""
+    from peft import PromptTuningConfig
+
+    from lowmem_aitextgen import hardware
+
+    base = str(tmp_path / "base")
+    GPT2LMHeadModel(tiny_gpt2_config(n_positions=128)).save_pretrained(base)
+    kwargs = {"adapter": "prefix"} if adapter == "prefix" else {"peft_config": PromptTuningConfig(num_virtual_tokens=4)}
+    ai = aitextgen(model_folder=base, tokenizer_file=tokenizer_file)
+    with hardware.presenting(hardware.Hardware(hardware.CPUS[cpu])):
+        ai.train(corpus_file, output_dir=str(tmp_path / "out"), num_steps=2, block_size=32, seed=1, base_bits=4,
+                 save_every=0, generate_every=1, **kwargs)
+        assert capsys.readouterr().out.count("generating sample texts") == 1  # at step 1 (step 2 is the end)
+        long_prompt = " ".join(["for"] * 80)
+        assert len(ai.tokenizer(long_prompt)["input_ids"]) > 64
+        for prompt, length in ((long_prompt, 100), ("The", 300)):
+            text = ai.generate_one(prompt=prompt, max_length=length, min_length=length, seed=1)
+            assert text.startswith(prompt) and len(ai.tokenizer(text)["input_ids"]) >= length - 2
+    assert (tmp_path / "out" / "adapter").is_dir()
+
+
 @pytest.mark.edges
 def test_a_saved_base_read_straight_into_4_bits_is_the_base_read_then_quantized(tmp_path):
     """loading.DeferredModel.load_in_four_bits quantizes each matrix as it is read (the 16-bit base never whole

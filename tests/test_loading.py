@@ -242,3 +242,51 @@ def test_every_path_argument_may_be_a_pathlib_path(corpus_file, tokenizer_file, 
     ai.save(pathlib.Path("saved"))
     ai.generate_to_file(n=1, destination_path=pathlib.Path("gen.txt"), max_length=5)
     assert os.path.isfile("saved/model.safetensors") and os.path.isfile("gen.txt")
+
+
+WRITER = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[3])
+from conftest import tiny_gpt2_config
+from transformers import GPT2LMHeadModel
+from lowmem_aitextgen.saving import atomic_save
+out, seconds = sys.argv[1], float(sys.argv[2])
+model, k, ends = GPT2LMHeadModel(tiny_gpt2_config()), 0, time.monotonic() + seconds
+print("saving", flush=True)
+while time.monotonic() < ends:
+    k += 1
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(k / 1000)  # save k: every weight k / 1000, so a mixture of two saves shows
+    atomic_save(out, model)
+print(k)
+"""
+
+
+def test_a_reader_beside_a_process_saving_in_a_loop_always_gets_one_whole_model(tmp_path, tokenizer_file):
+    """Another process saves into the folder over and over (each save atomic: new files renamed into place) while
+    this one constructs an object on it and generates, 200 rounds: each object reads the weights it was constructed
+    on (the file it opened), whole, never a refusal and never two saves' weights mixed."""
+    out = str(tmp_path / "out")
+    from lowmem_aitextgen.saving import atomic_save
+
+    model = GPT2LMHeadModel(tiny_gpt2_config())
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    atomic_save(out, model)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, out, "600", os.path.dirname(__file__)],
+                              stdout=subprocess.PIPE, text=True)
+    seen = set()
+    try:
+        assert writer.stdout.readline() == "saving\n"  # (its imports done: it saves from now on)
+        for _ in range(200):
+            ai = aitextgen(model_folder=out, tokenizer_file=tokenizer_file)
+            ai.generate_one(prompt="def", max_length=6, do_sample=False, decoding="exact")
+            values = {float(v) for p in ai.model.parameters() for v in p.detach().unique()}
+            assert len(values) == 1, values  # one save's weights
+            seen |= values
+    finally:
+        writer.kill()
+        writer.wait()
+    assert len(seen) > 20  # the reader met many saves

@@ -361,8 +361,10 @@ def _(env):
     made = ai.generate(prompt="a", max_new_tokens=5, num_return_sequences=2, return_as_list=True,
                        nonempty_output=False)
     assert len(made) == 2
-    with pytest.raises(ValueError, match=r"generate\(num_beams=2\): beam search"):
-        ai.generate(num_beams=2)
+    assert len(ai.generate(prompt="a", max_new_tokens=5, num_beams=2, n=2, return_as_list=True,
+                           nonempty_output=False)) == 2  # beam search: on transformers' generate(), as before
+    with pytest.raises(ValueError, match=r"generate\(penalty_alpha=0.6\): transformers 5 no longer ships"):
+        ai.generate(penalty_alpha=0.6)
 
 
 @difference("generate-stream")

@@ -332,8 +332,9 @@ def test_two_replicas_behind_nginx_share_requests_and_a_sigterm_loses_none(tmp_p
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     folder = model_folder(tmp_path / "model", n_positions=512, n_layer=8, n_embd=512, n_head=8)
     # docs/serve.md: replicas sharing a machine divide its cores (two each taking both: at times past --timeout)
-    replicas = [start_server(folder, tokenizer_file, "--max_tokens=400", "--max_batch=4", "--threads=1")
-                for _ in range(2)]
+    # each text in flight ends whole within --shutdown_timeout (docs/serve.md: the longest request)
+    replicas = [start_server(folder, tokenizer_file, "--max_tokens=400", "--max_batch=4", "--threads=1",
+                             "--shutdown_timeout=60") for _ in range(2)]
     port = free_port()
     conf = nginx_config(tmp_path, port, [int(r.url.rsplit(":", 1)[1]) for r in replicas])
     proxy = subprocess.Popen([nginx, "-c", conf, "-p", str(tmp_path), "-g", "daemon off;"],

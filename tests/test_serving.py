@@ -52,12 +52,14 @@ class Served:
         return response.json()
 
 
-def start_server(folder: str, tokenizer_file: str, *flags: str) -> Served:
-    """`lowmem_aitextgen serve FOLDER --port=0 ...` started for real; its address read from its first line."""
+def start_server(folder: str, tokenizer_file: str, *flags: str, step_seconds: float | None = None) -> Served:
+    """`lowmem_aitextgen serve FOLDER --port=0 ...` started for real; its address read from its first line;
+    step_seconds: each decoding step made that much slower (tests/scripts/serve_slowly.py), a slow machine."""
+    command = [sys.executable, "-m", "lowmem_aitextgen.cli"] if step_seconds is None else [
+        sys.executable, str(Path(__file__).parent / "scripts" / "serve_slowly.py"), str(step_seconds)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "lowmem_aitextgen.cli", "serve", folder, f"--tokenizer_file={tokenizer_file}",
-         "--port=0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        [*command, "serve", folder, f"--tokenizer_file={tokenizer_file}", "--port=0", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     lines: list[str] = []
     errors: list[str] = []  # read as they come: a full pipe would stop the server
     for stream, kept in ((process.stdout, lines), (process.stderr, errors)):
@@ -284,6 +286,60 @@ def test_a_client_leaving_mid_stream_stops_its_decoding(busy):
     wait_until(lambda: busy.health()["decoding_rows"] == 0)
     assert busy.complete(prompt="a", max_tokens=3)["choices"]
     assert_idle(busy)
+
+
+def test_sigterm_answers_the_queue_at_once_ends_the_streams_at_the_drain_deadline_and_exits(tmp_path,
+                                                                                            tokenizer_file):
+    """On a slow machine (each step 0.1 s: a long text takes 30 s), SIGTERM with three streams decoding and three
+    requests queued: the queued ones answered 503 at once, as is one sent after it; a short stream ends whole
+    within --shutdown_timeout, the long ones end there with an error event (503); the process exits 0 within the
+    deadline and 5 s."""
+    folder = model_folder(tmp_path / "model", n_positions=512)
+    server = start_server(folder, tokenizer_file, "--max_batch=3", "--queue=8", "--shutdown_timeout=3",
+                          "--max_tokens=300", step_seconds=0.1)
+    answers: dict[str, object] = {}
+
+    def stream(name: str, tokens: int) -> None:
+        body = {"model": folder, "prompt": "a", "max_tokens": tokens, "min_length": tokens + 2, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            answers[name] = [line for line in response.iter_lines() if line]
+
+    def plain(name: str) -> None:
+        try:
+            answers[name] = server.post({"model": folder, "prompt": "b", "max_tokens": 5}).status_code
+        except httpx.TransportError as error:  # sent after the listening socket closed
+            answers[name] = type(error).__name__
+        answers[name + " at"] = time.monotonic()
+
+    try:
+        askers = [threading.Thread(target=stream, args=(f"long {k}", 300)) for k in range(2)]
+        askers += [threading.Thread(target=stream, args=("short", 12))]
+        for asker in askers:
+            asker.start()
+        wait_until(lambda: server.health()["decoding_rows"] == 3)
+        queued = [threading.Thread(target=plain, args=(f"queued {k}",)) for k in range(3)]
+        for asker in queued:
+            asker.start()
+        wait_until(lambda: server.health()["queued"] == 3)
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.3)
+        late = threading.Thread(target=plain, args=("late",))
+        late.start()
+        for asker in [*askers, *queued, late]:
+            asker.join(timeout=30)
+        assert server.process.wait(timeout=3 + 5) == 0
+        exited = time.monotonic() - signalled
+    finally:
+        stop_server(server.process)
+    assert [answers[f"queued {k}"] for k in range(3)] == [503] * 3
+    assert all(answers[f"queued {k} at"] - signalled < 1.5 for k in range(3))
+    assert answers["late"] in (503, "ConnectError")
+    assert answers["short"][-1] == "data: [DONE]"
+    for k in range(2):
+        last = json.loads(answers[f"long {k}"][-1].removeprefix("data: "))
+        assert last["error"]["code"] is None and "stopping" in last["error"]["message"], last
+    assert exited < 3 + 5
 
 
 def assert_idle(server: Served) -> None:
