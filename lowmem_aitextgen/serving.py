@@ -144,10 +144,12 @@ class Server:
         self.metrics = Metrics(lambda: self.batcher.waiting, lambda: self.batcher.running_rows)
 
     def encode(self, prompt: str, prepend_bos: bool) -> Any:
-        """A text prompt's ids, as generate() makes them (generation.prompt_ids)."""
+        """A text prompt's ids: the tokens the text makes, after the start-of-text token only where asked or where
+        the text is empty (completions.first_token: one rule for text and token ids, whatever the model's
+        training: a client scores and continues exactly the tokens its text makes)."""
         from .generation import prompt_ids
 
-        return prompt_ids(self.shape, self.tokenizer, prompt, prepend_bos or None)
+        return prompt_ids(self.shape, self.tokenizer, prompt, completions.first_token(prompt, prepend_bos))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -282,7 +284,8 @@ async def _completion(server: Server, request: Any) -> Any:
     asked = completions.parse(await _body(request), server.limits)
     flow = _Flow()
     # only a stream is told each piece: each telling wakes the event loop, which takes the GIL from decoding
-    rows, prompts = asked.rows(server.encode, server.limits.context, flow.on_text if asked.stream else None)
+    rows, prompts = asked.rows(server.encode, server.limits.context, flow.on_text if asked.stream else None,
+                               server.tokenizer.bos_token_id)
     job = Job(rows, flow.on_done)
     try:
         queued = server.batcher.submit(job)

@@ -275,6 +275,10 @@ def test_prompt_learning_takes_every_prompt_its_context_allows_in_every_form_and
                 for ids, (truth, scores), tokens in zip(prompts, truths, made):
                     sure = sure_steps(scores, error)
                     assert tokens[:sure] == truth[:sure], (kind, form, cpu, len(ids))
+    text = ai.tokenizer.decode(ai.tokenizer(corpus_text(3000))["input_ids"][:100])  # streamed: the same text
+    assert len(ai.tokenizer(text)["input_ids"]) > kv_cache.ROOM
+    assert "".join(ai.generate(prompt=text, max_new_tokens=12, seed=2, stream=True)) == ai.generate_one(
+        prompt=text, max_new_tokens=12, seed=2)
 
 
 def decoded(view, ai, prompts: list[torch.Tensor], new: int) -> list[list[int]]:

@@ -266,3 +266,29 @@ def test_every_token_tied_with_the_k_th_stays_as_transformers_keeps_it():
     logits[100:110] = 4.0
     row = Row(torch.tensor([1]), RowSettings(max_new=1, top_k=3, seed=0))
     assert {row.next_token(logits, ()) for _ in range(400)} == set(range(100, 110))
+
+
+@pytest.mark.parametrize("top_k", [2048, 2049, 10_000, 40_000, 50_256])
+def test_a_top_k_near_the_vocabularys_size_draws_what_transformers_warper_keeps(top_k):
+    """Past our kernel's k (native_top_k.KERNEL_MAX_K) the k-th largest is found by a threshold: the draw is the one
+    over the whole vocabulary with transformers' TopK warper, uniform number by uniform number, alone and beside a
+    row of another k; a tie at the k-th keeps every tied token."""
+    from lowmem_aitextgen.sampling import _draw, next_tokens
+
+    logits = torch.randn(50257, generator=torch.Generator().manual_seed(top_k)) * 4
+    probabilities = warped(logits, top_k, 1.0).softmax(-1)
+    theirs = torch.Generator().manual_seed(3)
+    alone = Row(torch.tensor([1]), RowSettings(max_new=50, top_k=top_k, seed=3))
+    together = [Row(torch.tensor([1]), RowSettings(max_new=50, top_k=k, seed=3)) for k in (top_k, 50)]
+    picks = []
+    for _ in range(30):
+        pick = alone.next_token(logits, ())
+        assert pick == _draw(probabilities, theirs) == next_tokens(together, torch.stack([logits] * 2), ())[0]
+        picks.append(pick)
+    assert len(set(picks)) > 5
+    tied = logits.clone()
+    order = tied.argsort(descending=True)
+    tied[order[top_k - 3:top_k + 3]] = float(tied[order[top_k - 3]])  # the k-th tied with those after it
+    row = Row(torch.tensor([1]), RowSettings(max_new=1, top_k=top_k, seed=0))
+    kept = torch.isfinite(warped(tied, top_k, 1.0)).nonzero()[:, 0]
+    assert len(kept) == min(top_k + 3, 50257) and all(row.next_token(tied, ()) in set(kept.tolist()) for _ in range(50))

