@@ -7,11 +7,12 @@ texts.
     python benchmarks/sampling_speed.py --rows 1 8 16 --rounds 3
     python benchmarks/sampling_speed.py --generate --rows 8 16 --rounds 6
 
---ks: generate() end to end at each top_k against top_k=0 (a 2-layer GPT-2 of GPT-2's 50,257 tokens, 256 wide, random
-weights, one text of 64 new tokens, seeded), a row per k, alternating in one process: a k near the vocabulary's size
-must cost no more than 1.5x top_k=0.
+--settings: generate() end to end at each sampling setting against top_k=0 (a 2-layer GPT-2 of GPT-2's 50,257 tokens,
+256 wide, random weights, one text of 64 new tokens, seeded), a row per setting, alternating in one process: a top_k
+near the vocabulary's size, a top_p near 1, min_p and typical_p must each cost no more than 1.5x top_k=0.
 
-    python benchmarks/sampling_speed.py --ks 1 50 2048 10000 40000 50000 50256 --rounds 3
+    python benchmarks/sampling_speed.py --settings top_k=1 top_k=50 top_k=2048 top_k=10000 top_k=40000 \
+        top_k=50256 top_p=0.9 top_p=0.999 top_k=50,top_p=0.999 min_p=0.05 typical_p=0.95 --rounds 3
 """
 
 from __future__ import annotations
@@ -92,26 +93,28 @@ def generated(args: argparse.Namespace) -> None:
                               "the same texts": texts["together"] == texts["a row at a time"]}), flush=True)
 
 
-def per_k(args: argparse.Namespace) -> None:
-    """generate() at each k of --ks against top_k=0 (module docstring)."""
+def per_setting(args: argparse.Namespace) -> None:
+    """generate() at each setting of --settings against top_k=0 (module docstring)."""
     from transformers import GPT2Config
 
     from lowmem_aitextgen import aitextgen
 
     ai = aitextgen(config=GPT2Config(n_layer=2, n_embd=256, n_head=4, n_positions=256))
-    ks = [0, *args.ks]
+    settings = ["top_k=0", *args.settings]
     ai.generate(n=1, prompt=PROMPT, max_new_tokens=8, return_as_list=True, seed=1)  # the view made
-    times: dict[int, list[float]] = {k: [] for k in ks}
+    times: dict[str, list[float]] = {name: [] for name in settings}
     for round_ in range(args.rounds):
-        for k in sorted(ks, reverse=round_ % 2 == 1):
+        for name in sorted(settings, reverse=round_ % 2 == 1):
+            kwargs = {key: float(value) if "." in value else int(value)
+                      for key, value in (pair.split("=") for pair in name.split(","))}
             start = time.perf_counter()
-            ai.generate(n=1, prompt=PROMPT, max_new_tokens=64, min_new_tokens=64, top_k=k, temperature=1.0,
-                        return_as_list=True, nonempty_output=False, seed=1)
-            times[k].append((time.perf_counter() - start) / 64 * 1000)
-    base = statistics.median(times[0])
-    for k in ks:
-        median = statistics.median(times[k])
-        print(json.dumps({"top_k": k, "ms a token": round(median, 2), "against top_k=0": round(median / base, 2)}),
+            ai.generate(n=1, prompt=PROMPT, max_new_tokens=64, min_new_tokens=64, temperature=1.0,
+                        return_as_list=True, nonempty_output=False, seed=1, **{"top_k": 0, **kwargs})
+            times[name].append((time.perf_counter() - start) / 64 * 1000)
+    base = statistics.median(times["top_k=0"])
+    for name in settings:
+        median = statistics.median(times[name])
+        print(json.dumps({"setting": name, "ms a token": round(median, 2), "against top_k=0": round(median / base, 2)}),
               flush=True)
 
 
@@ -120,10 +123,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--generate", action="store_true", help="generate() end to end (module docstring)")
-    parser.add_argument("--ks", type=int, nargs="+", help="generate() at each top_k against 0 (module docstring)")
+    parser.add_argument("--settings", nargs="+", help="generate() at each setting, e.g. top_k=40000 or "
+                        "top_k=50,top_p=0.9, against top_k=0 (module docstring)")
     args = parser.parse_args()
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
-    (per_k if args.ks else generated if args.generate else picks)(args)
+    (per_setting if args.settings else generated if args.generate else picks)(args)
 
 
 if __name__ == "__main__":

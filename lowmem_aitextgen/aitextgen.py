@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -38,6 +38,16 @@ from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun, adapter_base_record
 from .TokenDataset import TokenDataset
 
 logger = logging.getLogger("lowmem_aitextgen")
+
+
+def _decoding_of(kwargs: Mapping[str, Any], decoding: str) -> str:
+    """The decoding form a call asking `kwargs` takes: "exact" where transformers' generate() decodes it (beam search
+    and the rest of generate_options.BY_TRANSFORMERS: over the model as held, as in aitextgen), else `decoding`."""
+    taken = generate_options.by_transformers(kwargs)
+    if taken and decoding != "exact":
+        logger.info(f"{taken[0]}={kwargs[taken[0]]!r}: decoded by transformers' generate() over the model as held "
+                    f"(decoding='exact'), not in decoding={decoding!r}'s form.")
+    return "exact" if taken else decoding
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -292,11 +302,7 @@ class aitextgen(_aitextgen):
         generation.check_generate(self.model_shape, self.tokenizer, "generate()", args)
         length = generation.row_length(self.model_shape, args.max_length)
         repeatable = generation.repeatable(args)
-        taken = generate_options.by_transformers(args)
-        if taken and args.decoding != "exact":  # transformers' generate() runs the model as held, as in aitextgen
-            logger.info(f"{taken[0]}={args[taken[0]]!r}: decoded by transformers' generate() over the model as held "
-                        f"(decoding='exact'), not in decoding={args.decoding!r}'s form.")
-        plan = self._plan_decoding("exact" if taken else args.decoding, length, tokenwise=repeatable)
+        plan = self._plan_decoding(_decoding_of(args, args.decoding), length, tokenwise=repeatable)
         rows = args.n * len(generation.as_prompts(args.prompt))
         call = {k: v for k, v in args.items() if k != "decoding"}
         if args.batch_size is None and plan.max_rows is not None and not args.stream:
@@ -347,6 +353,7 @@ class aitextgen(_aitextgen):
         generation.check_values({**given, "sample_delim": sample_delim}, to_file=True)
         length = generation.row_length(self.model_shape, kwargs.get("max_length"))
         repeatable = generation.repeatable({**kwargs, "seed": seed})
+        decoding = _decoding_of(kwargs, decoding)
         plan = self._plan_decoding(decoding, length, tokenwise=repeatable)
         path, seed = generation.destination(destination_path, seed)
         texts = n * len(generation.as_prompts(kwargs.get("prompt", "")))

@@ -246,7 +246,7 @@ def generate(model: nn.Module | Decoder, tokenizer: Any, *, n: int = 1, prompt: 
         if engine is None:  # what our engine does not decode
             from .transformers_decoding import decode as decode_by_transformers
 
-            held = decoder.prompt_learning or decoder.model
+            held = decoder.prompt_learning if decoder.prompt_learning is not None else decoder.model
             decode_by_transformers(held, tokenizer, rows, kwargs, context_length(held), _pad_of(tokenizer))
         elif options.streamer is not None:  # one text (generate_options.check)
             from .streaming import feed_streamer

@@ -382,3 +382,16 @@ def test_a_model_left_in_training_mode_decodes_without_dropout(tokenizer_file):
     ai.model.train()  # as a run can leave it
     texts = {ai.generate_one(prompt="def", max_length=20, do_sample=False, decoding="exact") for _ in range(3)}
     assert len(texts) == 1 and not ai.model.training
+
+
+def test_generate_to_file_with_beam_search_writes_what_generate_makes(tokenizer_file, tmp_path):
+    """generate_to_file(num_beams=...) decodes on transformers' generate() over the model as held too: the file holds
+    the texts generate() returns for the same call."""
+    torch.manual_seed(0)
+    ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config(n_positions=64))
+    realistic(ai.model)
+    kwargs = dict(prompt="def", max_length=20, num_beams=3, do_sample=False, no_repeat_ngram_size=2)
+    path = ai.generate_to_file(n=2, batch_size=2, destination_path=str(tmp_path / "beams.txt"), sample_delim="|\n",
+                               **kwargs)
+    written = open(path, encoding="utf-8").read().split("\n|\n")[:-1]
+    assert written == ai.generate(n=2, return_as_list=True, **kwargs) and written[0] != written[1]
