@@ -63,8 +63,8 @@ NEUTRAL: Mapping[str, tuple[Any, ...] | None] = {
     "num_beams": (None, 1), "length_penalty": None, "early_stopping": None, "guidance_scale": (None, 1, 1.0),
     "low_memory": (None, False), "token_healing": (None, False), "synced_gpus": (None, False)}
 # refused: the argument, and why or what to use instead (each takes its neutral value, REFUSED_NEUTRAL)
-HUB_ONLY = ("transformers 5 no longer ships this decoding algorithm (its generate() loads it from the hub's "
-            "transformers-community code, with trust_remote_code); use num_beams= for beam search, or "
+HUB_ONLY = ("transformers 5 no longer ships this decoding algorithm (its generate() loads it as code from the hub's "
+            "transformers-community, which this package never runs); use num_beams= for beam search, or "
             "do_sample=True or False")
 REFUSED: Mapping[str, str] = {
     **dict.fromkeys(("num_beam_groups", "diversity_penalty", "constraints", "force_words_ids", "penalty_alpha",

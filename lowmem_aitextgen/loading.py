@@ -250,7 +250,6 @@ class DeferredModel:
             model.generation_config = copy.deepcopy(self.generation_config)
 
 
-
 def check_config_matches(folder: str, skeleton: nn.Module, file: BinaryIO, what: str) -> None:
     """The weights file (open) holds every parameter config.json describes, in its shape: transformers would
     otherwise start a missing one from random numbers without a word, and call a shape it did not expect
