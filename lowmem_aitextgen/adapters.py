@@ -106,6 +106,13 @@ def is_prompt_learning(model: nn.Module) -> bool:
     return is_adapter_model(model) and model.peft_config[model.active_adapter].is_prompt_learning
 
 
+def is_prefix_tuning(model: nn.Module) -> bool:
+    """A peft model whose adapter is prefix tuning (its virtual tokens are keys and values, not embeddings)."""
+    from peft.utils import PeftType
+
+    return is_adapter_model(model) and model.peft_config[model.active_adapter].peft_type == PeftType.PREFIX_TUNING
+
+
 def is_mergeable(model: nn.Module) -> bool:
     return is_adapter_model(model) and not is_prompt_learning(model)
 

@@ -69,18 +69,25 @@ def as_decoder(model: nn.Module | Decoder) -> Decoder:
     return Decoder(model)
 
 
+def pad_id(tokenizer: Any) -> int:
+    """The id a text's padding takes: the tokenizer's padding, else its end-of-text, else 0.  Padding is masked out
+    (or cut off again), so any id the embeddings hold will do (a custom eos_token_id may be outside them)."""
+    return next(t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None), 0)
+                if t is not None and 0 <= t)
+
+
 class Prefix:
     """The virtual tokens' keys and values, each layer's (1, heads, tokens, head size), in the decoder's dtype:
     prefix tuning's are the adapter's own; prompt tuning's (and p-tuning's) the decoder's keys and values of
     its virtual embeddings, at positions 0.. (as peft's forward puts them before the text)."""
 
     def __init__(self, decoder: Decoder) -> None:
-        from peft.utils import PeftType
+        from .adapters import is_prefix_tuning
 
         peft_model, model = decoder.prompt_learning, decoder.model
         dtype, device = _compute_dtype(model), _device(model)
         with torch.no_grad():
-            if peft_model.peft_config[peft_model.active_adapter].peft_type == PeftType.PREFIX_TUNING:
+            if is_prefix_tuning(peft_model):
                 states = _layers_of(peft_model.get_prompt(1))
             else:
                 embeds = peft_model.get_prompt(1).to(device=device, dtype=dtype)
@@ -111,9 +118,7 @@ class Engine:
         self.prefix = Prefix(self.decoder) if self.decoder.prompt_learning is not None else None
         self.virtual = self.prefix.length if self.prefix is not None else 0
         self.context = model_max_length(self.model.config) - self.virtual  # a row's tokens, past the virtual ones
-        # padding is masked out; any id the embeddings hold will do (a custom eos_token_id may be outside them)
-        self.pad = next(t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
-                                    0) if t is not None and 0 <= t)
+        self.pad = pad_id(tokenizer)
         self.cache_keyword = _compat.cache_keyword(self.model)
         self.stepper = compiled_stepper(stepping.stepper(self.model), self.decoder.compiled_rows,
                                         self.decoder.cache_dtype) if self.decoder.view else None

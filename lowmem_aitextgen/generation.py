@@ -30,7 +30,7 @@ from . import generate_options
 from .arguments import Arguments, check, flag, integer, is_number, optional, parameter_names, reject_unknown
 from .decoding import CHOICES as DECODING_CHOICES
 from .decoding import context_length
-from .engine import Decoder, Engine, as_decoder, window_kept
+from .engine import Decoder, Engine, as_decoder, pad_id, window_kept
 from .sampling import Row, RowSettings, row_seed
 
 logger = logging.getLogger("lowmem_aitextgen")
@@ -140,23 +140,17 @@ def check_by_transformers(model: nn.Module, args: Mapping[str, Any], taken: list
     """What transformers' generate() (transformers_decoding.py), taking the arguments `taken`, cannot do: stream a
     text, or beam-search a prompt-tuned model (peft's beam search there scores other texts than the model's forward
     gives: a beam's score -36.3 where its forward gives -40.6, measured on peft 0.22 over transformers 5.25)."""
-    from .adapters import is_prompt_learning
+    from .adapters import is_prefix_tuning, is_prompt_learning
 
     if not taken:
         return
     if args.get("stream"):
         raise ValueError(f"stream=True with {taken[0]}={args[taken[0]]!r}: that decoding runs on transformers' "
                          "generate(), which makes the texts whole; leave stream out.")
-    if "num_beams" in taken and is_prompt_learning(model) and not _is_prefix_tuning(model):
+    if "num_beams" in taken and is_prompt_learning(model) and not is_prefix_tuning(model):
         raise ValueError(f"num_beams={args['num_beams']!r} with a prompt-tuned model: peft's beam search over "
                          "prompt tuning scores texts other than the model's own forward does; leave num_beams out "
                          "(do_sample=False gives the most likely token at each step).")
-
-
-def _is_prefix_tuning(model: nn.Module) -> bool:
-    from peft.utils import PeftType
-
-    return model.peft_config[model.active_adapter].peft_type == PeftType.PREFIX_TUNING
 
 
 def check_values(args: Mapping[str, Any], to_file: bool = False) -> None:
@@ -247,7 +241,7 @@ def generate(model: nn.Module | Decoder, tokenizer: Any, *, n: int = 1, prompt: 
             from .transformers_decoding import decode as decode_by_transformers
 
             held = decoder.prompt_learning if decoder.prompt_learning is not None else decoder.model
-            decode_by_transformers(held, tokenizer, rows, kwargs, context_length(held), _pad_of(tokenizer))
+            decode_by_transformers(held, tokenizer, rows, kwargs, context_length(held), pad_id(tokenizer))
         elif options.streamer is not None:  # one text (generate_options.check)
             from .streaming import feed_streamer
 
@@ -284,12 +278,6 @@ def decode(engine: Engine, rows: list[Row], at_once: int) -> None:
             engine.step()
     finally:
         engine.close()
-
-
-def _pad_of(tokenizer: Any) -> int:
-    """The padding after a text's end where its siblings go on (cut off again): aitextgen's choice of it."""
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
 
 
 def _eos_of(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
