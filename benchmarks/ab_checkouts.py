@@ -4,7 +4,7 @@ alternating (A B, B A, ...), on one saved GPT-2 (random weights: speed only).
     git worktree add /tmp/base <commit>
     python benchmarks/ab_checkouts.py /tmp/base . --batch 1 --rounds 6
 
-On the shared 2-core machines here the same call's speed moves by 1.5-2x within minutes (RESULTS.md, twenty-fourth
+On the shared 2-core machines here the same call's speed moves by 1.5-2x within minutes (HISTORY.md, twenty-fourth
 session); processes alternating see the same phases, so the medians and the paired ratios separate changes of a
 few percent.  Each process loads the folder, warms up (8 tokens), and reports the faster of two calls of 128 new
 tokens after a 16-token prompt.

@@ -5,7 +5,7 @@ the same.  The "written out" cases are attention's products computed apart, row 
 beside 15 rows: whether a batched attention written as products could give a row its own bits (RESULTS.md,
 "Serving and decoding — 2026-11-28, fifth session").  The "2 (mod 4)" and "4 queries" cases: the kernel's
 per-thread buffers on 16-byte boundaries (places ≡ 2 modulo 4; a slice of 4 queries' floats), where rows of one
-length came out the same together and alone (RESULTS.md, "Decoding — 2026-11-29").  The "row_attention" case:
+length came out the same together and alone (HISTORY.md, "Decoding — 2026-11-29").  The "row_attention" case:
 row_attention.each_row_alone over kv_cache.Slots, as the stepping decoder calls it (rows of one length in one
 call, over the zeros after them).
 

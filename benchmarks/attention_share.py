@@ -1,5 +1,5 @@
 """What a decoding step's attention costs (issue 54): the seeded default generate() of a GPT-2 (355M unless --size;
-random weights: speed only), eager and compiled step, batch 1 and 8, each step's time and the part of it spent in
+random weights: speed only), batch 1 and 8, each step's time and the part of it spent in
 the stepping decoder's attention (its cache written, the scaled_dot_product_attention calls, the Python around
 them), timed by wrapping Step._attend and the attention calls with a clock.
 
@@ -26,10 +26,11 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from compiled_step import ALWAYS, NEVER, compiled_object, texts  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from lowmem_aitextgen import engine, hardware, stepping  # noqa: E402
+from lowmem_aitextgen import aitextgen, engine, hardware, stepping  # noqa: E402
+
+PROMPT = "The meaning of a word is what it names"
 
 CACHES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --kv's dtypes (None: the activations')
 
@@ -79,12 +80,13 @@ def cache_in(kv: str) -> Iterator[None]:
         yield
 
 
-def timed(ai: object, batch: int, new: int, step: str, kv: str) -> dict[str, float]:
-    """One seeded call of `batch` texts of `new` tokens by the eager or compiled step with the cache in `kv`."""
+def timed(ai: aitextgen, batch: int, new: int, kv: str) -> dict[str, float]:
+    """One seeded call of `batch` texts of `new` tokens (the server's form: each token alone), the cache in `kv`."""
     clock = Clock()
-    with (ALWAYS if step == "compiled step" else NEVER), cache_in(kv), clock.timing():
+    with cache_in(kv), clock.timing():
         start = time.perf_counter()
-        texts(ai, batch, new)
+        ai.generate(n=batch, prompt=PROMPT, max_new_tokens=new, min_new_tokens=new, return_as_list=True,
+                    nonempty_output=False, seed=1)
         seconds = time.perf_counter() - start
     return {"tokens/s": batch * new / seconds, "step ms": seconds / new * 1e3,
             "attention ms a step": clock.attend / new * 1e3, "its kernel ms a step": clock.kernel / new * 1e3,
@@ -103,20 +105,18 @@ def main() -> None:
                         help="the cache's dtypes, alternating round by round")
     args = parser.parse_args()
     print(json.dumps({"cpu": str(hardware.cpu()), "torch": torch.__version__, "threads": torch.get_num_threads()}))
-    paths = [(step, kv) for step in ("eager", "compiled step") for kv in args.kv]
     with tempfile.TemporaryDirectory() as folder:
         generate_speed.saved_gpt2(args.size, folder)
+        ai = aitextgen(model_folder=folder)
         for batch in args.batches:
-            ai = compiled_object(folder, batch)
-            rows: dict[tuple[str, str], list[dict[str, float]]] = {path: [] for path in paths}
+            rows: dict[str, list[dict[str, float]]] = {kv: [] for kv in args.kv}
             for round_ in range(args.rounds):
-                for path in (paths if round_ % 2 == 0 else paths[::-1]):
-                    rows[path].append(timed(ai, batch, args.new, *path))
-            for (step, kv), runs in rows.items():
-                print(json.dumps({"size": args.size, "batch": batch, "kv": kv, "path": step,
+                for kv in (args.kv if round_ % 2 == 0 else args.kv[::-1]):
+                    rows[kv].append(timed(ai, batch, args.new, kv))
+            for kv, runs in rows.items():
+                print(json.dumps({"size": args.size, "batch": batch, "kv": kv,
                                   **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]}}),
                       flush=True)
-            del ai
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, decoding, hardware  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware, views  # noqa: E402
 
 
 def compiled_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:
@@ -40,7 +40,7 @@ def compiled_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:
 
     inductor.freezing = True  # weights folded into the graph: the template packs them once
     torch._dynamo.config.accumulated_recompile_limit = 100_000  # each Linear's graphs (own_code), all counted
-    holder = nn.Sequential(linear.eval())  # (decoding.linear_of's Linear: its own contiguous weights)
+    holder = nn.Sequential(linear.eval())  # (views.linear_of's Linear: its own contiguous weights)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize_(holder, Int8DynamicActivationInt8WeightConfig())
@@ -84,7 +84,7 @@ def main() -> None:
         paths = {"ours, default": aitextgen(model_folder=folder), "int8 compiled, max-autotune":
                  aitextgen(model_folder=folder)}
         seeded(paths["ours, default"], None, 1, 8)
-        with mock.patch.object(decoding, "int8_linear", compiled_linear):
+        with mock.patch.object(views, "int8_linear", compiled_linear):
             for batch in (1, 8):  # its view made, and each number of rows a step and a prompt has compiled
                 start = time.perf_counter()
                 seeded(paths["int8 compiled, max-autotune"], None, batch, 8)

@@ -7,7 +7,7 @@ same architecture trained a few steps; prompts of 8 to 127 tokens from the text.
     python benchmarks/echo_error.py --prompts 200
 
 Prints, per length bucket, the largest error of a log-probability and of a logit, and the largest over all; the
-documented bound is decoding.SCORE_ERROR (logits) and twice it (log-probabilities).
+documented bound is forms.Form.score_error (logits) and twice it (log-probabilities).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 from transformers import GPT2LMHeadModel  # noqa: E402
 
 from conftest import corpus_text, realistic, tiny_gpt2_config  # noqa: E402
-from lowmem_aitextgen import aitextgen, decoding, hardware  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
 from lowmem_aitextgen.engine import Engine  # noqa: E402
+from lowmem_aitextgen.forms import FORM_RECORDS  # noqa: E402
 from lowmem_aitextgen.sampling import Row, RowSettings  # noqa: E402
 from lowmem_aitextgen.tokenizers import train_tokenizer  # noqa: E402
 
@@ -72,7 +73,7 @@ def main() -> None:
     starts = torch.randint(0, len(ids) - 128, (args.prompts,), generator=generator).tolist()
     prompts = [ids[s:s + n] for s, n in zip(starts, lengths)]
     print(json.dumps({"cpu": str(hardware.cpu()), "form": ai.serving_model()[1].form,
-                      "SCORE_ERROR": decoding.SCORE_ERROR[ai.serving_model()[1].form]}))
+                      "SCORE_ERROR": FORM_RECORDS[ai.serving_model()[1].form].score_error}))
     for name, model in (("realistic random", ai), ("trained 30 steps", trained)):
         found = errors(model, prompts)
         for low in range(0, 128, 32):

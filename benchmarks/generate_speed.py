@@ -16,7 +16,7 @@ base).  transformers' fp32 generate() always runs the fp32 weights.
 Reports tokens/s (the median of the rounds), time to first token (one new token, after a warm-up) and the
 ratios to transformers' fp32.  --memory: in a new process, aitextgen(model_folder=<a saved random model>)
 generating 32 tokens with a seed (int8 at once; unseeded, a short first call decodes as held where fp32
-fits the memory: decoding.VIEW_PAYS_AFTER), its peak resident size (the whole run: reading, the decoding form,
+fits the memory: forms.Form.pays_after), its peak resident size (the whole run: reading, the decoding form,
 generating).  --first-call: seconds from the constructor to the end of a first call of 1 and of 128 new tokens,
 unseeded.  --avx2-only: our kernels (native.py) read the CPU's flags without AVX-512 and AMX, as on an AVX2-only
 CPU; torch's kernel libraries are held to AVX2 by their own variables (above), set before the process starts.

@@ -5,14 +5,14 @@ and values in its own dtype, never rounded through a cache).
     python benchmarks/kv_quality.py --seeds 3 --steps 300
 
 The model is benchmarks/quality_tiers.py's (4 blocks, 128 wide, bytes of Python's documentation topics, blocks of
-64), and the same model carrying the released GPT-2's activation outliers (decoding.carry_outliers), as
+64), and the same model carrying the released GPT-2's activation outliers (views.carry_outliers), as
 generate_quality.py has them.  Each held-out block is teacher-forced a token at a time through stepping.Step over
 the seeded int8 view (each token's activations quantized alone: the form a seeded call and the server decode in),
 eight blocks a step, the cache written as the engine writes it; a 16-bit cache as the engine holds an int8
 view's (kv_cache.py: the buffers in that dtype, each query cast to it for the attention and its output back).
 Rows: each cache's loss over fp32's forward (the quality bound, decoding.QUALITY_BOUND, is 1%) and its worst
 place's KL divergence from the forward's next-token distribution; a 16-bit cache's loss over the fp32 cache's, and
-the largest difference of a log-probability between them (decoding.SCORE_ERROR bounds a form's scores at a first
+the largest difference of a log-probability between them (forms.Form.score_error bounds a form's scores at a first
 step).
 """
 
@@ -32,7 +32,7 @@ from generate_quality import CHANNELS  # noqa: E402
 from quality_tiers import corpora, held_out_loss, pretrained  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from lowmem_aitextgen import decoding, stepping  # noqa: E402
+from lowmem_aitextgen import decoding, stepping, views  # noqa: E402
 from lowmem_aitextgen.kv_cache import new_cache  # noqa: E402
 
 ROWS = 8  # held-out blocks a step
@@ -84,7 +84,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     for seed in range(args.seeds):
         trained = pretrained(seed, first, args.steps).eval()
-        outliers = decoding.carry_outliers(copy.deepcopy(trained), CHANNELS, args.scale)
+        outliers = views.carry_outliers(copy.deepcopy(trained), CHANNELS, args.scale)
         for name, model in (("trained", trained), (f"outliers x{args.scale:g}", outliers)):
             fp32 = held_out_loss(model, held)
             view = decoding.decoding_model(model, "int8", tokenwise=True).model

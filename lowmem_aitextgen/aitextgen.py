@@ -7,7 +7,6 @@ writing files saving.py's.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -26,7 +25,7 @@ from .adapters import base_matches, check_adapter_fits, is_adapter_model
 from .budget import CallPlan
 from .callbacks import TrainingDiverged
 from .data import check_train_data, training_dataset
-from .decoding import DecodePlan, DecodingView, compiled_rows
+from .decoding import DecodePlan, DecodingView
 from .decoding import plan_decoding as decoding_plan
 from .engine import Decoder
 from .four_bit import QuantizedBase
@@ -183,7 +182,7 @@ class aitextgen(_aitextgen):
 
     def serving_model(self) -> tuple[Decoder | torch.nn.Module, DecodePlan]:
         """The model the server decodes with and its plan (serving.py): the default form, made at once, whole
-        contexts, each text the same in any batch (decoding.TokenwiseInt8Linear)."""
+        contexts, each text the same in any batch (int8_kernels.TokenwiseInt8Linear)."""
         plan = self._plan_decoding("auto", None, tokenwise=True)
         return self._decoding_model(plan, 0, repeatable=True), plan
 
@@ -193,7 +192,7 @@ class aitextgen(_aitextgen):
         from the folder where the object's model is not read yet (it stays unread: 1558M decodes in 3 GB)."""
         if not repeatable and self._decoding.waits(plan, asked):
             return self.model
-        if self._deferred is not None and plan.form == "int8":
+        if self._deferred is not None and plan.from_folder:
             self._check_read_back()
             view = self._decoding.model_from_folder(self._deferred, plan)
             if view is not None:
@@ -307,25 +306,9 @@ class aitextgen(_aitextgen):
         call = {k: v for k, v in args.items() if k != "decoding"}
         if args.batch_size is None and plan.max_rows is not None and not args.stream:
             call["batch_size"] = plan.max_rows  # what fits the memory at once (decoding.DecodingMemory)
-        at_once = 1 if args.stream else min(rows, call["batch_size"] or rows)
-        plan, model = self._decoding_model_for(plan, args.decoding, (rows, at_once, length), repeatable,
-                                               0 if args.stream else rows * length)
+        model = self._decoding_model(plan, 0 if args.stream else rows * length, repeatable)
         self._decoding.count(rows * length)
         return generation.generate(model, self.tokenizer, **call)
-
-    def _decoding_model_for(self, plan: DecodePlan, decoding: str, call: tuple[int, int, int], repeatable: bool,
-                            asked: int) -> tuple[DecodePlan, Decoder | torch.nn.Module]:
-        """The plan and model of a call of (texts, at once, tokens a text) asking `asked` tokens of the view: its
-        one-token steps compiled where that pays (decoding.compiled_rows; the graph's view is seeded, so the plan
-        is replanned so), else _decoding_model's."""
-        texts, at_once, length = call
-        rows = compiled_rows(plan, texts, at_once, length)
-        if not rows:
-            return plan, self._decoding_model(plan, asked, repeatable)
-        if not plan.tokenwise:
-            plan = self._plan_decoding(decoding, length, tokenwise=True)
-        model = self._decoding_model(plan, asked, repeatable=True)
-        return plan, dataclasses.replace(model, compiled_rows=rows) if isinstance(model, Decoder) else model
 
     def generate_one(self, **kwargs: Any) -> str:
         """One text, returned as a string."""
@@ -358,7 +341,7 @@ class aitextgen(_aitextgen):
         path, seed = generation.destination(destination_path, seed)
         texts = n * len(generation.as_prompts(kwargs.get("prompt", "")))
         at_once = batch_size or min(n, plan.file_batch)
-        _, model = self._decoding_model_for(plan, decoding, (texts, at_once, length), repeatable, texts * length)
+        model = self._decoding_model(plan, texts * length, repeatable)
         generation.generate_to_file(model, self.tokenizer, n, at_once, path, sample_delim, seed, **kwargs)
         return path
 

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "lowmem_kernels.h"
 #include "native_math.h"
 
 #define PANEL 32
@@ -27,30 +28,9 @@
         c##r##0 = _mm512_dpbf16_ps(c##r##0, (__m512bh)x, (__m512bh)w0);                                         \
         c##r##1 = _mm512_dpbf16_ps(c##r##1, (__m512bh)x, (__m512bh)w1);                                         \
     }
-#define BF16_STORE(r)                                                                                           \
-    if (rows > r) {                                                                                             \
-        _mm512_store_ps(sums + r * PANEL, c##r##0);                                                             \
-        _mm512_store_ps(sums + r * PANEL + 16, c##r##1);                                                        \
-    }
 
-/* sums (rows x PANEL) of rows [0, rows) of a (pairs of k, lda apart) over one panel w */
-BF16_TARGET static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *a, long lda, const int rows,
-                                                                         const uint16_t *w, int kp, float *sums) {
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
-           c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
-    for (int g = 0; g < kp / 2; g++) {
-        __m512i w0 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * 2));
-        __m512i w1 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * 2 + 32));
-        BF16_ROW(0) BF16_ROW(1) BF16_ROW(2) BF16_ROW(3) BF16_ROW(4) BF16_ROW(5) BF16_ROW(6) BF16_ROW(7)
-    }
-    BF16_STORE(0) BF16_STORE(1) BF16_STORE(2) BF16_STORE(3) BF16_STORE(4) BF16_STORE(5) BF16_STORE(6) BF16_STORE(7)
-}
-
-BF16_TARGET static void bf16_panel(const uint16_t *a, long lda, int rows, const uint16_t *w, int kp, float *sums) {
-#define BF16_CALL(r) bf16_rows(a, lda, r, w, kp, sums)
-    WITH_ROWS_KNOWN(rows, BF16_CALL)
-#undef BF16_CALL
-}
+/* bf16_panel: sums (rows x PANEL) of rows [0, rows) of a (pairs of k, lda apart) over one panel w */
+PANEL_KERNEL(BF16_TARGET, bf16, uint16_t, uint16_t, float, _mm512_setzero_ps(), 2, BF16_ROW, _mm512_store_ps)
 
 /* 16 bf16 widened to floats exactly */
 BF16_TARGET static inline __m512 widened(__m256i v) {

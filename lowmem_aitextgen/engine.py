@@ -1,5 +1,6 @@
-"""The batch engine: rows (sampling.Row) decoded a step at a time over the model's own forward (a decoding
-view's prompts and steps by stepping.py's decoder), shared by generate() and the server.
+"""The batch engine: rows (sampling.Row) decoded a step at a time, a decoding view's prompts and steps by
+stepping.py's decoder (every default GPT-2 and GPT-Neo decode), the model as held over its own forward, shared by
+generate() and the server.
 
 transformers' generate() decodes one batch from start to end: every row waits for the longest, a row cannot
 join, its logits processors see the padding, and peft's prompt learning reaches it only through
@@ -31,7 +32,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import _compat, stepping
-from .compiled_step import compiled_stepper
 from .kv_cache import new_cache, refilled
 from .sampling import Row, next_tokens, scored
 from .storage16 import activation_dtype
@@ -54,7 +54,6 @@ class Decoder:
     model: nn.Module
     prompt_learning: nn.Module | None = None
     view: bool = False
-    compiled_rows: int = 0  # a view's one-token steps of up to this many rows compiled (compiled_step.py; 0: none)
     cache_dtype: torch.dtype | None = None  # a view's KV cache's dtype where it steps (kv_cache.py; None: its own)
 
 
@@ -120,8 +119,7 @@ class Engine:
         self.context = model_max_length(self.model.config) - self.virtual  # a row's tokens, past the virtual ones
         self.pad = pad_id(tokenizer)
         self.cache_keyword = _compat.cache_keyword(self.model)
-        self.stepper = compiled_stepper(stepping.stepper(self.model), self.decoder.compiled_rows,
-                                        self.decoder.cache_dtype) if self.decoder.view else None
+        self.stepper = stepping.stepper(self.model) if self.decoder.view else None
         self.cache_dtype = self.decoder.cache_dtype if self.stepper is not None else None  # (the forward's: its own)
         self.rows: list[Row] = []
         self.joining: list[Row] = []  # admitted: their prompts computed within the next step (admit)

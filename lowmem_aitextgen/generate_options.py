@@ -27,8 +27,8 @@ HONOURED: Mapping[str, str] = {
     "num_return_sequences": "texts per prompt: the same as n= (give one of them)",
     "top_k": "after the temperature (default 50, as transformers')",
     "top_p": "after top_k",
-    "typical_p": "after top_p",
     "min_p": "after top_p",
+    "typical_p": "after min_p",
     "epsilon_cutoff": "after top_p",
     "eta_cutoff": "after top_p",
     "repetition_penalty": "over the text's own prompt and tokens",
@@ -169,14 +169,14 @@ def read(kwargs: Mapping[str, Any], generation_config: Any, tokenizer: Any) -> O
         EtaLogitsWarper,
         LogitNormalization,
         MaxTimeCriteria,
-        MinPLogitsWarper,
         NoBadWordsLogitsProcessor,
         NoRepeatNGramLogitsProcessor,
         SequenceBiasLogitsProcessor,
         StopStringCriteria,
         SuppressTokensLogitsProcessor,
-        TypicalLogitsWarper,
     )
+
+    from .cutoffs import MinP, Typical
 
     def value(name: str) -> Any:
         given = kwargs.get(name)
@@ -197,10 +197,10 @@ def read(kwargs: Mapping[str, Any], generation_config: Any, tokenizer: Any) -> O
         processors.append(SequenceBiasLogitsProcessor(value("sequence_bias")))
     processors += list(kwargs.get("logits_processor") or ())
     warpers: list[Any] = []
+    if value("min_p") is not None:  # (transformers' order: min_p, then typical_p)
+        warpers.append(MinP(value("min_p")))
     if value("typical_p") < 1.0:
-        warpers.append(TypicalLogitsWarper(value("typical_p")))
-    if value("min_p") is not None:
-        warpers.append(MinPLogitsWarper(value("min_p")))
+        warpers.append(Typical(value("typical_p")))
     if value("epsilon_cutoff"):
         warpers.append(EpsilonLogitsWarper(value("epsilon_cutoff")))
     if value("eta_cutoff"):

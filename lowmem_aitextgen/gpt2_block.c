@@ -14,19 +14,11 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
+#include "lowmem_kernels.h"
 #include "native_math.h"
-
-int lowmem_int8_linear(int path, const float *x, int m, int k, int kp, const int8_t *w, const int32_t *zero_sums,
-                       int n, float scale, const float *bias, int gelu, float inverse, float zero, float *y,
-                       int threads, const float *residual);
-void lowmem_bf16_linear(const uint16_t *x, int m, int k, long lda, const uint16_t *w, int n, const uint16_t *bias,
-                        int gelu, const uint16_t *residual, uint16_t *y, int threads);
-int lowmem_one_token_attention(const void *q, int q_bf16, long q_row, long q_head, const void *k, const void *v,
-                               int kv_bf16, long c_row, long c_head, long c_place, int rows, int heads, int hs,
-                               const int32_t *places, int width, int window, float scale, float *out, int threads,
-                               const void *new_k, const void *new_v);
 
 /* 4 values of a row from place i, as floats: the row's floats, or its bf16 widened exactly */
 __attribute__((target("avx2"))) static inline __m128 four(const void *row, int i, int bf16) {
@@ -110,28 +102,6 @@ __attribute__((target("avx2"))) static void bf16_rounded(const float *x, long n,
     for (; i < n; i++) y[i] = bf16_bits(x[i]);
 }
 
-/* a projection as its kernel takes it: int8_linear.c's (native_int8.Packed's fields, its bias in fp32) or
- * bf16_linear.c's (native_bf16.Packed's weights, n, k; its bias in bf16; no zero_sums, scale) */
-typedef struct {
-    const void *weights;
-    const int32_t *zero_sums;
-    int n, k, kp;
-    float scale;
-    const void *bias;
-} lowmem_product;
-
-/* a block's parts, read once (native_block.py makes it); bf16: a bf16 view's (its norms' weights, the projections
- * and the residual stream in bf16), else an int8 view's (fp32 norms and residual stream) */
-typedef struct {
-    const void *norm1_weight, *norm1_bias, *norm2_weight, *norm2_bias;
-    float norm1_eps, norm2_eps;
-    lowmem_product qkv, out, fc, proj;
-    int heads, hs;
-    float scale;            /* the attention scores' */
-    float inverse, zero;    /* the activations' quantization (int8_kernels.TOKEN_INVERSE, TOKEN_ZERO) */
-    int bf16;
-} lowmem_gpt2_block;
-
 /* y (rows x p's n) = x (rows x p's k) by projection p, then GPT-2's GELU where `gelu`, then plus `residual` (NULL:
  * none; it may be y), on p's kernel: the residual stream's type (the block's bf16) */
 static int product(const lowmem_gpt2_block *b, const lowmem_product *p, int path, const void *x, int rows, int gelu,
@@ -175,7 +145,7 @@ static int gpt2_block_step(const lowmem_gpt2_block *b, void *x, int rows, void *
 
 /* Every block of a step in turn (`count`; gpt2_block_step's arguments, block i's cache at keys[i], values[i],
  * its strides strides[3i..3i+2], its places' width widths[i]): one call a step, none of the Python between blocks
- * (~0.1 ms of a 355M token: RESULTS.md, twenty-sixth session).  Returns 0, or the first block's error. */
+ * (~0.1 ms of a 355M token: HISTORY.md, twenty-sixth session).  Returns 0, or the first block's error. */
 int lowmem_gpt2_blocks_step(const lowmem_gpt2_block *const *blocks, int count, void *x, int rows, void *const *keys,
                             void *const *values, int kv_bf16, const long *strides, const int *widths,
                             const int32_t *places, float *scratch, int path, int threads) {
@@ -186,4 +156,25 @@ int lowmem_gpt2_blocks_step(const lowmem_gpt2_block *const *blocks, int count, v
         if (done) return done;
     }
     return 0;
+}
+
+/* The layout of the structs Python fills (tests/test_native_boundary.py checks native_block.py's against it): into
+ * out, lowmem_product's size and its fields' offsets in their order, then lowmem_gpt2_block's the same.  Returns the
+ * count, or -1 where `room` is short. */
+int lowmem_layout(long *out, int room) {
+    const long layout[] = {
+        sizeof(lowmem_product), offsetof(lowmem_product, weights), offsetof(lowmem_product, zero_sums),
+        offsetof(lowmem_product, n), offsetof(lowmem_product, k), offsetof(lowmem_product, kp),
+        offsetof(lowmem_product, scale), offsetof(lowmem_product, bias),
+        sizeof(lowmem_gpt2_block), offsetof(lowmem_gpt2_block, norm1_weight), offsetof(lowmem_gpt2_block, norm1_bias),
+        offsetof(lowmem_gpt2_block, norm2_weight), offsetof(lowmem_gpt2_block, norm2_bias),
+        offsetof(lowmem_gpt2_block, norm1_eps), offsetof(lowmem_gpt2_block, norm2_eps),
+        offsetof(lowmem_gpt2_block, qkv), offsetof(lowmem_gpt2_block, out), offsetof(lowmem_gpt2_block, fc),
+        offsetof(lowmem_gpt2_block, proj), offsetof(lowmem_gpt2_block, heads), offsetof(lowmem_gpt2_block, hs),
+        offsetof(lowmem_gpt2_block, scale), offsetof(lowmem_gpt2_block, inverse), offsetof(lowmem_gpt2_block, zero),
+        offsetof(lowmem_gpt2_block, bf16)};
+    const int count = sizeof(layout) / sizeof(layout[0]);
+    if (room < count) return -1;
+    for (int i = 0; i < count; i++) out[i] = layout[i];
+    return count;
 }

@@ -3,7 +3,7 @@
 
 Why: a step streams every weight from memory, and from 4 KiB pages the CPU's prefetchers stop at each page's end
 and each page costs a TLB miss.  One core read 16-18 GB/s from 4 KiB pages here and 28-31 GB/s from 2 MiB ones,
-two cores 24-26 and 32-34; a 355M token on our int8 kernel was 1.09-1.10x quicker (RESULTS.md, twenty-sixth
+two cores 24-26 and 32-34; a 355M token on our int8 kernel was 1.09-1.10x quicker (HISTORY.md, twenty-sixth
 session).  torch's allocator does not ask for huge pages, and Linux's THP mode "madvise" (Debian's and Ubuntu's
 default) gives them only to memory asked for them (madvise MADV_HUGEPAGE) before it is first written.
 

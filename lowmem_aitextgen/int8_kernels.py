@@ -8,7 +8,7 @@ Three kernels take the same integers and compute their products exactly (int32 s
 | native | our own (native_int8.py, int8_linear.c), built  | one pass over the weights for every row of a call,   |
 |        | at first use by gcc; chosen on x86-64 CPUs with | and the quantization in the same call: on the Intel  |
 |        | AVX512-VNNI                                     | Xeon with AMX a call 1.4x as quick as fbgemm's at    |
-|        |                                                 | one row, 3x at 8; generate() 1.35x and 2x (RESULTS.md,|
+|        |                                                 | one row, 3x at 8; generate() 1.35x and 2x (HISTORY.md,|
 |        |                                                 | twenty-first session)                                |
 | fbgemm | torch.ops.quantized (torch.ao.quantization's,   | the fastest of torch's at a batch of one on every    |
 |        | which torch 2.13 says it will remove)           | CPU measured (Intel Xeon with AMX: 2x oneDNN's a     |
@@ -22,7 +22,7 @@ inverse; an activation by one fused multiply-add with the zero point, emulated i
 rounds them the same way in C, and both dequantize their integer sums as fbgemm does, so the three give the same
 bits (on oneDNN's AMX, AVX512-VNNI and AVX2 kernels, the native kernel's three paths and fbgemm's AVX512 and AVX2
 ones): a projection's output is the same on any (a text's other operations may not be: our kernel's fused GELU,
-native_block.py's layer norm), and their quality is the tokenwise form's measured one (decoding.MEASURED_QUALITY).
+native_block.py's layer norm), and their quality is the tokenwise form's measured one (forms.Form.quality).
 In each, a row's output is its own alone or in any batch (tests/test_int8_kernels.py).
 """
 
@@ -59,8 +59,8 @@ class EachTokenScaled:
         # linalg.vector_norm(inf): 10x slower; arguments by position: torch parses keywords in ~0.2 us each
         size = x.abs().amax(-1, True).clamp_min_(1e-12)
         out = self(x / size).mul_(size)
-        # the bias added after, a rounding each (not addcmul's one fused multiply-add): the form a compiled step
-        # can give too (compiled_step.py: inductor's CPU code has no fused multiply-add), so texts are the same
+        # the bias added after, a rounding each (not addcmul's one fused multiply-add): our kernel's bits
+        # (int8_linear.c adds it so too), so a text is the same on either kernel
         return out if bias is None else out.add_(bias)
 
 
@@ -142,7 +142,7 @@ class NativeProduct:
 
 def sums_scale(scale: float) -> torch.Tensor:
     """The float32 factor fbgemm dequantizes a product's integer sums by, for a weight at `scale`: the float32
-    TOKEN_SCALE times the float32 weight scale (OneDNNProduct's, and compiled_step's graph's)."""
+    TOKEN_SCALE times the float32 weight scale (OneDNNProduct's)."""
     return torch.tensor(TOKEN_SCALE, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
 
 
@@ -189,7 +189,7 @@ class TokenwiseInt8Linear(nn.Module):
     pairs, can pass the 16 bits an AVX2 CPU without VNNI sums them in.  On torch's kernels it costs a few
     elementwise operations a call (RESULTS.md): the form of a seeded or greedy call and of the server, where a text
     must be the same in any batch; on ours (NativeProduct) they are in its call, and it is every int8 view's form
-    (decoding.int8_linear).  Weights int8 per tensor, as torch's are; `kernel`: NativeProduct, FbgemmProduct or
+    (views.int8_linear).  Weights int8 per tensor, as torch's are; `kernel`: NativeProduct, FbgemmProduct or
     OneDNNProduct (default: product_kernel's); `alone`: whether the stepping decoder's attention computes each of
     its rows alone too (a text the same in any batch), read by stepping.Step."""
 
@@ -211,7 +211,7 @@ class TokenwiseInt8Linear(nn.Module):
 
     def then_tanh_gelu(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """This Linear and GPT-2's tanh GELU after it as one call, where the kernel computes both (ours: aten's
-        GELU takes ~8 us a row of 4,096 here, ~4% of an 8-row 355M step; RESULTS.md, twenty-first session); else
+        GELU takes ~8 us a row of 4,096 here, ~4% of an 8-row 355M step; HISTORY.md, twenty-first session); else
         None."""
         if not isinstance(self.product, NativeProduct):
             return None

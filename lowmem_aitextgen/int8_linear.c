@@ -27,6 +27,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "lowmem_kernels.h"
 #include "native_math.h"
 
 #define PANEL 32
@@ -74,29 +75,9 @@ __attribute__((target("avx2"))) static void avx2_panel(const uint8_t *a, long ld
         c##r##0 = _mm512_dpbusd_epi32(c##r##0, x, w0);                                                          \
         c##r##1 = _mm512_dpbusd_epi32(c##r##1, x, w1);                                                          \
     }
-#define VNNI_STORE(r)                                                                                           \
-    if (rows > r) {                                                                                             \
-        _mm512_store_si512((void *)(sums + r * PANEL), c##r##0);                                                \
-        _mm512_store_si512((void *)(sums + r * PANEL + 16), c##r##1);                                           \
-    }
 
-VNNI_TARGET static inline __attribute__((always_inline)) void vnni_rows(const uint8_t *a, long lda, const int rows,
-                                                                         const int8_t *w, int kp, int32_t *sums) {
-    __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
-            c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
-    for (int g = 0; g < kp / 4; g++) {
-        __m512i w0 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * 4));
-        __m512i w1 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * 4 + 64));
-        VNNI_ROW(0) VNNI_ROW(1) VNNI_ROW(2) VNNI_ROW(3) VNNI_ROW(4) VNNI_ROW(5) VNNI_ROW(6) VNNI_ROW(7)
-    }
-    VNNI_STORE(0) VNNI_STORE(1) VNNI_STORE(2) VNNI_STORE(3) VNNI_STORE(4) VNNI_STORE(5) VNNI_STORE(6) VNNI_STORE(7)
-}
-
-VNNI_TARGET static void vnni_panel(const uint8_t *a, long lda, int rows, const int8_t *w, int kp, int32_t *sums) {
-#define VNNI_CALL(r) vnni_rows(a, lda, r, w, kp, sums)
-    WITH_ROWS_KNOWN(rows, VNNI_CALL)
-#undef VNNI_CALL
-}
+/* vnni_panel: sums (rows x PANEL) of rows [0, rows) of a (groups of 4 k, lda apart) over one panel w */
+PANEL_KERNEL(VNNI_TARGET, vnni, uint8_t, int8_t, int32_t, _mm512_setzero_si512(), 4, VNNI_ROW, _mm512_store_si512)
 
 /* ---- amx ------------------------------------------------------------------------------------------------- */
 

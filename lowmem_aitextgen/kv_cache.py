@@ -4,7 +4,7 @@ room, so that a step, a row joining and a row leaving each write only what chang
 transformers' DynamicCache concatenates each step's keys to the layer's (a copy of every row's whole cache,
 each layer, each step), and a batch that rows join and leave (engine.py) was cut and put side by side by
 indexing and concatenating the whole cache again.  With 16 rows coming and going in a server, those copies
-were a fifth of its time (RESULTS.md, "Serving and decoding").  Here a layer's keys and values are views into
+were a fifth of its time (HISTORY.md, "Serving and decoding").  Here a layer's keys and values are views into
 two buffers (`Slots`):
 
 | event          | what is written                                                                      |
@@ -28,7 +28,7 @@ two buffers (`Slots`):
 
 The buffers' dtype is the keys' unless the engine names one (decoding.cache_dtype decides it): an int8 view
 computes in fp32, and at long texts its steps are bound by reading the cache, not the int8 weights (355M, 8
-rows, ~520 places: attention half of a compiled step; RESULTS.md, nineteenth session).  The stepping decoder's
+rows, ~520 places: attention half of a compiled step; HISTORY.md, nineteenth session).  The stepping decoder's
 one-token attention reads a bf16 cache widened to fp32 on our kernel (native_attention.py), and elsewhere attends
 in the cache's dtype, the output back in fp32 (stepping.py):
 
@@ -189,83 +189,88 @@ def _buffers(keys: torch.Tensor, dtype: torch.dtype, rows: int, places: int) -> 
     return keys.new_empty(2, rows, keys.shape[1], places, keys.shape[-1], dtype=dtype)
 
 
+class _SlotViews:
+    """What slot_layer's class adds to transformers' DynamicLayer (it comes first in the class's order, so that its
+    keys and values are the slots' views)."""
+
+    slots: Slots | None = None
+    slot_dtype: torch.dtype | None = None  # the views' dtype (None: the keys' own)
+    # keys and values: the slots' views, made again where read after the slots changed (`_stale`), not at each
+    # change (a step's 24 layers' views cost ~0.15 ms a token, read by no one in a step of the stepping decoder);
+    # a tensor transformers' own methods set is kept as set
+    _held: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    _stale = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._current()[0]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._held = (tensor, self._current()[1])
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._current()[1]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._held = (self._current()[0], tensor)
+
+    def _current(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self._stale:
+            self._held, self._stale = self.slots.views(), False
+        return self._held
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.slots is None:
+            self.slots = Slots(key_states, value_states, self.slot_dtype)
+        else:
+            self.slots.append(key_states, value_states)
+        self._stale = True
+        return self._current()
+
+    def written(self, places: int, write: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        """What `write(keys, values)` returns, given the views with room for `places` more places at their end,
+        which it writes (the stepping decoder's one-token attention appends a step's keys itself)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.written(places, write)
+        done = write(*self.room(places).views(places))
+        self.wrote(places)
+        return done
+
+    def room(self, places: int) -> Slots:
+        """The slots, with room for `places` more places after the rows' last, for the caller to write (in
+        inference mode) and count by `wrote`."""
+        self.slots.make_room(places)
+        return self.slots
+
+    def wrote(self, places: int) -> None:
+        """`places` places written after the rows' last (`room`'s)."""
+        self.slots.added(places)
+        self._stale = True
+
+    def keep(self, order: list[int], cut: int) -> None:
+        self.slots.keep(order, cut)
+        self._stale = True
+
+    def join(self, other: Any) -> None:
+        self.slots.join(other.keys, other.values)
+        self._stale = True
+
+
 @functools.cache
 def slot_layer(dtype: torch.dtype | None = None) -> type:
     """transformers' DynamicLayer whose keys and values are a `Slots`' views in `dtype` (None: the keys' own): a
     step writes its places in place (transformers' forward and stepping.py's decoder both call `update`); `keep`
     and `join` are the engine's."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer  # (transformers imported where a cache is first made)
 
-    class SlotLayer(DynamicLayer):
-        slots: Slots | None = None
-        # keys and values: the slots' views, made again where read after the slots changed (`_stale`), not at each
-        # change (a step's 24 layers' views cost ~0.15 ms a token, read by no one in a step of the stepping decoder);
-        # a tensor transformers' own methods set is kept as set
-        _held: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        _stale = False
-
-        @property
-        def keys(self) -> torch.Tensor | None:
-            return self._current()[0]
-
-        @keys.setter
-        def keys(self, tensor: torch.Tensor | None) -> None:
-            self._held = (tensor, self._current()[1])
-
-        @property
-        def values(self) -> torch.Tensor | None:
-            return self._current()[1]
-
-        @values.setter
-        def values(self, tensor: torch.Tensor | None) -> None:
-            self._held = (self._current()[0], tensor)
-
-        def _current(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            if self._stale:
-                self._held, self._stale = self.slots.views(), False
-            return self._held
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            if self.slots is None:
-                self.slots = Slots(key_states, value_states, dtype)
-            else:
-                self.slots.append(key_states, value_states)
-            self._stale = True
-            return self._current()
-
-        def written(self, places: int, write: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
-            """What `write(keys, values)` returns, given the views with room for `places` more places at their end,
-            which it writes (the stepping decoder's one-token attention appends a step's keys itself)."""
-            if not torch.is_inference_mode_enabled():
-                with torch.inference_mode():
-                    return self.written(places, write)
-            done = write(*self.room(places).views(places))
-            self.wrote(places)
-            return done
-
-        def room(self, places: int) -> Slots:
-            """The slots, with room for `places` more places after the rows' last, for the caller to write (in
-            inference mode) and count by `wrote`."""
-            self.slots.make_room(places)
-            return self.slots
-
-        def wrote(self, places: int) -> None:
-            """`places` places written after the rows' last (`room`'s)."""
-            self.slots.added(places)
-            self._stale = True
-
-        def keep(self, order: list[int], cut: int) -> None:
-            self.slots.keep(order, cut)
-            self._stale = True
-
-        def join(self, other: Any) -> None:
-            self.slots.join(other.keys, other.values)
-            self._stale = True
-
-    return SlotLayer
+    return type("SlotLayer", (_SlotViews, DynamicLayer), {"slot_dtype": dtype})
 
 
 def new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None = None) -> Any:

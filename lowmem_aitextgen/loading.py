@@ -198,7 +198,7 @@ class DeferredModel:
     def read(self, dtype: Any, each: Callable[[nn.Module, str, nn.Parameter], None]) -> nn.Module | None:
         """The model in `dtype` read one tensor at a time, each module's weights made only when its first is
         read, each(model, name, parameter) after each is read (it may replace the modules read so far, and free
-        them: decoding.int8_view_from); None where the file cannot be read so.  Weights tied to another are
+        them: views.int8_view_from); None where the file cannot be read so.  Weights tied to another are
         left on the meta device (the LM head: `each` reads the embedding's)."""
         import torch
         from transformers import AutoModelForCausalLM

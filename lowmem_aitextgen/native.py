@@ -31,7 +31,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from . import hardware
 
@@ -40,7 +42,7 @@ logger = logging.getLogger("lowmem_aitextgen")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "int8_linear.c", HERE / "one_token_attention.c", HERE / "gpt2_block.c", HERE / "bf16_linear.c",
            HERE / "top_k.c")
-HEADERS = (HERE / "native_math.h",)  # (their bytes are in the library's name too: a changed header rebuilds it)
+HEADERS = (HERE / "lowmem_kernels.h", HERE / "native_math.h")  # (their bytes are in the library's name too: a changed header rebuilds it)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")
 LIBRARIES = ("-lm",)  # (sqrtf, exp: named, not left to the process to have loaded)
 KERNELS = "kernels"  # the cache's folder for built libraries
@@ -79,10 +81,29 @@ def cpu_flags() -> set[str]:
     return flags
 
 
+# The CPU flags (Linux's names) each path of our kernels needs: one table, read by cpu_runs
+PATH_FLAGS = {
+    "any": ("avx2",),  # the library itself (top_k.c, every kernel's AVX2 code)
+    "attention": ("avx512f",),  # one_token_attention.c, and so gpt2_block.c's call
+    "bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),  # bf16_linear.c
+    "int8 avx2": ("avx2",),  # int8_linear.c's paths
+    "int8 vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    "int8 amx": ("amx_tile", "amx_int8"),  # (and Linux's grant of the tile state: native_int8.cpu_paths)
+}
+
+
+@functools.cache
+def cpu_runs(path: str) -> bool:
+    """Whether this CPU (its flags, less those MAX_ISA caps) runs `path` of our kernels (PATH_FLAGS); whether they
+    are built is built()'s to say."""
+    flags = cpu_flags()
+    return all(flag in flags for flag in PATH_FLAGS[path])
+
+
 def _not_buildable() -> str | None:
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         return f"they are built for Linux on x86-64, not {sys.platform} on {platform.machine()}"
-    if "avx2" not in cpu_flags():
+    if not cpu_runs("any"):
         return "this CPU has no AVX2"
     if shutil.which("gcc") is None:
         return "no gcc on the PATH"
@@ -125,27 +146,26 @@ def _cache_folder() -> Path:
 
 
 def _loaded(path: Path) -> ctypes.CDLL:
-    library = ctypes.CDLL(str(path))
-    pointer, number, long, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    library.lowmem_int8_linear.argtypes = [number, pointer, number, number, number, pointer, pointer, number, real,
-                                           pointer, number, real, real, pointer, number, pointer]
-    library.lowmem_int8_linear.restype = number
-    library.lowmem_amx_request.argtypes, library.lowmem_amx_request.restype = [], number
-    library.lowmem_one_token_attention.argtypes = [pointer, number, long, long, pointer, pointer, number, long, long,
-                                                   long, number, number, number, pointer, number, number, real,
-                                                   pointer, number, pointer, pointer]
-    library.lowmem_one_token_attention.restype = number
-    library.lowmem_layer_norm.argtypes = [pointer, number, number, number, pointer, pointer, real, pointer, number]
-    library.lowmem_layer_norm.restype = None
-    library.lowmem_gpt2_blocks_step.argtypes = [pointer, number, pointer, number, pointer, pointer, number, pointer,
-                                                pointer, pointer, pointer, number, number]
-    library.lowmem_gpt2_blocks_step.restype = number
-    library.lowmem_bf16_linear.argtypes = [pointer, number, number, long, pointer, number, pointer, number, pointer,
-                                           pointer, number]
-    library.lowmem_bf16_linear.restype = None
-    library.lowmem_top_k.argtypes = [pointer, long, number, number, number, pointer, pointer, number]
-    library.lowmem_top_k.restype = number
-    library.lowmem_top_k_draw.argtypes = [pointer, long, number, number, number, pointer, number, pointer, pointer,
-                                          pointer, number]
-    library.lowmem_top_k_draw.restype = number
+    return ctypes.CDLL(str(path))
+
+
+# A function's signature as ctypes takes it, (restype, argtypes), in the kinds lowmem_kernels.h's C types are: every
+# pointer POINTER, int INT, long LONG, float FLOAT, double DOUBLE (tests/test_native_boundary.py reads the header)
+Signature = tuple[Any, list[Any]]
+POINTER, INT, LONG, FLOAT, DOUBLE = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_double
+_declared: dict[int, tuple[ctypes.CDLL, set[int]]] = {}  # a library's id -> it, and the signatures declared on it
+
+
+def bound(signatures: Mapping[str, Signature]) -> ctypes.CDLL | None:
+    """The library (built()) with `signatures`, a wrapper module's SIGNATURES, declared on its functions (once a
+    library); None where it is not built."""
+    library = built()
+    if library is None:
+        return None
+    held = _declared.setdefault(id(library), (library, set()))[1]
+    if id(signatures) not in held:
+        for name, (restype, argtypes) in signatures.items():
+            function = getattr(library, name)
+            function.restype, function.argtypes = restype, argtypes
+        held.add(id(signatures))
     return library

@@ -4,7 +4,7 @@ native.py): each row over its own places alone, in one call for every row of a s
 Why our own: torch's scaled_dot_product_attention gives a row other bits beside other rows (row_attention.py's
 alignment rule keeps them its own, with zeros read after its places and a mask), and around it a step converts the
 query to the cache's dtype, transposes and converts the output back; at 8 rows of a 355M int8 view those were ~1 ms
-of a ~21 ms step (RESULTS.md, twenty-third session).  Here each (row, head) is computed by one thread from its own
+of a ~21 ms step (HISTORY.md, twenty-third session).  Here each (row, head) is computed by one thread from its own
 places, so a row's bits are its own by construction, at any number of threads, and its output comes back fp32 in
 the layout the output projection reads.
 
@@ -23,11 +23,16 @@ the layout the output projection reads.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import native
+from .native import FLOAT, INT, LONG, POINTER
+
+# one_token_attention.c's export, as lowmem_kernels.h declares it (native.bound declares it on the library)
+SIGNATURES = {
+    "lowmem_one_token_attention": (INT, [POINTER, INT, LONG, LONG, POINTER, POINTER, INT, LONG, LONG, LONG, INT, INT,
+                                         INT, POINTER, INT, INT, FLOAT, POINTER, INT, POINTER, POINTER]),
+}
 
 DTYPES = (torch.float32, torch.bfloat16)
 MOST_HEAD = 256  # one_token_attention.c's
@@ -35,12 +40,7 @@ MOST_HEAD = 256  # one_token_attention.c's
 
 def available() -> bool:
     """Whether our kernel runs here: built, on a CPU with AVX512F."""
-    return native.built() is not None and _wide()
-
-
-@functools.cache
-def _wide() -> bool:
-    return "avx512f" in native.cpu_flags()
+    return native.built() is not None and native.cpu_runs("attention")
 
 
 def takes(query: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -69,7 +69,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, places
                          f"keys of {tuple(keys.shape)} {keys.stride()}, values of {tuple(values.shape)} "
                          f"{values.stride()}, places {places}" + _told(new))
     out = torch.empty(rows, heads * size)
-    done = native.built().lowmem_one_token_attention(
+    done = native.bound(SIGNATURES).lowmem_one_token_attention(
         query.data_ptr(), int(query.dtype == torch.bfloat16), query.stride(0), query.stride(1), keys.data_ptr(),
         values.data_ptr(), int(keys.dtype == torch.bfloat16), keys.stride(0), keys.stride(1), keys.stride(2), rows,
         heads, size, places.data_ptr(), width, window or 0, scale, out.data_ptr(), torch.get_num_threads(),

@@ -2,7 +2,7 @@
 ctypes; packed16.NativeBf16Linear holds a projection's packed weights and calls `linear`.
 
 Why our own: oneDNN's bf16 product at one row reads a 355M view's weights at ~18-25 GB/s on the AMD EPYC kind, where
-llama.cpp's F16 reads ~33 (RESULTS.md, twenty-fourth and twenty-fifth sessions); this one reads a panel of weights
+llama.cpp's F16 reads ~33 (HISTORY.md, twenty-fourth and twenty-fifth sessions); this one reads a panel of weights
 once for up to 8 rows of the call with vdpbf16ps, and gives each row its own bits at any number of rows.
 
 | what          | how                                                                                           |
@@ -14,15 +14,17 @@ once for up to 8 rows of the call with vdpbf16ps, and gives each row its own bit
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from . import huge_pages, native
+from .native import INT, LONG, POINTER
+
+# bf16_linear.c's export, as lowmem_kernels.h declares it (native.bound declares it on the library)
+SIGNATURES = {"lowmem_bf16_linear": (None, [POINTER, INT, INT, LONG, POINTER, INT, POINTER, INT, POINTER, POINTER, INT])}
 
 PANEL = 32  # bf16_linear.c's: the columns a pass computes
-NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,7 @@ class Packed:
 
 def available() -> bool:
     """Whether the kernel runs here: built, on a CPU with AVX512-BF16."""
-    return native.built() is not None and _cpu_has()
-
-
-@functools.cache
-def _cpu_has() -> bool:
-    flags = native.cpu_flags()
-    return all(flag in flags for flag in NEEDS)
+    return native.built() is not None and native.cpu_runs("bf16")
 
 
 def pack(weight: torch.Tensor) -> Packed:
@@ -71,7 +67,7 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, gelu: boo
         rows = rows.to(torch.bfloat16).contiguous()
     out = torch.empty(rows.shape[0], packed.n, dtype=torch.bfloat16)
     if rows.shape[0]:
-        native.built().lowmem_bf16_linear(rows.data_ptr(), rows.shape[0], packed.k, rows.stride(0),
+        native.bound(SIGNATURES).lowmem_bf16_linear(rows.data_ptr(), rows.shape[0], packed.k, rows.stride(0),
                                           packed.weights.data_ptr(), packed.n,
                                           None if bias is None else bias.data_ptr(), int(gelu),
                                           None if residual is None else residual.data_ptr(), out.data_ptr(),

@@ -3,11 +3,11 @@ for an int8 view or a bf16 view on them: the stepping decoder's blocks, when a s
 token each.
 
 Why: at batch 1 a 355M step's products are ~10 ms of ~15, and most of the rest was Python around a block's dozen
-calls, each slowed 2-3x by the caches the weights' stream empties (RESULTS.md, twenty-fourth session).  Here a
+calls, each slowed 2-3x by the caches the weights' stream empties (HISTORY.md, twenty-fourth session).  Here a
 block's step is one call of the kernels the stepping decoder calls one by one (int8_linear.c or bf16_linear.c,
 one_token_attention.c, which writes the step's keys and values into the cache itself): the same bits; and the
 blocks one after the other in the same call (each layer's cache's addresses from kv_cache.Slots.addresses, made once
-a buffer), none of the Python between them (~0.1 ms of a 355M token, RESULTS.md, twenty-sixth session).  Its layer
+a buffer), none of the Python between them (~0.1 ms of a 355M token, HISTORY.md, twenty-sixth session).  Its layer
 norm is gpt2_block.c's, and the stepping decoder calls that one (`norm`) for such a view's block norms in every
 other step too (a prompt, a step beside a joining prompt), so that a row's text is its own whichever way its steps
 go.  A bf16 view's residual stream stays in bf16, each operation rounded as torch's bf16 one (its GELU the
@@ -40,18 +40,28 @@ from torch import nn
 
 from . import native, native_attention, native_int8
 from .int8_kernels import TOKEN_INVERSE, TOKEN_ZERO, NativeProduct, TokenwiseInt8Linear
+from .native import FLOAT, INT, POINTER
 from .packed16 import NativeBf16Linear
+
+# gpt2_block.c's exports, as lowmem_kernels.h declares them (native.bound declares them on the library)
+SIGNATURES = {
+    "lowmem_layer_norm": (None, [POINTER, INT, INT, INT, POINTER, POINTER, FLOAT, POINTER, INT]),
+    "lowmem_gpt2_blocks_step": (INT, [POINTER, INT, POINTER, INT, POINTER, POINTER, INT, POINTER, POINTER, POINTER,
+                                      POINTER, INT, INT]),
+    "lowmem_layout": (INT, [POINTER, INT]),
+}
 
 
 class _Product(ctypes.Structure):
-    """gpt2_block.c's lowmem_product: an int8 projection as int8_linear.c takes it."""
+    """lowmem_kernels.h's lowmem_product: an int8 projection as int8_linear.c takes it (its layout checked against
+    the C's: lowmem_layout)."""
 
     _fields_ = [("weights", ctypes.c_void_p), ("zero_sums", ctypes.c_void_p), ("n", ctypes.c_int),
                 ("k", ctypes.c_int), ("kp", ctypes.c_int), ("scale", ctypes.c_float), ("bias", ctypes.c_void_p)]
 
 
 class _Block(ctypes.Structure):
-    """gpt2_block.c's lowmem_gpt2_block: a block's parts, read once."""
+    """lowmem_kernels.h's lowmem_gpt2_block: a block's parts, read once (its layout checked against the C's)."""
 
     _fields_ = [("norm1_weight", ctypes.c_void_p), ("norm1_bias", ctypes.c_void_p), ("norm2_weight", ctypes.c_void_p),
                 ("norm2_bias", ctypes.c_void_p), ("norm1_eps", ctypes.c_float), ("norm2_eps", ctypes.c_float),
@@ -127,7 +137,7 @@ def steps(blocks: Blocks, x: torch.Tensor, layers: list[Any], places: torch.Tens
         strides[3 * i:3 * i + 3] = held_strides
         widths[i] = held.end + 1 - held.start
     bf16 = int(layers[0].slots.both.dtype == torch.bfloat16)  # (one dtype for all: the engine's cache_dtype)
-    done = native.built().lowmem_gpt2_blocks_step(blocks.parts, count, x.data_ptr(), rows, keys, values, bf16, strides,
+    done = native.bound(SIGNATURES).lowmem_gpt2_blocks_step(blocks.parts, count, x.data_ptr(), rows, keys, values, bf16, strides,
                                                   widths, places.data_ptr(), scratch.data_ptr(), path, threads)
     if done == -2:
         raise ValueError(f"native_block.steps: places={places.tolist()}: each row's must be within the cache's "
@@ -150,7 +160,7 @@ def norm(module: nn.LayerNorm) -> Callable[[torch.Tensor], torch.Tensor]:
 def _norm(weight: torch.Tensor, bias: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     rows = x if x.dtype == weight.dtype and x.is_contiguous() else x.to(weight.dtype).contiguous()
     out = torch.empty_like(rows)
-    native.built().lowmem_layer_norm(rows.data_ptr(), int(weight.dtype == torch.bfloat16),
+    native.bound(SIGNATURES).lowmem_layer_norm(rows.data_ptr(), int(weight.dtype == torch.bfloat16),
                                      rows.numel() // weight.numel(), weight.numel(), weight.data_ptr(),
                                      bias.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
     return out

@@ -3,10 +3,10 @@ int8_kernels.NativeProduct holds a projection's packed weights and calls `linear
 
 Why our own: torch's int8 kernels leave a batch's speed on the table.  fbgemm's (torch.ao's, which torch 2.13 says
 it will remove) takes 1.5-2x at 8 rows its time at one, being bound by its arithmetic, not by reading the weights;
-oneDNN's is slower at one row; inductor's AMX template pays only inside a compiled graph (compiled_step.py).  This
+oneDNN's is slower at one row; inductor's AMX template paid only inside a compiled graph of the whole step.  This
 one reads a panel of weights once for every row of the call (on AMX, 8 rows in about one row's time), and quantizes
 each row alone and dequantizes its sums in the same call (six elementwise calls a projection otherwise), with
-fbgemm's bits (int8_linear.c says how): a projection's output is the same on either kernel (RESULTS.md,
+fbgemm's bits (int8_linear.c says how): a projection's output is the same on either kernel (HISTORY.md,
 twenty-first session); where asked, the tanh GELU of it or a residual added in the same call.
 
 | what          | how                                                                                           |
@@ -26,14 +26,19 @@ from dataclasses import dataclass
 import torch
 
 from . import huge_pages, native
+from .native import FLOAT, INT, POINTER
+
+# int8_linear.c's exports, as lowmem_kernels.h declares them (native.bound declares them on the library)
+SIGNATURES = {
+    "lowmem_int8_linear": (INT, [INT, POINTER, INT, INT, INT, POINTER, POINTER, INT, FLOAT, POINTER, INT, FLOAT, FLOAT,
+                                 POINTER, INT, POINTER]),
+    "lowmem_amx_request": (INT, []),
+}
 
 PANEL, KSTEP = 32, 64  # int8_linear.c's: the columns a pass computes, K padded to a multiple of KSTEP
 PATHS = ("avx2", "vnni", "amx")  # int8_linear.c's path numbers, in order
-# the rows from which AMX's tiles are quicker than AVX512-VNNI's vectors (RESULTS.md, twenty-first session)
+# the rows from which AMX's tiles are quicker than AVX512-VNNI's vectors (HISTORY.md, twenty-first session)
 AMX_FROM = 2
-# each path's CPU flags (/proc/cpuinfo)
-NEEDS = {"avx2": ("avx2",), "vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-         "amx": ("amx_tile", "amx_int8")}
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ def linear(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None, inverse: 
     alone by `inverse` and `zero`; `path` (PATHS) the CPU's quickest for the rows where not given; `gelu`: GPT-2's
     tanh GELU of the output in the same call (to ~1e-7 of its size torch's F.gelu(approximate="tanh")); `residual`
     (fp32, the output's shape): added to the output in the same call, the bits of `residual + output`."""
-    library = native.built()
+    library = native.bound(SIGNATURES)
     if library is None:
         raise RuntimeError("lowmem_aitextgen's int8 kernel is not built here (native.built)")
     if path is not None and path not in cpu_paths():  # an instruction the CPU lacks would kill the process
@@ -107,9 +112,9 @@ def path_for(rows: int) -> str:
 @functools.cache
 def cpu_paths() -> tuple[str, ...]:
     """The paths this CPU runs (PATHS' order): its flags, and for AMX Linux's grant of the tile state."""
-    flags = native.cpu_flags()
-    here = [path for path in PATHS if all(flag in flags for flag in NEEDS[path])]
-    if "amx" in here and (native.built() is None or native.built().lowmem_amx_request() != 0):
+    here = [path for path in PATHS if native.cpu_runs(f"int8 {path}")]
+    library = native.bound(SIGNATURES)
+    if "amx" in here and (library is None or library.lowmem_amx_request() != 0):
         here.remove("amx")
     return tuple(here)
 

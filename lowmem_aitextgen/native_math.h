@@ -71,18 +71,43 @@ static inline float float_of(uint16_t bf16) {
     return v;
 }
 
-/* call(r) with r the constant `rows` (1 to 8; more: 8), so that each kernel is a copy with its rows known and only
- * their registers are used */
-#define WITH_ROWS_KNOWN(rows, call)                                                                             \
-    switch (rows) {                                                                                             \
-    case 1: call(1); break;                                                                                     \
-    case 2: call(2); break;                                                                                     \
-    case 3: call(3); break;                                                                                     \
-    case 4: call(4); break;                                                                                     \
-    case 5: call(5); break;                                                                                     \
-    case 6: call(6); break;                                                                                     \
-    case 7: call(7); break;                                                                                     \
-    default: call(8); break;                                                                                    \
+/* A panel's kernel for up to 8 rows (int8_linear.c's VNNI path, bf16_linear.c's): `name`_panel(a, lda, rows, w, kp,
+ * sums) sums rows [0, rows) of a over one panel w into sums (rows x PANEL), by `name`_rows, a copy for each number of
+ * rows (1 to 8; more: 8; `rows` a constant in each, so that only its rows' registers are used), whose two 16-lane
+ * accumulators a row over the panel's 32 columns stay in registers (named, not an array: gcc keeps an array in
+ * memory).  Each group of `step` k (4 int8 to a lane, 2 bf16) reads the panel's
+ * next 64 bytes twice over, w0 and w1; `row(r)` adds them to row r's accumulators (a, lda, g and rows in its
+ * scope); `store` writes an accumulator to memory (a void * first). */
+#define PANEL_KERNEL(target, name, A, W, S, zero, step, row, store)                                             \
+    target static inline __attribute__((always_inline)) void name##_rows(const A *a, long lda, const int rows,  \
+                                                                         const W *w, int kp, S *sums) {         \
+        __typeof__(zero) c00 = zero, c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,          \
+                         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00,          \
+                         c70 = c00, c71 = c00;                                                                  \
+        for (int g = 0; g < kp / (step); g++) {                                                                 \
+            __m512i w0 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * (step)));                     \
+            __m512i w1 = _mm512_loadu_si512((const void *)(w + (long)g * PANEL * (step) + 16 * (step)));       \
+            row(0) row(1) row(2) row(3) row(4) row(5) row(6) row(7)                                             \
+        }                                                                                                       \
+        PANEL_STORE(store, 0) PANEL_STORE(store, 1) PANEL_STORE(store, 2) PANEL_STORE(store, 3)                 \
+        PANEL_STORE(store, 4) PANEL_STORE(store, 5) PANEL_STORE(store, 6) PANEL_STORE(store, 7)                 \
+    }                                                                                                           \
+    target static void name##_panel(const A *a, long lda, int rows, const W *w, int kp, S *sums) {             \
+        switch (rows) {                                                                                         \
+        case 1: name##_rows(a, lda, 1, w, kp, sums); break;                                                     \
+        case 2: name##_rows(a, lda, 2, w, kp, sums); break;                                                     \
+        case 3: name##_rows(a, lda, 3, w, kp, sums); break;                                                     \
+        case 4: name##_rows(a, lda, 4, w, kp, sums); break;                                                     \
+        case 5: name##_rows(a, lda, 5, w, kp, sums); break;                                                     \
+        case 6: name##_rows(a, lda, 6, w, kp, sums); break;                                                     \
+        case 7: name##_rows(a, lda, 7, w, kp, sums); break;                                                     \
+        default: name##_rows(a, lda, 8, w, kp, sums); break;                                                    \
+        }                                                                                                       \
+    }
+#define PANEL_STORE(store, r)                                                                                   \
+    if (rows > r) {                                                                                             \
+        store((void *)(sums + r * PANEL), c##r##0);                                                             \
+        store((void *)(sums + r * PANEL + 16), c##r##1);                                                        \
     }
 
 #endif

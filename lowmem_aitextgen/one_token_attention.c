@@ -16,7 +16,7 @@
  * AVX512F only: one path, where the cache's reads are the cost (a bf16 cache widened 16 lanes at a time).  In a
  * step the cache comes from memory (the weights read since pushed it out of the caches); the keys' pass asks for
  * the values it is followed by (prefetch), which made an 8-row 355M step's attention ~1.05x quicker against
- * torch's than reading them cold (RESULTS.md, twenty-third session; the keys' own prefetch ahead added nothing).
+ * torch's than reading them cold (HISTORY.md, twenty-third session; the keys' own prefetch ahead added nothing).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lowmem_kernels.h"
 #include "native_math.h"
 
 #define MOST_HEAD 256 /* the largest head size taken (native_attention.py checks it, and a multiple of 16) */

@@ -14,7 +14,7 @@ but these kernels reads.
 |                                     | 39.8 / 105.0)                            | view; the ops are torch's      |
 |                                     |                                          | private mkldnn ones (below)    |
 | packed for our kernel (AVX512-BF16) | 1.49x / 1.25x oneDNN's, alternating      | each weight reordered once; a  |
-|                                     | (AMD EPYC, RESULTS.md twenty-fifth       | kernel of ours to keep (gcc)   |
+|                                     | (AMD EPYC, HISTORY.md twenty-fifth       | kernel of ours to keep (gcc)   |
 |                                     | session)                                 |                                |
 | the LM head packed too, for oneDNN  | within noise of the above                | a packed copy of the tied      |
 |                                     |                                          | embedding (103 MB at 355M)     |

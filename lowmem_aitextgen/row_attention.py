@@ -8,7 +8,7 @@ torch's CPU attention kernel (scaled_dot_product_attention's flash kernel) gives
 thread works in its own slice of one buffer, (places + 2 + head size) floats for a one-token query, and a row's
 bits came out the same alone and among others exactly where every slice starts on a 16-byte boundary: with
 places ≡ 2 (mod 4) (head sizes a multiple of 4; places within the kernel's block of 512), at 1-4 threads, 4-25
-heads, AVX-512 and AVX2 kernels (RESULTS.md, "Decoding — 2026-11-29"; the matrix library evidently takes
+heads, AVX-512 and AVX2 kernels (HISTORY.md, "Decoding — 2026-11-29"; the matrix library evidently takes
 another path for an unaligned slice).  So:
 
 | rows                               | how each attends                                                        |
@@ -19,7 +19,7 @@ another path for an unaligned slice).  So:
 |                                    | (`together_exact`, each dtype): in fp32 at 355M, 8 rows of one length   |
 |                                    | ~7% more tokens a second, 16 served clients ~7%; one row ~0.3 ms a      |
 |                                    | token more (the mask and two slices a layer: 1-4% of a 355M token;      |
-|                                    | RESULTS.md, 2026-11-29, ninth)                                          |
+|                                    | HISTORY.md, 2026-11-29, ninth)                                          |
 | a prefix row beside longer ones    | as above, its places gathered (its padding lies between its virtual     |
 |                                    | places and its tokens) and the zeros added: a call of its own           |
 | a prompt, past 510 places, another | a call of its own over its own places, the call it makes alone          |

@@ -16,7 +16,9 @@ keep (at top_p's edge up to rounding: the likelier tokens' probabilities summed 
 the least likely up there), found among the likeliest tokens (likeliest_kept: the k-th logit, or the likeliest
 until they hold top_p), and the token is drawn among those alone: a pick with top_p sorted the whole vocabulary
 (GPT-2's 50,257 tokens: 5 ms on the CPU, RESULTS.md) and top_k alone made four more passes over it (a mask, its
-fill, a softmax, a cumulative sum).  The draw is the same inverse CDF in the order of the ids; its probabilities
+fill, a softmax, a cumulative sum).  Where the likeliest are many (a top_k past our kernel's, a top_p the 64
+likeliest do not hold, a tie at the k-th) the whole row is cut (cutoffs.py: what transformers' warpers keep, found
+without their sort) and drawn over.  The draw is the same inverse CDF in the order of the ids; its probabilities
 are the softmax over what is kept, rounded as a softmax over fewer numbers rounds.
 
 | setting            | applied                                          | as in                                   |
@@ -26,7 +28,7 @@ are the softmax over what is kept, rounded as a softmax over fewer numbers round
 | min_new            | end-of-text impossible before it                  | transformers' MinNewTokensLength...     |
 | temperature        | 0: the most likely token (OpenAI's convention)    | transformers' TemperatureLogitsWarper   |
 | top_k, top_p       | after the temperature, then `warpers` (a warper   | transformers' TopK/TopPLogitsWarper     |
-|                    | given: both over the whole vocabulary)            |                                         |
+|                    | given: both cut over the whole vocabulary)        | (their cuts: cutoffs.TopK, TopP)        |
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from typing import Any
 
 import torch
 
-from . import native_top_k
+from . import cutoffs, native_top_k
+from .detokenizer import Detokenizer
 
-# how many of the likeliest tokens a top-p pick without top-k looks among: the more only where the fewer hold less
-# than top_p (past the last, the whole vocabulary is sorted); topk of 64 and 2048 of 50,257: 0.14 and ~0.6 ms here
-CANDIDATES = (64, 2048)
+# how many of the likeliest tokens a top-p pick without top-k looks among before it cuts the whole vocabulary
+# (cutoffs.kept_probabilities): our kernel's 64 largest of 50,257 ~0.02 ms here, a cut and a draw over the row ~0.35
+CANDIDATES = 64
 SEED_BITS = 63  # a row's seed: derived by row_seed, or (unseeded) drawn from the OS, never from torch's global
 # A temperature below this decodes as 0 (the most likely token), the limit of sampling as it goes to zero: divided by a
 # smaller one, a float32 logit past 3.4e8 overflows (the draw then picked among NaNs), and two logits further apart
@@ -127,6 +130,7 @@ class Row:
         self.scored: list[Scored] = []  # each token made, where settings.logprobs asks
         self.prompt_scored: list[Scored] | None = None  # the prompt's tokens after the first (score_prompt)
         self.first_token_at: float | None = None  # time.monotonic() when its first token was taken
+        self._detokenizer: Detokenizer | None = None
 
     @property
     def done(self) -> bool:
@@ -163,7 +167,7 @@ class Row:
 
     def _picked(self, scores: torch.Tensor, eos: tuple[int, ...]) -> int:
         """next_token's pick by transformers' processors and warpers, or among what they keep (likeliest_kept)."""
-        from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+        from transformers import RepetitionPenaltyLogitsProcessor
 
         s = self.settings
         logits = scores.float()[None]
@@ -177,14 +181,16 @@ class Row:
             logits[0, list(eos)] = -torch.inf
         if s.temperature == 0:
             return int(logits.argmax())
-        logits = logits / s.temperature
-        kept = None if s.warpers else likeliest_kept(logits[0], s.top_k, s.top_p)
-        if kept is not None:
-            return _draw_among(*kept, self.generator)
+        logits = _scaled([self], logits)
+        if not s.warpers:
+            kept = likeliest_kept(logits[0], s.top_k, s.top_p)
+            if kept is not None:
+                return _draw_among(*kept, self.generator)
+            return _draw(cutoffs.kept_probabilities(logits, s.top_k, s.top_p)[0], self.generator)
         if s.top_k:
-            logits = TopKLogitsWarper(s.top_k)(None, logits)
+            logits = cutoffs.TopK(s.top_k)(None, logits)
         if s.top_p < 1.0:
-            logits = TopPLogitsWarper(s.top_p)(None, logits)
+            logits = cutoffs.TopP(s.top_p)(None, logits)
         for warper in s.warpers:
             logits = warper(seen, logits)
         return _draw(logits.softmax(-1)[0], self.generator)
@@ -202,7 +208,7 @@ class Row:
         if self.settings.logprobs is not None and scores is not None:
             self.scored += scored(scores[None], torch.tensor([token]), self.settings.logprobs)
         if self._follows_text:
-            text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+            text = self._text(tokenizer)
             cut = min((text.find(stop) for stop in self.settings.stop if stop in text), default=-1)
             if cut >= 0:
                 self._finish("stop", text[:cut])
@@ -219,7 +225,13 @@ class Row:
         return self.on_text is not None or bool(self.settings.stop)
 
     def _held(self, tokenizer: Any) -> str:
-        return tokenizer.decode(self.tokens, skip_special_tokens=True)[len(self.text):]
+        return self._text(tokenizer)[len(self.text):]
+
+    def _text(self, tokenizer: Any) -> str:
+        """The text of the tokens made (detokenizer.py: the line being written decoded again, not the text)."""
+        if self._detokenizer is None:
+            self._detokenizer = Detokenizer(tokenizer)
+        return self._detokenizer.text(self.tokens)
 
     def _hand_on(self, text: str) -> None:
         if len(text) > len(self.text) and text.startswith(self.text):
@@ -283,7 +295,8 @@ def _barred(rows: list[Row], logits: torch.Tensor, eos: tuple[int, ...]) -> torc
 
 def _scaled(rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
     """`logits` (a row each of `rows`) divided by each row's temperature, each row's division as alone (x / 1.0 is
-    x: no call where no row scales)."""
+    x: no call where no row scales): the one place a row's logits are divided (top_k.c's draw divides its k + 1
+    largest as this does, each logit alone in float: native_top_k.draws)."""
     temperatures = [row.settings.temperature for row in rows]
     if all(t == 1.0 for t in temperatures):
         return logits
@@ -361,21 +374,11 @@ def _top_k_on_torch(rows: list[Row], logits: torch.Tensor, k: int, eos: tuple[in
 
 def _top_k_by_threshold(rows: list[Row], logits: torch.Tensor, k: int, eos: tuple[int, ...], uniforms: torch.Tensor
                         ) -> list[int | None]:
-    """_top_k_on_torch for a k past the kernel's (native_top_k.KERNEL_MAX_K, up to the vocabulary's size): each row's
-    k-th largest by kthvalue (one pass; a topk of 40,000 sorted them: 3.2 ms, and ours took 250), then the draw over
-    the whole row with what is not kept at -inf, in the order of the ids as _draw_among's; None for a row whose k-th
-    is tied with the next (Row._picked keeps every tied token, as transformers' warper)."""
-    logits = _barred(rows, logits, eos)
-    kth = logits.kthvalue(logits.shape[-1] - k + 1, dim=-1, keepdim=True).values  # the k-th largest
-    kept = logits >= kth
-    untied = [m for m, count in enumerate(kept.sum(-1).tolist()) if count == k]
-    tokens: list[int | None] = [None] * len(rows)
-    if untied:
-        masked = logits[untied].masked_fill(~kept[untied], -torch.inf)
-        found = _drawn(_scaled([rows[m] for m in untied], masked).softmax(-1), uniforms[untied])
-        for m, token in zip(untied, found.tolist()):
-            tokens[m] = token
-    return tokens
+    """_top_k_on_torch for a k past the kernel's (native_top_k.KERNEL_MAX_K, up to the vocabulary's size): the draw
+    over the whole row divided by its temperature, what TopK removes at zero (cutoffs.kept_probabilities: the k-th
+    largest by a cut, where torch's topk of 40,000 sorted the row, 3.2 ms), in the order of the ids as
+    _draw_among's; a tie with the k-th, the division's too, keeps every tied token, as transformers' warper."""
+    return _drawn(cutoffs.kept_probabilities(_scaled(rows, _barred(rows, logits, eos)), k, 1.0), uniforms).tolist()
 
 
 def likeliest_kept(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -384,6 +387,8 @@ def likeliest_kept(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torc
     where a tie with the k-th logit keeps more than top_k tokens, or where top_p needs more than the candidates
     (the whole vocabulary is filtered then)."""
     size = logits.shape[-1]
+    if top_k > native_top_k.KERNEL_MAX_K:
+        return None  # (the cut over the whole row is the quicker: cutoffs.TopK)
     if top_k and top_k < size:
         values, ids = (t[0] for t in native_top_k.largest(logits[None], top_k + 1))
         if values[top_k] == values[top_k - 1]:
@@ -393,13 +398,9 @@ def likeliest_kept(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torc
             return values, ids
         held = values.softmax(0).double().cumsum(0)  # the probability of what top_k keeps, likeliest first
     elif top_p < 1.0:
-        everything = logits.softmax(0)
-        for wanted in CANDIDATES:
-            values, ids = logits.topk(min(wanted, size))
-            held = everything[ids].double().cumsum(0)
-            if float(held[-1]) >= top_p:
-                break
-        else:
+        values, ids = (t[0] for t in native_top_k.largest(logits[None], min(CANDIDATES, size)))
+        held = logits.softmax(0)[ids].double().cumsum(0)
+        if float(held[-1]) < top_p:
             return None
     else:
         return None

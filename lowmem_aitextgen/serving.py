@@ -99,7 +99,7 @@ class ServeSettings:
     def take_threads(self) -> None:
         """--threads for this process's torch. Replicas sharing cores each with one thread a core made the
         threads of one wait on those of another: six requests took 8 s, and at times past --timeout, where a
-        thread each took 2.5 s (RESULTS.md, "Replicas on one machine")."""
+        thread each took 2.5 s (benchmarks/HISTORY.md, "Replicas on one machine")."""
         if self.threads is not None:
             import torch
 
@@ -170,21 +170,28 @@ def make_app(server: Server) -> Any:
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        yield
+        server.batcher.stop()  # the decoding loop (serve: the main thread's) ends
+
+    routes = _routes(server)
+    paths = tuple(route.path for route in routes)
+    middleware = [Middleware(Observed, metrics=server.metrics, routes=frozenset(paths))]
+    if server.settings.cors is not None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.origins(),
+                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=_error_handlers(paths))
+
+
+def _routes(server: Server) -> list[Any]:
+    """The app's routes: the page, /health, /metrics, /v1/models, /v1/completions, and the chat API's refusal."""
     from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
-
-    async def api_error(request: Any, error: ApiError) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-    async def http_error(request: Any, error: HTTPException) -> JSONResponse:
-        what = {404: f"No route {request.url.path}; the routes are {', '.join(paths)}.",
-                405: f"{request.method} is not taken by {request.url.path}; see docs/serve.md for its methods."}
-        message = what.get(error.status_code, str(error.detail))
-        return JSONResponse(ApiError(error.status_code, message).body(), status_code=error.status_code,
-                            headers=error.headers)
 
     async def page(request: Any) -> HTMLResponse:
         return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"))
@@ -212,23 +219,29 @@ def make_app(server: Server) -> Any:
         raise ApiError(400, "The chat API (/v1/chat/completions) is not served: a fine-tuned GPT-2 has no chat "
                             "template. Send the text as prompt to /v1/completions.", code="unsupported_endpoint")
 
-    @asynccontextmanager
-    async def lifespan(app: Any) -> Any:
-        yield
-        server.batcher.stop()  # the decoding loop (serve: the main thread's) ends
+    return [Route("/", page), Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+            Route("/v1/completions", complete, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["GET", "POST"])]
 
-    routes = [Route("/", page), Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
-              Route("/v1/completions", complete, methods=["POST"]),
-              Route("/v1/chat/completions", chat, methods=["GET", "POST"])]
-    paths = tuple(route.path for route in routes)
-    middleware = [Middleware(Observed, metrics=server.metrics, routes=frozenset(paths))]
-    if server.settings.cors is not None:
-        from starlette.middleware.cors import CORSMiddleware
 
-        middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.origins(),
-                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={ApiError: api_error, HTTPException: http_error})
+def _error_handlers(paths: tuple[str, ...]) -> dict[Any, Any]:
+    """Every error in OpenAI's shape: ours (ApiError, a 429 with Retry-After) and Starlette's (an unknown route or
+    method, naming the routes `paths`)."""
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+
+    async def api_error(request: Any, error: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def http_error(request: Any, error: HTTPException) -> JSONResponse:
+        what = {404: f"No route {request.url.path}; the routes are {', '.join(paths)}.",
+                405: f"{request.method} is not taken by {request.url.path}; see docs/serve.md for its methods."}
+        message = what.get(error.status_code, str(error.detail))
+        return JSONResponse(ApiError(error.status_code, message).body(), status_code=error.status_code,
+                            headers=error.headers)
+
+    return {ApiError: api_error, HTTPException: http_error}
 
 
 def _check_key(server: Server, request: Any) -> None:

@@ -3,9 +3,9 @@ GPT-Neo computed straight over the engine's cache, in place of transformers' for
 
 At batch 1 a 355M step's matrix products take about half of the step; most of the rest was transformers'
 forward around them: per layer, its mask building, module calls, cache bookkeeping and an eight-operation
-GELU (RESULTS.md, "Decoding speed").  Here a step is the few operations GPT-2 is made of, each layer's modules
+GELU (HISTORY.md, "Decoding speed").  Here a step is the few operations GPT-2 is made of, each layer's modules
 read once.  It runs only for a decoding view (an int8 or 16-bit copy decoding.py made, whose scores are
-already within decoding.SCORE_ERROR of the model's, not token for token): decoding="exact" and a model decoded
+already within its form's score_error of the model's, not token for token): decoding="exact" and a model decoded
 as held keep transformers' forward, token for token its generate().  A view's prompts are encoded here too
 (causal attention over the prompt; a first token sooner than by the forward, RESULTS.md), so that a text's
 prompt and steps are one arithmetic whichever rows it runs beside; a prompt scored whole (the server's echo)

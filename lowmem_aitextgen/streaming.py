@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .detokenizer import Detokenizer
 from .engine import Engine
 from .sampling import Row
 
@@ -22,20 +23,16 @@ def stream_text(engine: Engine, row: Row, tokenizer: Any, lstrip: bool, skip_spe
     """The pieces of `row`'s text, the prompt first: joined, they are the text generate(return_as_list=True)
     returns for the same seed (each piece is what decoding every token so far adds, held back while it ends
     inside a character)."""
-    # the text of ids[:start], decoded once: it ends a line, where decoding what follows apart gives the same
-    # text (transformers' TextStreamer resets there too), so each token decodes the current line, not the text
-    shown, done, start = "", "", 0
+    shown, detokenizer = "", Detokenizer(tokenizer, skip_special_tokens)
     ids = row.prompt.tolist()
     try:
         engine.join([row])
         while True:
-            text = done + tokenizer.decode(ids[start:], skip_special_tokens=skip_special_tokens)
+            text = detokenizer.text(ids)
             text = text.lstrip() if lstrip else text
             if not text.endswith("\ufffd") and len(text) > len(shown):
                 yield text[len(shown):]
                 shown = text
-                if shown.endswith("\n"):
-                    done, start = shown, len(ids)
             if not engine.rows:
                 break
             engine.step()

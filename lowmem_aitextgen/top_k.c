@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "lowmem_kernels.h"
+
 typedef struct {
     float value;
     int32_t id;
@@ -200,6 +202,146 @@ int lowmem_top_k_draw(const float *x, long stride, int rows, int n, int k, const
         free(kept);
         free(values);
         free(ids);
+    }
+    return failed;
+}
+
+/* The cut by mass (native_top_k.mass_cuts; cutoffs.py: top_p, typical_p, and a top_k past KERNEL_MAX_K): of a row's
+ * n items ordered by `key` ascending (or descending), the first place where the cumulative `weight` (summed in
+ * double; NULL: 1 an item) reaches `mass`, as transformers' warpers find it by sorting the row.  The keys fall into
+ * CUT_BUCKETS buckets by a linear map between the least and largest finite key (rounding is monotone: a larger key
+ * never falls in an earlier bucket; -inf and +inf have a bucket each, first and last), a bucket's count and weight
+ * are summed in one pass, and only the bucket where the mass is reached is sorted: two reads of the row and a sort
+ * of a few hundred, where transformers sorts 50,257. */
+#define CUT_BUCKETS 2048
+
+typedef struct {
+    float key, weight;
+} weighted;
+
+static int by_key(const void *a, const void *b) {
+    float x = ((const weighted *)a)->key, y = ((const weighted *)b)->key;
+    return (x > y) - (x < y);
+}
+
+/* buckets[i] = the bucket of sign x key[i] (row_mass_cut), 8 keys at a time; *least and *most: the least and
+ * largest finite of them (+inf and -inf where none).  -1 where a key is NaN. */
+__attribute__((target("avx2"))) static int bucket_keys(const float *key, float sign, int n, int *buckets,
+                                                       float *least, float *most) {
+    const __m256 infinity = _mm256_set1_ps(INFINITY), minus = _mm256_set1_ps(-INFINITY);
+    const __m256 by_sign = _mm256_set1_ps(sign);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 low = infinity, high = minus, nan = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(key + i), by_sign);
+        __m256 finite = _mm256_cmp_ps(_mm256_and_ps(v, magnitude), infinity, _CMP_LT_OQ);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        low = _mm256_min_ps(low, _mm256_blendv_ps(infinity, v, finite));
+        high = _mm256_max_ps(high, _mm256_blendv_ps(minus, v, finite));
+    }
+    if (_mm256_movemask_ps(nan)) return -1;
+    float l[8], h[8];
+    _mm256_storeu_ps(l, low);
+    _mm256_storeu_ps(h, high);
+    float lo = INFINITY, hi = -INFINITY;
+    for (int j = 0; j < 8; j++) lo = l[j] < lo ? l[j] : lo, hi = h[j] > hi ? h[j] : hi;
+    for (int j = i; j < n; j++) {
+        float v = sign * key[j];
+        if (v != v) return -1;
+        if (isfinite(v)) lo = v < lo ? v : lo, hi = v > hi ? v : hi;
+    }
+    const float scale = hi > lo && isfinite(hi - lo) ? (CUT_BUCKETS - 1) / (hi - lo) : 0.0f;
+    const __m256 from = _mm256_set1_ps(lo), by = _mm256_set1_ps(scale);
+    const __m256i one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(CUT_BUCKETS);
+    const __m256i last = _mm256_set1_epi32(CUT_BUCKETS + 1), zero = _mm256_setzero_si256();
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(key + i), by_sign);
+        __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_sub_ps(v, from), by));
+        b = _mm256_min_epi32(_mm256_add_epi32(b, one), top); /* (a finite key: 1 to CUT_BUCKETS) */
+        b = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(zero),
+                                                 _mm256_cmp_ps(v, minus, _CMP_EQ_OQ)));
+        b = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(last),
+                                                 _mm256_cmp_ps(v, infinity, _CMP_EQ_OQ)));
+        _mm256_storeu_si256((__m256i *)(buckets + i), b);
+    }
+    for (; i < n; i++) {
+        float v = sign * key[i];
+        int b = (int)((v - lo) * scale);
+        buckets[i] = v == -INFINITY ? 0
+                     : v == INFINITY ? CUT_BUCKETS + 1 : 1 + (b < CUT_BUCKETS - 1 ? b : CUT_BUCKETS - 1);
+    }
+    *least = lo, *most = hi;
+    return 0;
+}
+
+/* row_mass_cut's answer, the keys in ascending order of sign x key (sign -1: descending): *cut the key where the
+ * mass is reached (the last in the order where it never is), *after the key next in the order (past the last: +inf
+ * ascending, -inf descending).  `counts` and `sums` hold CUT_BUCKETS + 2 each, `buckets` and `gathered` n each. */
+static int row_mass_cut(const float *key, float sign, const float *weight, int n, double mass, int *counts,
+                        double *sums, int *buckets, weighted *gathered, float *cut, float *after) {
+    float least, most;
+    if (bucket_keys(key, sign, n, buckets, &least, &most) != 0) return -1;
+    for (int b = 0; b < CUT_BUCKETS + 2; b++) counts[b] = 0, sums[b] = 0.0;
+    for (int i = 0; i < n; i++) counts[buckets[i]]++;
+    if (weight)
+        for (int i = 0; i < n; i++) sums[buckets[i]] += weight[i];
+    else
+        for (int b = 0; b < CUT_BUCKETS + 2; b++) sums[b] = counts[b];
+    double total = 0.0;
+    int b = 0;
+    for (; b < CUT_BUCKETS + 2; b++) {
+        if (counts[b] && total + sums[b] >= mass) break;
+        total += sums[b];
+    }
+    if (b == CUT_BUCKETS + 2) { /* never reached: everything kept */
+        *cut = sign * (counts[CUT_BUCKETS + 1] ? INFINITY : most); /* (-inf: no finite key) */
+        *after = sign * INFINITY;
+        return 0;
+    }
+    int next = b + 1, m = 0;
+    while (next < CUT_BUCKETS + 2 && !counts[next]) next++;
+    float next_least = INFINITY;
+    for (int i = 0; i < n; i++) {
+        if (buckets[i] == b) gathered[m++] = (weighted){sign * key[i], weight ? weight[i] : 1.0f};
+        else if (buckets[i] == next && sign * key[i] < next_least) next_least = sign * key[i];
+    }
+    qsort(gathered, m, sizeof(weighted), by_key);
+    int j = 0;
+    for (; j < m - 1; j++) /* (the bucket's last where rounding leaves its sum short: the mass is reached there) */
+        if ((total += gathered[j].weight) >= mass) break;
+    *cut = sign * gathered[j].key;
+    *after = sign * (j + 1 < m ? gathered[j + 1].key : next_least);
+    return 0;
+}
+
+/* cuts[r], afters[r] = row_mass_cut of row r of key (and of weight, NULL: 1 an item; rows `stride` floats apart) at
+ * masses[r], its keys in descending order where `descending`.  Returns 0; -1 where a key is NaN; -2 where scratch
+ * memory cannot be had. */
+int lowmem_mass_cut(const float *key, int descending, const float *weight, long stride, int rows, int n,
+                    const double *masses, float *cuts, float *afters, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (rows > 1)
+    {
+        int *counts = malloc(sizeof(int) * (CUT_BUCKETS + 2)), *buckets = malloc(sizeof(int) * (size_t)n);
+        double *sums = malloc(sizeof(double) * (CUT_BUCKETS + 2));
+        weighted *gathered = malloc(sizeof(weighted) * (size_t)n);
+        if (!counts || !buckets || !sums || !gathered) {
+#pragma omp atomic write
+            failed = -2;
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++)
+            if (counts && buckets && sums && gathered &&
+                row_mass_cut(key + r * stride, descending ? -1.0f : 1.0f, weight ? weight + r * stride : NULL, n,
+                             masses[r], counts, sums, buckets, gathered, cuts + r, afters + r) != 0) {
+#pragma omp atomic write
+                failed = -1;
+            }
+        free(counts);
+        free(buckets);
+        free(sums);
+        free(gathered);
     }
     return failed;
 }

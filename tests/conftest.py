@@ -209,15 +209,3 @@ def fake_hub_cache(cache_dir, repo_id, model, tokenizer=None):
         f.write(commit)
 
 
-def compiled_step_measured_here(monkeypatch) -> None:
-    """compiled_step's gain taken as measured on this CPU's kind of inductor code, so that it compiles here (by
-    default only where it is measured: compiled_step.MEASURED_ISAS), its views' products on fbgemm's kernel (the
-    only one compiled: where ours is built, never), in an environment that sets CI as CI services do (inductor's
-    lowering then raises where an op it is given undecomposed has no lowering registered yet)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    from lowmem_aitextgen import compiled_step, int8_kernels
-
-    monkeypatch.setattr(compiled_step, "MEASURED_ISAS", (type(pick_vec_isa()).__name__,))
-    monkeypatch.setattr(int8_kernels, "product_kernel", int8_kernels.torch_kernel)
-    monkeypatch.setenv("CI", "true")

@@ -5,7 +5,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import math
 import subprocess
 import sys
 import threading
@@ -14,18 +13,18 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from conftest import compiled_step_measured_here, realistic, tiny_gpt2_config
+from conftest import realistic, tiny_gpt2_config
 from lowmem_aitextgen import (
     aitextgen,
-    compiled_step,
     decoding,
+    forms,
     hardware,
     int8_kernels,
     native,
     native_attention,
     native_bf16,
     packed16,
-    stepping,
+    views,
 )
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
@@ -116,13 +115,16 @@ def test_the_packed_bf16_kernels_a_cpus_bf16_view_calls_are_in_this_torch():
 
 
 def _projections(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for block in model.transformer.h for m in block.modules() if decoding._is_projection(m)
+    return [m for block in model.transformer.h for m in block.modules() if views._is_projection(m)
             or isinstance(m, packed16.PackedLinear)]
 
 
-def test_a_cpus_bf16_view_computes_each_projection_packed_as_the_module_did(ai):
-    """On a CPU with native bf16, packed; elsewhere (AVX2: the bf16 form is not planned there) the view keeps its
-    modules."""
+@pytest.mark.parametrize("kernel", ["ours", "oneDNN's"])
+def test_a_cpus_bf16_view_computes_each_projection_packed_as_the_module_did(ai, kernel, monkeypatch):
+    """On a CPU with native bf16, packed for our kernel, or for oneDNN's where ours is not (no gcc); elsewhere
+    (AVX2: the bf16 form is not planned there) the view keeps its modules."""
+    if kernel == "oneDNN's":
+        monkeypatch.setattr(native_bf16, "available", lambda: False)  # as a machine without gcc
     before = weights_hash(ai.model)
     calls = []  # a hook on the model's projection runs in its view too
     ai.model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda module, args, out: calls.append(module))
@@ -188,7 +190,7 @@ def test_without_torch_aos_int8_ops_int8_decodes_on_onednns_the_same_texts(ai, f
     assert hardware.cpu().int8_kernels and plan.form == "int8" and "oneDNN's" in plan.describe()
     for tokenwise in (True, False):
         view = decoding.decoding_model(ai.model, "int8", tokenwise).model
-        linears = [m for m in view.modules() if isinstance(m, decoding.TokenwiseInt8Linear)]
+        linears = [m for m in view.modules() if isinstance(m, int8_kernels.TokenwiseInt8Linear)]
         assert len(linears) == 4 * view.config.n_layer + 1  # every projection and the LM head
         assert all(isinstance(m.product, int8_kernels.OneDNNProduct) for m in linears)
     fresh = aitextgen(model_folder=folder, tokenizer_file=tokenizer_file)  # its views made on oneDNN's kernel
@@ -208,11 +210,12 @@ def test_without_both_int8_kernels_generate_decodes_in_another_form_and_names_th
 
 def test_a_form_that_missed_the_quality_bound_is_not_chosen(ai, caplog):
     """The refusal path: int8 measured 2% above fp32 is passed over for the next form, and said."""
-    measured = {**decoding.MEASURED_QUALITY, "int8": 0.02}
+    measured = {**forms.FORM_RECORDS, "int8": dataclasses.replace(forms.FORM_RECORDS["int8"], quality=0.02,
+                                                                  tokenwise_quality=0.02)}
     with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
-        assert decoding.plan_decoding(ai.model, quality=measured).form == "bf16"
+        assert decoding.plan_decoding(ai.model, forms=measured).form == "bf16"
     with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"])):
-        assert decoding.plan_decoding(ai.model, quality=measured).form == "fp32"
+        assert decoding.plan_decoding(ai.model, forms=measured).form == "fp32"
     assert "Not decoding in int8: its held-out loss measured 2.0% above fp32's" in caplog.text
 
 
@@ -221,7 +224,7 @@ def test_on_gpus_the_plan_decodes_in_their_native_16_bits(ai):
     for name, form in (("12 GiB", "bf16"), ("T4", "fp16")):
         card = hardware.CARDS[name]
         with hardware.presenting(hardware.Hardware(hardware.CPUS["no native bf16"], card)):
-            form_chosen, _ = decoding.decide_form(ai.model, "gpu", False, decoding.MEASURED_QUALITY)
+            form_chosen, _ = decoding.decide_form(ai.model, "gpu", False)
             assert form_chosen == form, name
             with pytest.raises(ValueError, match="decoding='int8': int8 decoding runs on the CPU"):
                 decoding.check_runs_here("int8", "gpu", ai.model)
@@ -376,7 +379,7 @@ def topic_bytes() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def study():
     """A small GPT-2 trained on Python's documentation topics (bytes), its held-out blocks, and the same model
-    carrying GPT-2's activation outliers (decoding.carry_outliers)."""
+    carrying GPT-2's activation outliers (views.carry_outliers)."""
     data = topic_bytes()
     blocks = data[: len(data) // 64 * 64].view(-1, 64)
     held_out, train = blocks[:24], blocks[24:]
@@ -389,7 +392,7 @@ def study():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     model.eval()
-    return model, decoding.carry_outliers(copy.deepcopy(model), [3, 17, 60, 101], 40.0), held_out
+    return model, views.carry_outliers(copy.deepcopy(model), [3, 17, 60, 101], 40.0), held_out
 
 
 def test_the_outlier_model_computes_what_the_trained_one_does_in_fp32(study):
@@ -403,15 +406,16 @@ def test_int8_without_the_smoothing_misses_the_bound_where_outliers_are_large_an
     """Per-tensor activation scales on a model whose outlier channels are 100x: more than 1% worse than fp32
     (why decoding.py smooths), and a form measured so is not chosen."""
     trained, _, held_out = study
-    large = decoding.carry_outliers(copy.deepcopy(trained), [3, 17, 60, 101], 100.0)
+    large = views.carry_outliers(copy.deepcopy(trained), [3, 17, 60, 101], 100.0)
     exact = held_out_loss(trained, held_out)
     smoothed = held_out_loss(decoding.decoding_model(large, "int8").model, held_out)
-    monkeypatch.setattr(decoding, "smooth", lambda norm, linear: (norm, linear))
+    monkeypatch.setattr(views, "smooth", lambda norm, linear: (norm, linear))
     unsmoothed = held_out_loss(decoding.decoding_model(large, "int8").model, held_out)
     assert smoothed <= exact * (1 + decoding.QUALITY_BOUND) < unsmoothed
     with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
-        missed = {**decoding.MEASURED_QUALITY, "int8": unsmoothed / exact - 1}
-        assert decoding.plan_decoding(ai.model, quality=missed).form == "bf16"
+        missed = {**forms.FORM_RECORDS, "int8": dataclasses.replace(forms.FORM_RECORDS["int8"],
+                                                                    quality=unsmoothed / exact - 1)}
+        assert decoding.plan_decoding(ai.model, forms=missed).form == "bf16"
 
 
 @pytest.mark.parametrize("form, tokenwise", [("int8", False), ("int8", True), ("bf16", False)])
@@ -421,7 +425,7 @@ def test_each_default_form_is_within_the_quality_bound_on_both_models(form, toke
     for model in (trained, outliers):
         loss = held_out_loss(decoding.decoding_model(model, form, tokenwise).model, held_out)
         assert loss <= exact * (1 + decoding.QUALITY_BOUND), (form, loss, exact)
-        assert decoding.MEASURED_QUALITY[decoding.view_name(form, tokenwise)] <= decoding.QUALITY_BOUND
+        assert forms.FORM_RECORDS[form].measured(tokenwise) <= decoding.QUALITY_BOUND
 
 
 def test_a_model_not_read_yet_decodes_in_int8_read_straight_from_its_folder(folder, tokenizer_file):
@@ -474,8 +478,8 @@ def test_a_small_cpu_reads_1558m_straight_into_int8_and_a_large_one_may_decode_a
         plan = decoding.plan_decoding(model, length=256, read=False)
         assert (plan.form, plan.view_after) == ("int8", 0)  # fp32's 6.2 GB does not fit: no waiting
     with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
-        assert decoding.plan_decoding(model, length=256, read=False).view_after == decoding.VIEW_PAYS_AFTER[
-            "cpu"]["int8"]
+        assert decoding.plan_decoding(model, length=256, read=False).view_after == forms.FORM_RECORDS[
+            "int8"].pays_after["cpu"]
 
 
 def test_texts_are_decoded_as_many_at_once_as_the_memory_holds(ai, tmp_path):
@@ -514,7 +518,7 @@ def test_a_first_call_nobody_can_repeat_decodes_as_held_until_the_view_pays(ai, 
 def test_the_tokenwise_int8_view_gives_a_text_the_same_logits_in_any_batch(ai):
     """The server's form: each token's activations quantized alone, so a row's logits in a batch are bit for bit
     its logits alone; torch's dynamic quantization (the batch's range), the unseeded view's on fbgemm's kernel, is
-    not (on ours every view quantizes each token alone: decoding.int8_linear)."""
+    not (on ours every view quantizes each token alone: views.int8_linear)."""
     torch.manual_seed(0)
     ids = torch.randint(0, ai.model.config.vocab_size, (4, 12))
     ids[3] = ids[3] % 7  # a row unlike the others
@@ -601,59 +605,3 @@ def test_a_model_held_in_16_bits_decodes_in_int8_on_each_cpu_kind_and_never_by_e
         assert plan.form == "fp32" and plan.view_after == 0 and "emulation" in plan.because
     view = decoding.decoding_model(held, "int8").model
     assert next(view.parameters()).dtype == torch.float32 and next(held.parameters()).dtype == dtype  # untouched
-
-
-def test_a_calls_steps_are_compiled_only_where_they_pay_in_int8_on_the_cpu_and_the_compile_fits(ai, monkeypatch):
-    """decoding.compiled_rows: a call's texts at its number of rows at once, compiled where they run
-    compiled_step.PAYS_AFTER steps (more of one or two rows), the plan is int8 on the CPU on fbgemm's products
-    (never on ours: its eager step is quicker), and the compile's peak fits beside the texts
-    (DecodingMemory.rows_beside_graph, from the memory presented)."""
-    plan = dataclasses.replace(decoding.plan_decoding(ai.model), graph_rows=None)
-    few, many = compiled_step.PAYS_AFTER["one or two rows"], compiled_step.PAYS_AFTER["more"]
-    monkeypatch.setattr(int8_kernels, "product_kernel", lambda: int8_kernels.NativeProduct)
-    assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100), 8, 100) == 0
-    view = decoding.decoding_model(ai.model, "int8", True)
-    assert "on our own kernel" in compiled_step.not_compilable(stepping.stepper(view.model))
-    monkeypatch.setattr(int8_kernels, "product_kernel", int8_kernels.torch_kernel)  # fbgemm's, here
-    assert decoding.compiled_rows(plan, 8, 8, 100) == 0  # one batch of short texts
-    assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100), 8, 100) == 8
-    assert decoding.compiled_rows(plan, 8 * math.ceil(many / 100) - 8, 8, 100) == 0
-    assert decoding.compiled_rows(plan, 3, 8, 100) == 0 and decoding.compiled_rows(plan, 1, 1, 1024) == 0
-    assert decoding.compiled_rows(plan, math.ceil(few / 100), 1, 100) == 1  # one at a time, many
-    for other in (dict(form="bf16"), dict(device="gpu"), dict(graph_rows=4)):
-        assert decoding.compiled_rows(dataclasses.replace(plan, **other), 10**4, 8, 100) == 0, other
-    memory = decoding.DecodingMemory(ai.model, "cpu", 64, read=True)
-    weights, row = memory.weights("int8"), memory.per_row("int8")
-
-    def presented(room: int) -> hardware.Hardware:  # a CPU whose room for decoding is `room` bytes
-        def cpu(available: int) -> hardware.CPU:
-            return hardware.CPU(name="CPU", bf16_native=True, available=available, resident=2**29)
-
-        with hardware.presenting(hardware.Hardware(cpu(2**33))):
-            beyond = 2**33 - decoding.DecodingMemory(ai.model, "cpu", 64, read=True).room
-        return hardware.Hardware(cpu(room + beyond))
-
-    for room, rows in ((weights + 3 * row, 0), (int(weights * (1 + compiled_step.PEAK)) + 3 * row + 1, 3)):
-        with hardware.presenting(presented(room)):
-            got = decoding.plan_decoding(ai.model, length=64)
-            assert (got.form, got.graph_rows) == ("int8", rows) and got.max_rows >= 3, room
-
-
-def test_a_file_of_many_texts_is_written_by_the_compiled_step_the_same_as_by_the_eager_one(ai, tmp_path,
-                                                                                         monkeypatch):
-    """generate_to_file and an unseeded generate() where compiling pays (the threshold lowered, so that a few
-    texts do): the step compiled once for the file's batch (fewer rows, as texts end, beside zero rows), the file
-    byte for byte the eager step's; an unseeded call replanned to the seeded view the graph is of."""
-    compiled_step_measured_here(monkeypatch)
-    files, graphs = {}, {}
-    for how, after in (("eager", 10**9), ("compiled", 1)):
-        monkeypatch.setattr(compiled_step, "PAYS_AFTER", {"one or two rows": after, "more": after})
-        files[how] = tmp_path / f"{how}.txt"
-        ai.generate_to_file(n=12, batch_size=4, max_length=40, seed=3, destination_path=str(files[how]))
-        held = [compiled_step._GRAPHS.get(decoder.model) for _, decoder in ai._decoding._views.values()]
-        graphs[how] = [(g[0], g[1] is not None) for g in held if g is not None]
-        ai._decoding.forget()  # the next call's view made anew: no graph held for it
-    assert files["compiled"].read_bytes() == files["eager"].read_bytes()
-    assert graphs == {"eager": [], "compiled": [(4, True)]}
-    texts = ai.generate(n=3, max_length=40, return_as_list=True, nonempty_output=False)
-    assert len(texts) == 3 and ai._decoding.plan.tokenwise

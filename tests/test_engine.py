@@ -3,10 +3,9 @@ PeftModel forward for prompt learning), for every kind of model train() leaves (
 prompt tuning, LoRA on a 4-bit base), GPT-2 and GPT-Neo, held in fp32 or 16 bits, in the object after
 train() and read from its folder, in each decoding form this CPU runs: token for token with
 decoding="exact"; in a fast form, equal wherever the truth's top two scores are further apart than the
-form's measured error (decoding.SCORE_ERROR).  Tiny models trained a few steps, on the CPU."""
+form's measured error (forms.Form.score_error).  Tiny models trained a few steps, on the CPU."""
 
 import copy
-import dataclasses
 import threading
 from unittest import mock
 
@@ -15,10 +14,9 @@ import torch
 from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
-from conftest import compiled_step_measured_here, corpus_text, realistic, tiny_gpt2_config
+from conftest import corpus_text, realistic, tiny_gpt2_config
 from lowmem_aitextgen import (
     aitextgen,
-    compiled_step,
     decoding,
     hardware,
     int8_kernels,
@@ -29,6 +27,7 @@ from lowmem_aitextgen import (
     storage16,
 )
 from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
+from lowmem_aitextgen.forms import FORM_RECORDS
 from lowmem_aitextgen.generation import prompt_ids
 from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct
 from lowmem_aitextgen.sampling import Row, RowSettings
@@ -112,7 +111,8 @@ def test_greedy_tokens_are_the_trained_models_own_forward_in_every_form(trained,
     truth, scores = truth_loop(truth_model, ids, NEW, ai.tokenizer.eos_token_id)
     if kind in ("prefix", "prompt"):  # the virtual tokens steer it: decoding the base alone would fail below
         base_scores = truth_loop(truth_model.get_base_model(), ids, 1, -1)[1][0]
-        assert float((base_scores - scores[0]).abs().max()) > 3 * max(decoding.SCORE_ERROR.values())
+        largest = max(record.score_error for record in FORM_RECORDS.values())
+        assert float((base_scores - scores[0]).abs().max()) > 3 * largest
     for form in forms():
         assert_decodes_the_truth(ai, truth_model, ids, (truth, scores), form, (kind, where))
 
@@ -122,7 +122,7 @@ def assert_decodes_the_truth(ai, truth_model, ids: torch.Tensor, truth_and_score
     """In `form`, the engine's first scores (of both int8 views: seeded calls' and unseeded ones') within the form's
     error of the truth's, and generate()'s greedy text the truth's wherever its top two are further apart."""
     truth, scores = truth_and_scores
-    error = 0.0 if form == "exact" else decoding.SCORE_ERROR[form]
+    error = 0.0 if form == "exact" else FORM_RECORDS[form].score_error
     for tokenwise in (True, False) if form == "int8" else (False,):  # seeded calls' view, and unseeded ones'
         for cpu in hardware.CPUS if form == "int8" else [None]:  # int8's cache in bf16 and in fp32
             view = truth_model if form == "exact" else made_on(cpu, truth_model, form, tokenwise)
@@ -152,7 +152,7 @@ def test_on_each_int8_kernel_greedy_tokens_are_the_trained_models_own_forward(tr
     truth_model = ai.model.eval()
     ids = prompt_ids(truth_model, ai.tokenizer, PROMPT, None)
     view = decoding.decoding_model(truth_model, "int8", True).model
-    products = [m.product for m in view.modules() if isinstance(m, decoding.TokenwiseInt8Linear)]
+    products = [m.product for m in view.modules() if isinstance(m, int8_kernels.TokenwiseInt8Linear)]
     assert products and all(isinstance(p, KERNELS[kernel]) for p in products)
     assert_decodes_the_truth(ai, truth_model, ids, truth_loop(truth_model, ids, NEW, ai.tokenizer.eos_token_id),
                              "int8", (kind, kernel))
@@ -266,7 +266,7 @@ def test_prompt_learning_takes_every_prompt_its_context_allows_in_every_form_and
                for n in (1, 63, 64, 65, context - 8, context - 1)]
     truths = [truth_loop(model, ids, min(6, context - len(ids)), -1) for ids in prompts]
     for form in forms():
-        error = 0.0 if form == "exact" else decoding.SCORE_ERROR[form]
+        error = 0.0 if form == "exact" else FORM_RECORDS[form].score_error
         for cpu in hardware.CPUS if form == "int8" else [None]:
             view = model if form == "exact" else made_on(cpu, model, form)
             alone = [decoded(view, ai, [ids], len(truth))[0] for ids, (truth, _) in zip(prompts, truths)]
@@ -492,7 +492,7 @@ def test_the_stepping_decoder_scores_each_step_as_the_trained_models_own_forward
     engine.close()
     # "x" left after its 4 tokens; "def f" took its slot (admitted rows are there after the next step)
     assert running[:8] == ([2, 2, 2, 3, 2, 2, 3, 3] if how == "join" else [2, 2, 2, 2, 2, 2, 2, 3]), running
-    assert worst <= (1e-4 if cache is None else decoding.SCORE_ERROR["int8"] / 10), worst  # bf16: ~5e-4 here
+    assert worst <= (1e-4 if cache is None else FORM_RECORDS["int8"].score_error / 10), worst  # bf16: ~5e-4 here
 
 
 def test_the_model_as_held_and_a_hooked_view_step_by_transformers_forward(trained):
@@ -599,76 +599,3 @@ def test_a_long_text_is_not_copied_to_a_new_buffer_every_few_steps(tokenizer_fil
     untold = texts()
     assert told == untold
     assert made[0] <= 2 < 300 // kv_cache.ROOM <= made[1]
-
-
-def compiled_and_eager_run(ai, view: Decoder, compiled: int) -> tuple[list[Recorded], Engine]:
-    """Seeded greedy rows of three lengths through an engine decoding `view` with its one-token steps compiled for
-    `compiled` rows (0: eager): one leaving early, one admitted into its slot mid-run."""
-    engine = Engine(dataclasses.replace(view, compiled_rows=compiled), ai.tokenizer, (-1,))
-    cases = [(PROMPT, NEW), ("x", 4), ("import os, sys and then some", NEW), ("def f(", 8)]
-    rows = [Recorded(prompt_ids(ai.model, ai.tokenizer, p, None), RowSettings(max_new=new, temperature=0))
-            for p, new in cases]
-    engine.join(rows[:3])
-    for _ in range(6):
-        engine.step()
-    engine.admit(rows[3:])
-    engine.run()
-    return rows, engine
-
-
-@pytest.mark.parametrize("kind, cpu", [("full", "native bf16"), ("full", "no native bf16"),
-                                       ("prefix", "native bf16"), ("gpt-neo", "no native bf16")])
-def test_a_compiled_step_gives_the_eager_steps_bits_and_the_trained_models_own_tokens(trained, kind, cpu, capfd,
-                                                                                      monkeypatch):
-    """compiled_step.py: a seeded int8 view's one-token steps as one inductor graph give each row's scores bit for
-    bit as the eager stepping decoder does (rows of several lengths, one leaving, one admitted, fewer rows than
-    the graph's), so its greedy tokens are the trained model's own forward's wherever the eager form's are;
-    compiling prints nothing.  On every CPU kind, though it is compiled by default only where its gain is
-    measured (compiled_step.MEASURED_ISAS); its cache in bf16 and in fp32 (as made on each CPU kind)."""
-    ai, _ = trained[kind]
-    compiled_step_measured_here(monkeypatch)
-    truth_model = ai.model.eval()
-    view = made_on(cpu, truth_model)
-    compiled, engine = compiled_and_eager_run(ai, view, 3)
-    assert isinstance(engine.stepper, compiled_step.CompiledStep)
-    assert compiled_step._GRAPHS[view.model][1] is not None  # compiled, checked and kept
-    eager, _ = compiled_and_eager_run(ai, view, 0)
-    for made, expected in zip(compiled, eager):
-        assert len(made.given) == len(expected.given) and made.tokens == expected.tokens
-        assert all(torch.equal(a, b) for a, b in zip(made.given, expected.given)), kind
-    ids = compiled[0].prompt
-    truth, scores = truth_loop(truth_model, ids, NEW, -1)
-    sure = sure_steps(scores, decoding.SCORE_ERROR["int8"])
-    assert compiled[0].tokens[:sure] == truth[:sure] and sure > 0
-    out, err = capfd.readouterr()
-    assert out == err == "", (out, err)
-
-
-def test_a_compiled_step_falls_back_to_the_eager_one_without_a_cpp_compiler_or_where_it_differs(trained,
-                                                                                                monkeypatch, caplog):
-    """Where inductor cannot build its C++ (the compiler hidden) or the graph's logits differ from the eager step's
-    by a bit (here: its body run uncompiled, whose products round in another order), the view decodes by the
-    eager step, its tokens unchanged, said once."""
-    ai, _ = trained["full"]
-    compiled_step_measured_here(monkeypatch)
-    eager_rows, _ = compiled_and_eager_run(ai, decoding.decoding_model(ai.model, "int8", True), 0)
-
-    def uncompiled(step: object, rows: int) -> object:  # the graph's body, run as it is written
-        weights = {id(m): compiled_step.Weights(m) for m in map(stepping.module_of,
-                                                                compiled_step._projections(step))}
-        return lambda x: compiled_step.body(step, weights, x)
-
-    from torch._inductor import config
-
-    hidden = {"C++ compiler": lambda: config.patch({"cpp.cxx": ("/nowhere/c++",)}),  # inductor's own undo
-              "logits": lambda: mock.patch.object(compiled_step, "compiled_graph", uncompiled)}
-    for what, hide in hidden.items():
-        with hide():
-            caplog.clear()
-            view = decoding.decoding_model(ai.model, "int8", True)  # a view of its own: no graph held yet
-            rows, _ = compiled_and_eager_run(ai, view, 3)
-            assert compiled_step._GRAPHS[view.model] == (3, None), what
-            assert [r.tokens for r in rows] == [r.tokens for r in eager_rows], what
-            said = [r.getMessage() for r in caplog.records if "eager step" in r.getMessage()]
-            assert len(said) == 1, (what, said)
-    assert config.cpp.cxx != ("/nowhere/c++",)  # restored: later compiles find the compiler

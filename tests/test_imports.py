@@ -12,16 +12,15 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # Every module's floor, lowest first: a module imports only from its own floor or below (docs/architecture.md
 # lists them).  A new module fails test_every_module_has_a_floor until it is given one.
 FLOORS = {
-    "facts": {"_compat", "hardware", "heap", "adapter_settings", "arguments", "saving",
-              "generate_options"},
+    "facts": {"_compat", "hardware", "heap", "adapter_settings", "arguments", "saving"},
     "data and plan": {"plan", "TokenDataset", "tokenizers", "data"},
     "techniques": {"storage16", "chunked_loss", "optimizers", "four_bit", "lora", "adapters", "in_backward",
                    "checkpointing", "counting", "techniques", "sharding", "callbacks", "cpu", "heap_callbacks", "compiling"},
     "planner": {"step_time", "estimate", "budget", "oom"},
     "generation": {"decoding", "generation", "sampling", "batching", "engine", "kv_cache", "stepping",
                    "streaming", "packed16", "row_attention", "int8_kernels", "native", "native_int8",
-                   "native_attention", "native_block", "native_bf16", "native_top_k", "compiled_step", "huge_pages",
-                   "transformers_decoding"},
+                   "native_attention", "native_block", "native_bf16", "native_top_k", "huge_pages",
+                   "transformers_decoding", "generate_options", "cutoffs", "detokenizer", "forms", "views"},
     "run": {"resume", "report", "outputs", "loading", "lightning_module", "evaluation", "run"},
     "serving": {"completions", "server_metrics", "serving"},
     "faces": {"aitextgen", "cards", "cli", "__init__", "colab", "train", "utils"},
@@ -119,3 +118,13 @@ def test_the_architecture_page_lists_the_floors_as_the_test_holds_them():
     described = {module for line in text.split("| module | holds |", 1)[1].splitlines() if line.startswith("| `")
                  for module in re.findall(r"`(\w+)\.py`", line.split("|")[1])}
     assert described == set(package_imports()), sorted(described ^ set(package_imports()))  # a row for each module
+
+
+def test_the_library_patches_nothing_with_unittest():
+    """A patch of another library's code for the whole process (unittest.mock) belongs in tests, not in the package."""
+    for path in PACKAGE.glob("*.py"):
+        imported = {alias.name for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                    if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module or "" for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                     if isinstance(node, ast.ImportFrom)}
+        assert not any(name.split(".")[0] == "unittest" for name in imported), path.name

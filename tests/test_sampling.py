@@ -225,19 +225,20 @@ def warped(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 @pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (1, 1.0), (40, 0.9), (1000, 0.5), (0, 0.9), (0, 0.5), (0, 0.99)])
 def test_top_k_and_top_p_keep_among_the_likeliest_what_transformers_warpers_keep(top_k, top_p):
     """likeliest_kept against transformers' warpers over GPT-2's whole vocabulary, logits peaked and flatter:
-    the same tokens, but for the one at top_p's edge where the two sums of probabilities round apart."""
-    from lowmem_aitextgen.sampling import likeliest_kept
+    the same tokens, but for the one at top_p's edge where the two sums of probabilities round apart; None only
+    where top_p needs more than the candidates (the row is cut whole then: cutoffs.py)."""
+    from lowmem_aitextgen.sampling import CANDIDATES, likeliest_kept
 
     generator = torch.Generator().manual_seed(top_k)
     for scale in (3.0, 6.0, 12.0):
         logits = torch.randn(50257, generator=generator) * scale
         kept = likeliest_kept(logits, top_k, top_p)
-        assert kept is not None or (not top_k and scale == 3.0)  # flat: top_p needs more than the candidates
+        truth = warped(logits, top_k, top_p)
         if kept is None:
+            assert not top_k and int(torch.isfinite(truth).sum()) > CANDIDATES - 2
             continue
         values, ids = kept
         assert torch.equal(values, logits[ids]) and bool((values[:-1] >= values[1:]).all())
-        truth = warped(logits, top_k, top_p)
         apart = set(ids.tolist()) ^ set(torch.isfinite(truth).nonzero()[:, 0].tolist())
         probabilities = (logits if not top_k else truth).softmax(0).double()
         for token in apart:  # at the edge: the likelier tokens' mass within rounding of top_p
@@ -245,18 +246,20 @@ def test_top_k_and_top_p_keep_among_the_likeliest_what_transformers_warpers_keep
         assert len(apart) <= 1
 
 
-def test_a_draw_among_the_kept_picks_what_the_whole_vocabulary_draw_picks():
-    """The same stream's uniform numbers pick the same tokens among what is kept as over the whole vocabulary with
-    transformers' warpers (the inverse CDF in the order of the ids)."""
-    from lowmem_aitextgen.sampling import _draw, _draw_among, likeliest_kept
+@pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (50, 0.8), (0, 0.5), (0, 0.9), (3000, 1.0), (3000, 0.9)])
+def test_a_rows_draw_picks_what_the_whole_vocabulary_draw_picks(top_k, top_p):
+    """The same stream's uniform numbers pick the same tokens, among the likeliest kept (likeliest_kept) or over the
+    row cut whole (a top_p the candidates do not hold, a top_k past the kernel's: cutoffs.py), as over the whole
+    vocabulary with transformers' warpers (the inverse CDF in the order of the ids)."""
+    from lowmem_aitextgen.sampling import _draw
 
     logits = torch.randn(50257, generator=torch.Generator().manual_seed(5)) * 4  # top_p 0.9: 358 tokens kept
-    for top_k, top_p in [(50, 1.0), (50, 0.8), (0, 0.9)]:
-        ours, theirs = torch.Generator().manual_seed(top_k), torch.Generator().manual_seed(top_k)
-        probabilities = warped(logits, top_k, top_p).softmax(-1)
-        picks = [_draw_among(*likeliest_kept(logits, top_k, top_p), ours) for _ in range(300)]
-        assert picks == [_draw(probabilities, theirs) for _ in range(300)]
-        assert len(set(picks)) > 5
+    row, theirs = Row(torch.tensor([1]), RowSettings(max_new=10**6, top_k=top_k, top_p=top_p, seed=7)), \
+        torch.Generator().manual_seed(7)
+    probabilities = warped(logits, top_k, top_p).softmax(-1)
+    picks = [row.next_token(logits, ()) for _ in range(300)]
+    assert picks == [_draw(probabilities, theirs) for _ in range(300)]
+    assert len(set(picks)) > 5
 
 
 def test_every_token_tied_with_the_k_th_stays_as_transformers_keeps_it():
@@ -268,9 +271,9 @@ def test_every_token_tied_with_the_k_th_stays_as_transformers_keeps_it():
     assert {row.next_token(logits, ()) for _ in range(400)} == set(range(100, 110))
 
 
-@pytest.mark.parametrize("top_k", [2048, 2049, 10_000, 40_000, 50_256])
+@pytest.mark.parametrize("top_k", [1024, 1025, 2049, 10_000, 40_000, 50_256])
 def test_a_top_k_near_the_vocabularys_size_draws_what_transformers_warper_keeps(top_k):
-    """Past our kernel's k (native_top_k.KERNEL_MAX_K) the k-th largest is found by a threshold: the draw is the one
+    """Past our kernel's k (native_top_k.KERNEL_MAX_K: 1,024) the k-th largest is found by a cut: the draw is the one
     over the whole vocabulary with transformers' TopK warper, uniform number by uniform number, alone and beside a
     row of another k; a tie at the k-th keeps every tied token."""
     from lowmem_aitextgen.sampling import _draw, next_tokens

@@ -15,7 +15,8 @@ import pytest
 import torch
 from test_serving import model_folder, start_server, stop_server
 
-from lowmem_aitextgen import aitextgen, decoding
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.forms import FORM_RECORDS
 
 NOT_AT_THE_EDGES = "the server's protocol; the model's scores are test_engine's"
 ORIGIN = "https://example.org"
@@ -47,10 +48,10 @@ def scored_line_by_line(tmp_path_factory, tokenizer_file):
 @pytest.fixture(scope="module")
 def truth(scored, tokenizer_file):
     """The saved model as read from its folder (fp32, its own forward), its tokenizer, and the bound of the
-    form the server decodes in (decoding.SCORE_ERROR: logits; a log-probability moves at most twice that)."""
+    form the server decodes in (forms.Form.score_error: logits; a log-probability moves at most twice that)."""
     ai = aitextgen(model_folder=scored.folder, tokenizer_file=tokenizer_file)
     form = ai.serving_model()[1].form
-    return ai, 2 * decoding.SCORE_ERROR[form] + 1e-4
+    return ai, 2 * FORM_RECORDS[form].score_error + 1e-4
 
 
 def teacher_forced(ai, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
