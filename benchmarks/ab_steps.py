@@ -41,8 +41,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_speed import build_model, dataset, reset_peak_rss, vm_hwm_bytes  # noqa: E402
 
-from lowmem_aitextgen import cpu, heap  # noqa: E402
-from lowmem_aitextgen.checkpointing import transformer_blocks  # noqa: E402
+from lowmem_aitextgen import heap
+from lowmem_aitextgen.training import cpu
+from lowmem_aitextgen.training.checkpointing import transformer_blocks  # noqa: E402
 
 EAGER_IN_AUTOCAST = "ab_eager_in_autocast"
 
@@ -111,7 +112,7 @@ def saved_matmuls_variants(model: nn.Module, args: argparse.Namespace) -> dict:
 
 
 def frozen_head_loss_variants(model: nn.Module, args: argparse.Namespace) -> dict:
-    from lowmem_aitextgen.chunked_loss import body_and_head
+    from lowmem_aitextgen.training.chunked_loss import body_and_head
 
     head = body_and_head(model)[1]
     hooks = []

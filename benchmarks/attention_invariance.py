@@ -63,8 +63,8 @@ def four_queries_same(places: int) -> bool:
 
 def row_attention_same(places: int) -> bool:
     """Row 0 of 5 rows of `places` places through row_attention.each_row_alone, together and alone."""
-    from lowmem_aitextgen import kv_cache
-    from lowmem_aitextgen.row_attention import RowOwn, each_row_alone
+    from lowmem_aitextgen.generation import kv_cache
+    from lowmem_aitextgen.generation.row_attention import RowOwn, each_row_alone
 
     query, (keys, values) = torch.randn(5, HEADS, 1, SIZE), torch.randn(2, 5, HEADS, places, SIZE)
     slots, own = kv_cache.Slots(keys, values), RowOwn(1, places, None, None, None)

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, engine, hardware, stepping  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.generation import engine, stepping
 
 PROMPT = "The meaning of a word is what it names"
 

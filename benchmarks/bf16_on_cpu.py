@@ -38,7 +38,13 @@ def step_seconds(bf16: bool) -> float:
 
 def probe_seconds(size: str, precision: str) -> float:
     """The estimator's probes for one plan of a GPT-2 size (every block checkpointed and not)."""
-    from lowmem_aitextgen.estimate import _per_block_and_rest, config_jsons, memory_plan, model_config, probe_plan
+    from lowmem_aitextgen.training.estimate import (
+        _per_block_and_rest,
+        config_jsons,
+        memory_plan,
+        model_config,
+        probe_plan,
+    )
 
     config = model_config(size)
     start = time.perf_counter()

@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware, views  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.generation import views
 
 
 def compiled_linear(linear: nn.Linear, tokenwise: bool) -> nn.Module:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from lowmem_aitextgen import four_bit, storage16
+from lowmem_aitextgen.training import four_bit, storage16
 
 SHAPES = {"355M": [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)],
           "1558M": [(1600, 4800), (1600, 1600), (1600, 6400), (6400, 1600)]}

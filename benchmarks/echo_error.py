@@ -26,9 +26,9 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 
 from conftest import corpus_text, realistic, tiny_gpt2_config  # noqa: E402
 from lowmem_aitextgen import aitextgen, hardware  # noqa: E402
-from lowmem_aitextgen.engine import Engine  # noqa: E402
-from lowmem_aitextgen.forms import FORM_RECORDS  # noqa: E402
-from lowmem_aitextgen.sampling import Row, RowSettings  # noqa: E402
+from lowmem_aitextgen.generation.engine import Engine  # noqa: E402
+from lowmem_aitextgen.generation.forms import FORM_RECORDS  # noqa: E402
+from lowmem_aitextgen.generation.sampling import Row, RowSettings  # noqa: E402
 from lowmem_aitextgen.tokenizers import train_tokenizer  # noqa: E402
 
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowmem_aitextgen.adapter_settings import AdapterSettings
-from lowmem_aitextgen.counting import unique_tensor_bytes
-from lowmem_aitextgen.estimate import GPT2_SIZES
-from lowmem_aitextgen.plan import TrainPlan
-from lowmem_aitextgen.techniques import apply_memory_plan
+from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+from lowmem_aitextgen.training.counting import unique_tensor_bytes
+from lowmem_aitextgen.training.estimate import GPT2_SIZES
+from lowmem_aitextgen.training.plan import TrainPlan
+from lowmem_aitextgen.training.techniques import apply_memory_plan
 
 
 def prepared(config: GPT2Config, four_bit: bool) -> torch.nn.Module:

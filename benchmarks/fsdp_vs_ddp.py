@@ -51,8 +51,8 @@ def prepare(folder: str, size: str) -> tuple[str, str]:
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from lowmem_aitextgen.estimate import GPT2_SIZES
     from lowmem_aitextgen.tokenizers import train_tokenizer
+    from lowmem_aitextgen.training.estimate import GPT2_SIZES
 
     data = os.path.join(folder, "data.txt")
     with open(data, "w", encoding="utf-8") as f:

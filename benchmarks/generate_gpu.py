@@ -64,8 +64,8 @@ def check_stepper(device: str) -> None:
 
     from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
-    from lowmem_aitextgen.engine import Decoder, Engine
-    from lowmem_aitextgen.sampling import Row, RowSettings
+    from lowmem_aitextgen.generation.engine import Decoder, Engine
+    from lowmem_aitextgen.generation.sampling import Row, RowSettings
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -21,7 +21,7 @@ from unittest import mock
 
 from quality_tiers import corpora, held_out_loss, pretrained
 
-from lowmem_aitextgen import decoding, views
+from lowmem_aitextgen.generation import decoding, views
 
 CHANNELS = [3, 17, 60, 101]  # of 128
 

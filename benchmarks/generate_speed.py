@@ -36,7 +36,8 @@ import time
 import torch
 from transformers import GPT2Config
 
-from lowmem_aitextgen import aitextgen, hardware, native
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.native import native
 
 SIZES = {"124M": dict(n_layer=12, n_embd=768, n_head=12), "355M": dict(n_layer=24, n_embd=1024, n_head=16),
          "1558M": dict(n_layer=48, n_embd=1600, n_head=25)}

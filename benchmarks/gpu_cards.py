@@ -61,7 +61,7 @@ def row(name: str) -> dict:
     from transformers import GPT2Config
 
     from lowmem_aitextgen import aitextgen
-    from lowmem_aitextgen.estimate import GPT2_SIZES, estimate_plan
+    from lowmem_aitextgen.training.estimate import GPT2_SIZES, estimate_plan
 
     size, lora, strategy, accumulation = ROWS[name]
     marks: dict = {"lowest_free": None, "times": []}

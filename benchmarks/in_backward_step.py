@@ -33,9 +33,10 @@ def resident_bytes() -> int:
 def measure(row: str, device: str) -> dict:
     import torch
 
-    from lowmem_aitextgen import heap, in_backward
-    from lowmem_aitextgen.in_backward import StepInBackward
-    from lowmem_aitextgen.optimizers import optimizer_over
+    from lowmem_aitextgen import heap
+    from lowmem_aitextgen.training import in_backward
+    from lowmem_aitextgen.training.in_backward import StepInBackward
+    from lowmem_aitextgen.training.optimizers import optimizer_over
 
     if row == "adafactor_whole":
         in_backward.SLICE_VALUES = SHAPE[0] * SHAPE[1]  # no matrix is stepped in slices

@@ -50,8 +50,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lowmem_aitextgen import hardware, int8_kernels, native, native_int8  # noqa: E402
-from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear  # noqa: E402
+from lowmem_aitextgen import hardware
+from lowmem_aitextgen.generation import int8_kernels
+from lowmem_aitextgen.generation.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear  # noqa: E402
+from lowmem_aitextgen.native import native, native_int8
 
 LAYERS, WIDTH, INNER = 24, 1024, 4096
 

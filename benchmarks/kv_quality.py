@@ -32,8 +32,8 @@ from generate_quality import CHANNELS  # noqa: E402
 from quality_tiers import corpora, held_out_loss, pretrained  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from lowmem_aitextgen import decoding, stepping, views  # noqa: E402
-from lowmem_aitextgen.kv_cache import new_cache  # noqa: E402
+from lowmem_aitextgen.generation import decoding, stepping, views  # noqa: E402
+from lowmem_aitextgen.generation.kv_cache import new_cache  # noqa: E402
 
 ROWS = 8  # held-out blocks a step
 SIXTEEN = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 16-bit caches --kv names

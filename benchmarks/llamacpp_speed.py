@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from generate_speed import SIZES, ours, saved_gpt2, transformers_fp32  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware, native_bf16  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.native import native_bf16
 
 NEW, PROMPT_TOKENS = 128, 16
 BINARIES = ("llama-bench", "llama-batched-bench")

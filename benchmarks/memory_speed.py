@@ -176,7 +176,7 @@ def build_model(attention: str, turned_off: str | None = None):
 
     # BENCH_SIZE: another GPT-2 size ("774M", "1558M"); BENCH_N_LAYER: a quicker smoke test of this script
     # (the results are for the size's own layers)
-    from lowmem_aitextgen.estimate import GPT2_SIZES
+    from lowmem_aitextgen.training.estimate import GPT2_SIZES
 
     size = dict(GPT2_SIZES[os.environ.get("BENCH_SIZE", "355M")])
     size["n_layer"] = int(os.environ.get("BENCH_N_LAYER", size["n_layer"]))
@@ -208,7 +208,7 @@ def run_library(ai, data, steps: int, probe: Probe, kwargs: dict, gpu: bool) -> 
     """Our train(); returns the plan it chose and that plan's estimate."""
     import pytorch_lightning as pl
 
-    from lowmem_aitextgen.budget import estimate_plan
+    from lowmem_aitextgen.training.budget import estimate_plan
 
     chosen = {}
 

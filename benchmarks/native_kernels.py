@@ -33,7 +33,9 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from generate_speed import ours, saved_gpt2  # noqa: E402
 
-from lowmem_aitextgen import aitextgen, hardware, huge_pages, native_attention, native_block, native_top_k  # noqa: E402
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.generation import huge_pages
+from lowmem_aitextgen.native import native_attention, native_block, native_top_k
 
 
 def timed(call, repeats: int = 300) -> float:

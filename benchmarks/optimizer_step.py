@@ -17,7 +17,7 @@ import torch
 from torchao.optim import AdamW8bit
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowmem_aitextgen.optimizers import build_optimizer, parameter_groups
+from lowmem_aitextgen.training.optimizers import build_optimizer, parameter_groups
 
 
 def timed_step(optimizer: torch.optim.Optimizer, device: str) -> float:

@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowmem_aitextgen import four_bit, storage16
-from lowmem_aitextgen.in_backward import StepInBackward
-from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
+from lowmem_aitextgen.training import four_bit, storage16
+from lowmem_aitextgen.training.in_backward import StepInBackward
+from lowmem_aitextgen.training.optimizers import optimizer_over, parameter_groups
 
 BLOCK, BATCH, LR, CLIP = 64, 8, 1e-3, 0.5
 FULL_TIERS = ("AdamW", "8-bit AdamW", "bf16 weights, 8-bit AdamW", "bf16 weights, 8-bit AdamW inside backward",

@@ -43,7 +43,7 @@ PROMPT = "The meaning of life is"
 
 def without_kernel(view: object) -> None:
     """Each of the view's token-alone int8 Linears gives zeros in place of its kernel's products."""
-    from lowmem_aitextgen import int8_kernels
+    from lowmem_aitextgen.generation import int8_kernels
 
     for module in view.modules():
         if isinstance(module, int8_kernels.TokenwiseInt8Linear):
@@ -55,9 +55,10 @@ def worker(size: str, kernel: bool = True, settings: dict[str, int | float] | No
     import torch
     from transformers import GPT2Config
 
-    from lowmem_aitextgen import aitextgen, decoding
-    from lowmem_aitextgen.engine import Engine
-    from lowmem_aitextgen.sampling import Row, RowSettings
+    from lowmem_aitextgen import aitextgen
+    from lowmem_aitextgen.generation import decoding
+    from lowmem_aitextgen.generation.engine import Engine
+    from lowmem_aitextgen.generation.sampling import Row, RowSettings
 
     torch.manual_seed(0)
     ai = aitextgen(config=GPT2Config(**SIZES[size]))

@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 
 from lowmem_aitextgen import hardware
-from lowmem_aitextgen.sampling import Row, RowSettings, next_tokens
+from lowmem_aitextgen.generation.sampling import Row, RowSettings, next_tokens
 
 PROMPT = "The meaning of a word is what it names"
 A_ROW_AT_A_TIME = mock.patch.object(Row, "only_top_k", lambda row, vocabulary: False)  # next_tokens as it was

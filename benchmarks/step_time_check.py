@@ -27,9 +27,9 @@ from memory_speed import dataset  # noqa: E402
 from transformers import GPT2Config  # noqa: E402
 
 from lowmem_aitextgen import aitextgen  # noqa: E402
-from lowmem_aitextgen.adapter_settings import AdapterSettings  # noqa: E402
 from lowmem_aitextgen.hardware import bf16_native  # noqa: E402
-from lowmem_aitextgen.step_time import step_seconds  # noqa: E402
+from lowmem_aitextgen.training.adapter_settings import AdapterSettings  # noqa: E402
+from lowmem_aitextgen.training.step_time import step_seconds  # noqa: E402
 
 SIZES = {"355M": dict(n_layer=24, n_embd=1024, n_head=16), "124M": dict(n_layer=12, n_embd=768, n_head=12),
          "w256": dict(n_layer=4, n_embd=256, n_head=4), "tiny": dict(n_layer=2, n_embd=64, n_head=4)}
@@ -96,7 +96,7 @@ def probe_plan(ai, out: str) -> dict:
 
 
 def rebuild(fields: dict, config: GPT2Config, device: str):
-    from lowmem_aitextgen.estimate import memory_plan
+    from lowmem_aitextgen.training.estimate import memory_plan
 
     plan = memory_plan("bf16-mixed", False, None, 1, "adamw", True, device=device)
     return dataclasses.replace(plan, n_layer=config.n_layer, **with_blocks(fields, config.n_layer))

@@ -19,9 +19,9 @@ from four_bit_speed import alternating_medians, size_block_steps
 from quality_tiers import FULL_TIERS, tier_step
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowmem_aitextgen.estimate import GPT2_SIZES
-from lowmem_aitextgen.plan import TrainPlan
-from lowmem_aitextgen.techniques import apply_memory_plan
+from lowmem_aitextgen.training.estimate import GPT2_SIZES
+from lowmem_aitextgen.training.plan import TrainPlan
+from lowmem_aitextgen.training.techniques import apply_memory_plan
 
 TIERS = FULL_TIERS[2:]  # from "bf16 weights, 8-bit AdamW", the tier the two inside backward come below
 

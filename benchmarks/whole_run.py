@@ -51,7 +51,7 @@ class AtTrainingEnd(pl.Callback):
 SAVE = """
 import sys
 from transformers import AutoModelForCausalLM, GPT2Config
-from lowmem_aitextgen.estimate import GPT2_SIZES
+from lowmem_aitextgen.training.estimate import GPT2_SIZES
 AutoModelForCausalLM.from_config(GPT2Config(**GPT2_SIZES[sys.argv[1]])).save_pretrained(sys.argv[2])
 """
 
@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from lowmem_aitextgen import aitextgen
-    from lowmem_aitextgen.estimate import GPT2_SIZES, estimate_plan
+    from lowmem_aitextgen.training.estimate import GPT2_SIZES, estimate_plan
 
     data = dataset(args.block)
     folder = saved_model(args.size) if args.from_folder else None

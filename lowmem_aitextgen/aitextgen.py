@@ -20,21 +20,23 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import Strategy
 from torch.utils.data import Dataset
 
-from . import arguments, evaluation, four_bit, generate_options, generation, loading, outputs, saving
-from .adapters import base_matches, check_adapter_fits, is_adapter_model
-from .budget import CallPlan
-from .callbacks import TrainingDiverged
-from .data import check_train_data, training_dataset
-from .decoding import DecodePlan, DecodingView
-from .decoding import plan_decoding as decoding_plan
-from .engine import Decoder
-from .four_bit import QuantizedBase
-from .optimizers import check_optimizer
-from .plan import RunSettings, TrainPlan, run_settings
-from .report import make_loggers, say_what_is_not_drawn
-from .resume import check_resumable, check_resumed_base, checkpoint_to_resume, read_run_description
-from .run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun, adapter_base_record
+from . import arguments, loading, saving
+from .generation import generate_options, generation
+from .generation.decoding import DecodePlan, DecodingView
+from .generation.decoding import plan_decoding as decoding_plan
+from .generation.engine import Decoder
 from .TokenDataset import TokenDataset
+from .training import evaluation, four_bit, outputs
+from .training.adapters import base_matches, check_adapter_fits, is_adapter_model
+from .training.budget import CallPlan
+from .training.callbacks import TrainingDiverged
+from .training.data import check_train_data, training_dataset
+from .training.four_bit import QuantizedBase
+from .training.optimizers import check_optimizer
+from .training.plan import RunSettings, TrainPlan, run_settings
+from .training.report import make_loggers, say_what_is_not_drawn
+from .training.resume import check_resumable, check_resumed_base, checkpoint_to_resume, read_run_description
+from .training.run import SIGTERM_EXIT_STATUS, Outcome, TrainingRun, adapter_base_record
 
 logger = logging.getLogger("lowmem_aitextgen")
 

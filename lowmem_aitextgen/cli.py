@@ -21,11 +21,12 @@ from typing import Any
 
 import fire
 
-from . import arguments, generation
+from . import arguments
 from .aitextgen import aitextgen
-from .estimate import estimate_memory
+from .generation import generation
 from .TokenDataset import TokenDataset, check_text_file
 from .tokenizers import train_tokenizer
+from .training.estimate import estimate_memory
 
 
 def _accepted(func: Any, kwargs: dict[str, Any], accepted: bool = True) -> dict[str, Any]:
@@ -85,7 +86,7 @@ def serve_cli(model_folder: str = "trained_model", host: str = "127.0.0.1", port
     page elsewhere may call it from (comma-separated, * for any); --threads: CPU threads it decodes with (replicas
     on one machine: its cores divided among them); --shutdown_timeout: after SIGTERM, seconds the texts being
     decoded have to end (the queued ones are answered 503 at once), then the process exits."""
-    from .serving import ServeSettings, serve
+    from .serving.serving import ServeSettings, serve
 
     settings = ServeSettings(host, port, api_key, max_tokens, max_batch, queue, timeout, cors, threads,
                              shutdown_timeout)
@@ -102,7 +103,7 @@ def _log_requests_to_stderr() -> None:
     application embedding the server configures logging itself."""
     import logging
 
-    from .server_metrics import access_logger
+    from .serving.server_metrics import access_logger
 
     if not access_logger.handlers:
         handler = logging.StreamHandler()

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 from torch import nn
 
 from . import _compat, saving
-from .adapter_settings import AdapterSettings
+from .training.adapter_settings import AdapterSettings
 
 logger = logging.getLogger("lowmem_aitextgen")
 
@@ -179,8 +179,8 @@ class DeferredModel:
         so that the 16-bit base is never whole in memory, and a four_bit.QuantizedBase: the original base's
         fingerprint (as adapters.base_fingerprint makes it of the model read in `dtype`) and what NF4 rounded.
         Where the file cannot be read tensor by tensor: the model in `dtype` and None (quantized later)."""
-        from . import four_bit
-        from .adapters import Fingerprint
+        from .training import four_bit
+        from .training.adapters import Fingerprint
 
         model = self._empty(dtype)
         quantizable = set(four_bit.quantizable_layers(model, trainable_too=True))
@@ -369,7 +369,7 @@ def load_adapter_folder(model_folder: str, cache_dir: str | None) -> nn.Module:
 def _adapter_beside(model_folder: str) -> str | None:
     """Where a model folder keeps a prompt-learning adapter for its model: adapter/ (adapters.py), or the
     folder itself in folders written before that (adapter_config.json beside config.json); None: none."""
-    from .adapters import prompt_learning_beside
+    from .training.adapters import prompt_learning_beside
 
     if os.path.isfile(os.path.join(model_folder, ADAPTER_CONFIG)) and os.path.isfile(
             os.path.join(model_folder, "config.json")):
@@ -416,8 +416,8 @@ def adapter_onto(base: nn.Module, adapter_folder: str, what: str) -> nn.Module:
 def check_adapter_base(model_folder: str, base_name: str, base: nn.Module) -> None:
     """Refuse an adapter whose base weights are no longer the ones it was trained on (lora.py's record:
     its base folder was trained into again, or the folder holds another model now)."""
-    from .adapters import base_matches, read_base_record
-    from .outputs import run_of
+    from .training.adapters import base_matches, read_base_record
+    from .training.outputs import run_of
 
     record = read_base_record(model_folder)
     if record is None or base_matches(record, base):

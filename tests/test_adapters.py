@@ -23,10 +23,11 @@ from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, corpus_text, realistic, snapshot, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, counting, estimate
-from lowmem_aitextgen.chunked_loss import causal_lm_loss
-from lowmem_aitextgen.evaluation import ValidationHistory, keep_best_in_memory
-from lowmem_aitextgen.plan import AdapterSettings, TrainPlan
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.training import counting, estimate
+from lowmem_aitextgen.training.chunked_loss import causal_lm_loss
+from lowmem_aitextgen.training.evaluation import ValidationHistory, keep_best_in_memory
+from lowmem_aitextgen.training.plan import AdapterSettings, TrainPlan
 
 CONTEXT = 64
 PREFIX_TOKENS = 20  # adapter="prefix"'s
@@ -414,8 +415,8 @@ def test_the_merge_equals_the_adapter_model_on_a_realistic_base(method, base):
     """For every mergeable method, on a base held as training holds it (fp32, bf16, NF4): the merged model
     gives the adapter model's logits (fp32 math, within float rounding), the 16-bit merge is the fp32 one
     rounded once, and the model merge_in_place leaves in the object holds what the save writes."""
-    from lowmem_aitextgen import adapters, four_bit
-    from lowmem_aitextgen.adapter_settings import AdapterSettings
+    from lowmem_aitextgen.training import adapters, four_bit
+    from lowmem_aitextgen.training.adapter_settings import AdapterSettings
 
     torch.manual_seed(0)
     model = realistic(GPT2LMHeadModel(tiny_gpt2_config())).requires_grad_(False)

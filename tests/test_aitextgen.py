@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import BadWeightsAt, CtrlC, FileSizeLimitAtTheEnd, OutOfMemoryFrom, SigTerm, realistic, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, hardware
-from lowmem_aitextgen.callbacks import TrainingDiverged
+from lowmem_aitextgen.training.callbacks import TrainingDiverged
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("the subclass's own behaviour on models built from configs; what it calls of transformers is "
@@ -94,10 +94,11 @@ COMMON = dict(num_steps=4, save_every=2, generate_every=0, learning_rate=1e-2, s
 
 def inside_backward_budget(config: GPT2Config, block: int = 32) -> int:
     """A max_memory under which the planner updates inside backward: a byte less than the tier above it needs."""
-    from lowmem_aitextgen import budget, cards
-    from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
-    from lowmem_aitextgen.estimate import estimate_plan
-    from lowmem_aitextgen.plan import PlannerInputs
+    from lowmem_aitextgen import cards
+    from lowmem_aitextgen.training import budget
+    from lowmem_aitextgen.training.budget import budgeted_bytes, fit_plan
+    from lowmem_aitextgen.training.estimate import estimate_plan
+    from lowmem_aitextgen.training.plan import PlannerInputs
 
     plan = cards.plan_of_call(GPT2LMHeadModel(config), n_gpu=0, **COMMON)
     above = min(budgeted_bytes(p, estimate_plan(config, p, block)) for p in budget.sixteen_bit_weights(

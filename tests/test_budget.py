@@ -12,9 +12,9 @@ from transformers import GPT2LMHeadModel
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, cards, hardware
 from lowmem_aitextgen.arguments import parse_bytes
-from lowmem_aitextgen.budget import CallPlan, budgeted_bytes, fit_plan, open_choices, tiers
-from lowmem_aitextgen.estimate import estimate_plan, memory_plan
-from lowmem_aitextgen.plan import IN_BACKWARD, PlannerInputs
+from lowmem_aitextgen.training.budget import CallPlan, budgeted_bytes, fit_plan, open_choices, tiers
+from lowmem_aitextgen.training.estimate import estimate_plan, memory_plan
+from lowmem_aitextgen.training.plan import IN_BACKWARD, PlannerInputs
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("planner decisions; a GPT-2 model is only the shape a call's plan is built from (the models "
@@ -73,7 +73,7 @@ def test_a_pinned_split_between_the_needs_checkpoints_the_fewest_blocks_that_fit
 
 @pytest.mark.parametrize("fraction", [1.0, 0.7, 0.4, 0.15, 0.0])
 def test_every_choice_fits_keeps_the_effective_batch_and_is_the_fastest_that_fits(fraction):
-    from lowmem_aitextgen.step_time import step_seconds
+    from lowmem_aitextgen.training.step_time import step_seconds
 
     plan = user_plan(batch_size=2, accumulation=4)
     all_needs = [needs(p) for p in open_choices(plan)]

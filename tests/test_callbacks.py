@@ -10,7 +10,7 @@ pytestmark = pytest.mark.edges  # Lightning's callback hooks
 
 
 def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, corpus_file, tmp_path):
-    from lowmem_aitextgen.callbacks import TrainingDiverged
+    from lowmem_aitextgen.training.callbacks import TrainingDiverged
 
     ai = aitextgen(tokenizer_file=tokenizer_file, config=tiny_gpt2_config())
     good = ai.model.lm_head.weight.detach().clone()
@@ -23,7 +23,7 @@ def test_persistent_nan_loss_stops_with_last_good_weights_saved(tokenizer_file, 
 
 
 def test_save_every_writes_during_training(corpus_file, tokenizer_file, monkeypatch):
-    from lowmem_aitextgen import outputs
+    from lowmem_aitextgen.training import outputs
 
     saved_at = []
     real = outputs.save_model
@@ -39,7 +39,7 @@ def test_a_signal_in_a_resumed_runs_first_step_stops_at_that_steps_end_not_its_f
     import signal
     import types
 
-    from lowmem_aitextgen.resume import StopOnSignal
+    from lowmem_aitextgen.training.resume import StopOnSignal
 
     trainer = types.SimpleNamespace(global_step=5, should_stop=False, strategy=types.SimpleNamespace(
         reduce_boolean_decision=lambda decision, all: decision))

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from lowmem_aitextgen import budget, cards, hardware
+from lowmem_aitextgen import cards, hardware
 from lowmem_aitextgen.cards import TABLE_BLOCK, fits_table, hardware_named, planned
-from lowmem_aitextgen.estimate import GPT2_SIZES, model_config
+from lowmem_aitextgen.training import budget
+from lowmem_aitextgen.training.estimate import GPT2_SIZES, model_config
 
 GPUS = (*hardware.CARDS, *hardware.SHARED_CARDS)
 CPUS = tuple(hardware.CPUS)

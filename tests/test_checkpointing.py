@@ -5,7 +5,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import AtBatchStart, saved_bytes, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, checkpointing
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.training import checkpointing
 
 pytestmark = pytest.mark.edges  # checkpointing through transformers' GPT-2 blocks
 
@@ -66,7 +67,7 @@ def test_checkpointing_some_blocks_saves_the_estimated_bytes_with_the_same_loss_
     and gradients are those of checkpointing none or all."""
     import dataclasses
 
-    from lowmem_aitextgen.estimate import estimate_plan, memory_plan
+    from lowmem_aitextgen.training.estimate import estimate_plan, memory_plan
 
     config = tiny_gpt2_config(n_layer=8, n_positions=128, n_embd=128)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from transformers import GPT2LMHeadModel
 
 from conftest import saved_bytes, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.chunked_loss import body_and_head, causal_lm_loss, chunked_lm_loss
+from lowmem_aitextgen.training.chunked_loss import body_and_head, causal_lm_loss, chunked_lm_loss
 
 pytestmark = pytest.mark.edges  # the loss reaches into transformers' GPT-2 head and peft's wrapper
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import AtBatchStart, snapshot, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, compiling
-from lowmem_aitextgen.checkpointing import transformer_blocks
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.training import compiling
+from lowmem_aitextgen.training.checkpointing import transformer_blocks
 
 
 @pytest.fixture

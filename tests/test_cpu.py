@@ -12,9 +12,9 @@ from transformers.activations import ACT2FN, NewGELUActivation
 
 from conftest import AtBatchStart, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.adapter_settings import AdapterSettings
-from lowmem_aitextgen.adapters import add_adapter
-from lowmem_aitextgen.cpu import (
+from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+from lowmem_aitextgen.training.adapters import add_adapter
+from lowmem_aitextgen.training.cpu import (
     ATTENTION,
     CpuDropout,
     UpcastOutsideAutocast,
@@ -23,7 +23,7 @@ from lowmem_aitextgen.cpu import (
     keep_mask,
     use_cpu_speedups,
 )
-from lowmem_aitextgen.heap_callbacks import ReleaseFreedHeap
+from lowmem_aitextgen.training.heap_callbacks import ReleaseFreedHeap
 
 pytestmark = pytest.mark.edges  # the CPU swaps replace transformers' GPT-2 modules' forwards
 
@@ -304,8 +304,8 @@ def test_cpu_training_holds_and_releases_the_heap_only_where_the_memory_needs_it
     smaller resident size fits the budget."""
     import dataclasses
 
-    from lowmem_aitextgen.budget import budgeted_bytes
-    from lowmem_aitextgen.estimate import estimate_plan, memory_plan
+    from lowmem_aitextgen.training.budget import budgeted_bytes
+    from lowmem_aitextgen.training.estimate import estimate_plan, memory_plan
 
     class Seen(pl.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
@@ -327,7 +327,7 @@ def test_the_held_heap_is_released_at_every_block_in_forward_and_backward_until_
     355M step's freed heap resident: benchmarks/RESULTS.md)."""
     from transformers import AutoModelForCausalLM
 
-    from lowmem_aitextgen.checkpointing import enable_gradient_checkpointing
+    from lowmem_aitextgen.training.checkpointing import enable_gradient_checkpointing
 
     model = AutoModelForCausalLM.from_config(tiny_gpt2_config(n_layer=3)).train()
     enable_gradient_checkpointing(model)

@@ -14,7 +14,9 @@ from transformers import (
 )
 
 from conftest import realistic
-from lowmem_aitextgen import aitextgen, cutoffs, native, native_top_k, sampling
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.generation import cutoffs, sampling
+from lowmem_aitextgen.native import native, native_top_k
 
 PAIRS = {"TopK": (cutoffs.TopK, TopKLogitsWarper), "TopP": (cutoffs.TopP, TopPLogitsWarper),
          "Typical": (cutoffs.Typical, TypicalLogitsWarper), "MinP": (cutoffs.MinP, MinPLogitsWarper)}
@@ -168,3 +170,16 @@ def test_generate_with_each_cutoff_draws_what_a_plain_loop_over_the_forward_draw
     truth = plain_loop(ai.model.eval(), ids, 24, 4, warpers)
     assert text == ai.tokenizer.decode(ids.tolist() + truth)
     assert len(set(truth)) > 5
+
+
+@pytest.mark.parametrize("kernel", ["ours", "torch's"])
+def test_the_k_th_and_the_next_are_torchs_topk_values(kernel, monkeypatch):
+    """kth_and_next, every way it finds them (our top-k kernel, a cut of counts, torch's kthvalue), on rows with
+    barred tokens and many equal values: the values torch's topk(k + 1) gives at k and k + 1."""
+    if kernel == "torch's":
+        monkeypatch.setattr(native, "built", lambda: None)
+    logits = rows(3.0)
+    for k in (1, 50, 511, 512, 513, 5000, 40_000, 50_256):
+        kth, after = cutoffs.kth_and_next(logits, k)
+        expected = logits.topk(k + 1).values
+        assert torch.equal(kth[:, 0], expected[:, k - 1]) and torch.equal(after[:, 0], expected[:, k]), k

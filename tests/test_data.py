@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import corpus_text, tiny_gpt2_config
-from lowmem_aitextgen.data import ResumableOrder, check_tokens
 from lowmem_aitextgen.TokenDataset import TokenDataset
+from lowmem_aitextgen.training.data import ResumableOrder, check_tokens
 
 
 def test_an_order_is_a_pure_function_of_seed_epoch_and_rank():

@@ -14,18 +14,9 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import (
-    aitextgen,
-    decoding,
-    forms,
-    hardware,
-    int8_kernels,
-    native,
-    native_attention,
-    native_bf16,
-    packed16,
-    views,
-)
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.generation import decoding, forms, int8_kernels, packed16, views
+from lowmem_aitextgen.native import native, native_attention, native_bf16
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("generate()'s own plan, forms and batching; what it calls of transformers' generate is "
@@ -77,9 +68,9 @@ def test_an_int8_views_cache_is_bf16_where_the_cpu_computes_it_natively_and_coun
     """decoding.cache_dtype: an int8 view's KV cache in bf16 on a CPU with native bf16 (its attention's kernel
     twice as quick there, kv_cache.py), fp32 elsewhere; the engine's buffers hold it so, and the memory a text
     needs (the texts that fit at once) counts its bytes.  16-bit views keep their own dtype."""
-    from lowmem_aitextgen.engine import Engine
-    from lowmem_aitextgen.generation import prompt_ids
-    from lowmem_aitextgen.sampling import Row, RowSettings
+    from lowmem_aitextgen.generation.engine import Engine
+    from lowmem_aitextgen.generation.generation import prompt_ids
+    from lowmem_aitextgen.generation.sampling import Row, RowSettings
 
     config, per_row = ai.model.config, {}
     for cpu, machine in hardware.CPUS.items():
@@ -554,7 +545,7 @@ def decoder_loss(decoder, blocks: torch.Tensor) -> float:
     """Held-out loss of an engine.Decoder: its view of the base with the virtual tokens' keys and values first
     (engine.Prefix), positions after them, as the engine decodes."""
     from lowmem_aitextgen import _compat
-    from lowmem_aitextgen.engine import Prefix
+    from lowmem_aitextgen.generation.engine import Prefix
 
     prefix = Prefix(decoder)
     losses = []

@@ -5,7 +5,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from conftest import corpus_text
-from lowmem_aitextgen.detokenizer import Detokenizer, splits_at_lines
+from lowmem_aitextgen.generation.detokenizer import Detokenizer, splits_at_lines
 
 TEXT = "The first line.\n 's second line, é and 日本語\n\n  indented \u00fc\nlast" * 3
 

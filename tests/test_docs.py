@@ -15,7 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", ROOT / "MIGRATING.md", *sorted((ROOT / "docs").glob("*.md")),
              ROOT / "benchmarks" / "RESULTS.md"]
 # where a bare file name (`plan.py`) may live
-HOMES = ("", "lowmem_aitextgen", "tests", "benchmarks", "benchmarks/results", "samples", "docs")
+HOMES = ("", "lowmem_aitextgen", "lowmem_aitextgen/training", "lowmem_aitextgen/generation",
+         "lowmem_aitextgen/serving", "lowmem_aitextgen/native", "lowmem_aitextgen/native/csrc", "tests", "benchmarks",
+         "benchmarks/results", "samples", "docs")
 # names the documents use for the user's own files, not this tree's
 USERS_FILES = {"your_script.py", "data.txt", "input.txt", "train.py"}
 PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:py|md|sh|jsonl|cfg|ini|toml))(?![\w/])")
@@ -93,7 +95,7 @@ def test_the_serve_pages_flag_defaults_are_the_commands_and_its_settings():
     which are ServeSettings' too."""
     import dataclasses
 
-    from lowmem_aitextgen.serving import ServeSettings
+    from lowmem_aitextgen.serving.serving import ServeSettings
 
     signature = inspect.signature(cli.serve_cli).parameters
     settings = {field.name: field.default for field in dataclasses.fields(ServeSettings)}
@@ -117,7 +119,7 @@ def test_the_completions_tables_fields_and_defaults_are_what_the_parser_does():
     import dataclasses
     import json
 
-    from lowmem_aitextgen import completions
+    from lowmem_aitextgen.serving import completions
 
     rows = [line.split("|")[1:4] for line in completions.__doc__.splitlines()
             if line.startswith("| ") and not line.startswith("| field")]

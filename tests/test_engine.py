@@ -15,22 +15,15 @@ from peft import IA3Config, PromptTuningConfig
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import corpus_text, realistic, tiny_gpt2_config
-from lowmem_aitextgen import (
-    aitextgen,
-    decoding,
-    hardware,
-    int8_kernels,
-    kv_cache,
-    native_attention,
-    native_block,
-    stepping,
-    storage16,
-)
-from lowmem_aitextgen.engine import Decoder, Engine, as_decoder
-from lowmem_aitextgen.forms import FORM_RECORDS
-from lowmem_aitextgen.generation import prompt_ids
-from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct
-from lowmem_aitextgen.sampling import Row, RowSettings
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.generation import decoding, int8_kernels, kv_cache, stepping
+from lowmem_aitextgen.generation.engine import Decoder, Engine, as_decoder
+from lowmem_aitextgen.generation.forms import FORM_RECORDS
+from lowmem_aitextgen.generation.generation import prompt_ids
+from lowmem_aitextgen.generation.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct
+from lowmem_aitextgen.generation.sampling import Row, RowSettings
+from lowmem_aitextgen.native import native_attention, native_block
+from lowmem_aitextgen.training import storage16
 
 pytestmark = pytest.mark.edges  # transformers' cache and forward arguments, peft's virtual tokens
 
@@ -215,8 +208,8 @@ def first_scores(view, ai, ids: torch.Tensor) -> torch.Tensor:
 def test_past_the_context_each_window_is_the_trained_models_own_forward(trained, kind):
     """max_length past the context: the window slides (engine.window_kept), and each token is still the trained
     model's own forward over the window it sees (the prefix's virtual tokens before every window)."""
-    from lowmem_aitextgen.decoding import context_length
-    from lowmem_aitextgen.engine import window_kept
+    from lowmem_aitextgen.generation.decoding import context_length
+    from lowmem_aitextgen.generation.engine import window_kept
 
     ai, _ = trained[kind]
     model = ai.model.eval()
@@ -256,7 +249,7 @@ def test_prompt_learning_takes_every_prompt_its_context_allows_in_every_form_and
     other, in each form this CPU runs, an int8 view's cache in bf16 and in fp32: each row's greedy tokens are the
     trained model's own forward (peft's, the virtual tokens before the text): token for token in the exact form, in
     a fast one up to the first step whose truth's top two are within the form's error."""
-    from lowmem_aitextgen.decoding import context_length
+    from lowmem_aitextgen.generation.decoding import context_length
 
     ai, _ = trained[kind]
     model = ai.model.eval()
@@ -283,7 +276,7 @@ def test_prompt_learning_takes_every_prompt_its_context_allows_in_every_form_and
 
 def decoded(view, ai, prompts: list[torch.Tensor], new: int) -> list[list[int]]:
     """Each prompt's greedy tokens (at most `new`, within the context), the prompts decoding together."""
-    from lowmem_aitextgen.decoding import context_length
+    from lowmem_aitextgen.generation.decoding import context_length
 
     context = context_length(ai.model)
     rows = [Row(ids, RowSettings(max_new=min(new, context - len(ids)), temperature=0)) for ids in prompts]

@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import estimate_memory
-from lowmem_aitextgen.adapter_settings import AdapterSettings
-from lowmem_aitextgen.chunked_loss import causal_lm_loss
-from lowmem_aitextgen.estimate import memory_plan, model_config
 from lowmem_aitextgen.hardware import format_bytes
-from lowmem_aitextgen.optimizers import build_optimizer
-from lowmem_aitextgen.techniques import apply_memory_plan
+from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+from lowmem_aitextgen.training.chunked_loss import causal_lm_loss
+from lowmem_aitextgen.training.estimate import memory_plan, model_config
+from lowmem_aitextgen.training.optimizers import build_optimizer
+from lowmem_aitextgen.training.techniques import apply_memory_plan
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("builds configs for the estimate; the models its probes run are test_checkpointing's")
@@ -154,7 +154,8 @@ def test_gpt2_xl_lora_fits_an_8gb_card_with_room():
 def test_a_gpu_plan_for_774m_within_6gib_holds_weights_in_16_bits():
     """max_memory="6GiB" on a GPU with bf16 (presented: this machine has none): AdamW, even 8-bit, does not
     fit a full fine-tune of 774M; 16-bit weights with 8-bit AdamW do, and the plan says why."""
-    from lowmem_aitextgen import budget, hardware
+    from lowmem_aitextgen import hardware
+    from lowmem_aitextgen.training import budget
 
     config = model_config("774M")
     user = dataclasses.replace(memory_plan("bf16-mixed", False, None, 1, "adamw", True, device="cuda"), n_layer=36)

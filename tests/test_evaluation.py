@@ -17,9 +17,9 @@ from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, corpus_text, snapshot, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.evaluation import holdout_split
-from lowmem_aitextgen.report import PNG_DATA_KEY
 from lowmem_aitextgen.TokenDataset import TokenDataset
+from lowmem_aitextgen.training.evaluation import holdout_split
+from lowmem_aitextgen.training.report import PNG_DATA_KEY
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 BLOCK = 32  # tiny_gpt2_config's context, the blocks train() cuts

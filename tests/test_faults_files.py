@@ -66,7 +66,7 @@ def test_saving_nan_weights_over_a_model_is_refused(finished, method):
 
 
 def test_weights_that_go_nan_in_training_are_not_saved_and_the_message_says_what_was_kept(finished, corpus_file):
-    from lowmem_aitextgen.callbacks import TrainingDiverged
+    from lowmem_aitextgen.training.callbacks import TrainingDiverged
 
     before = snapshot(finished)
     with pytest.raises(TrainingDiverged, match="not finite.*not saved; this run saved no model"):
@@ -76,7 +76,7 @@ def test_weights_that_go_nan_in_training_are_not_saved_and_the_message_says_what
 
 
 def test_weights_that_go_nan_after_a_save_keep_that_save(finished, corpus_file):
-    from lowmem_aitextgen.callbacks import TrainingDiverged
+    from lowmem_aitextgen.training.callbacks import TrainingDiverged
 
     with pytest.raises(TrainingDiverged, match="keeps the model saved at step 2"):
         aitextgen(model_folder=finished).train(corpus_file, output_dir=finished, num_steps=4, save_every=2,

@@ -82,8 +82,8 @@ def test_a_resumed_run_keeps_the_optimizer_the_budget_chose(small_data, base_fol
     is free now (its state is in the checkpoint)."""
     import dataclasses
 
-    from lowmem_aitextgen.budget import budgeted_bytes
-    from lowmem_aitextgen.estimate import estimate_plan, memory_plan
+    from lowmem_aitextgen.training.budget import budgeted_bytes
+    from lowmem_aitextgen.training.estimate import estimate_plan, memory_plan
 
     config = tiny_gpt2_config()
     smallest_adamw = dataclasses.replace(memory_plan("bf16-mixed", True, None, 1, "adamw", True, n_layer=2),

@@ -14,13 +14,14 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, budget, four_bit, storage16
-from lowmem_aitextgen.adapter_settings import AdapterSettings
-from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
-from lowmem_aitextgen.counting import unique_tensor_bytes
-from lowmem_aitextgen.estimate import estimate_plan
-from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
-from lowmem_aitextgen.techniques import apply_memory_plan
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.training import budget, four_bit, storage16
+from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+from lowmem_aitextgen.training.budget import budgeted_bytes, fit_plan
+from lowmem_aitextgen.training.counting import unique_tensor_bytes
+from lowmem_aitextgen.training.estimate import estimate_plan
+from lowmem_aitextgen.training.plan import PlannerInputs, TrainPlan
+from lowmem_aitextgen.training.techniques import apply_memory_plan
 
 CONFIG = tiny_gpt2_config(n_layer=2, n_positions=64, n_embd=128)
 BLOCK = 64
@@ -265,8 +266,8 @@ def test_a_saved_base_read_straight_into_4_bits_is_the_base_read_then_quantized(
     """loading.DeferredModel.load_in_four_bits quantizes each matrix as it is read (the 16-bit base never whole
     in memory): the same 4-bit weights, the same rounding, and the fingerprint of the base as read in 16 bits,
     which the adapter's record names."""
-    from lowmem_aitextgen.adapters import base_fingerprint
     from lowmem_aitextgen.loading import DeferredModel
+    from lowmem_aitextgen.training.adapters import base_fingerprint
 
     GPT2LMHeadModel(CONFIG).save_pretrained(tmp_path / "base")
     deferred = DeferredModel(str(tmp_path / "base"), "test")

@@ -11,7 +11,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, decoding, sampling
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.generation import decoding, sampling
 
 pytestmark = pytest.mark.edges  # transformers' generate under aitextgen's arguments
 
@@ -367,7 +368,7 @@ def test_gpt_neo_plans_generates_and_writes_to_a_file(tmp_path, tokenizer_file):
 def test_the_arguments_page_has_a_row_for_each_of_transformers_arguments():
     import os
 
-    from lowmem_aitextgen import generate_options
+    from lowmem_aitextgen.generation import generate_options
 
     page = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "arguments.md"), encoding="utf-8").read()
     for status, names in (("honoured", generate_options.HONOURED), ("transformers", generate_options.BY_TRANSFORMERS),

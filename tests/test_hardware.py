@@ -8,9 +8,10 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, budget, hardware
+from lowmem_aitextgen import aitextgen, hardware
 from lowmem_aitextgen.cards import planned
-from lowmem_aitextgen.report import RunRecorder
+from lowmem_aitextgen.training import budget
+from lowmem_aitextgen.training.report import RunRecorder
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("devices presented as data")

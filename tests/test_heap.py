@@ -42,8 +42,8 @@ import pytorch_lightning as pl
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.budget import budgeted_bytes
-from lowmem_aitextgen.estimate import estimate_plan, memory_plan
+from lowmem_aitextgen.training.budget import budgeted_bytes
+from lowmem_aitextgen.training.estimate import estimate_plan, memory_plan
 
 corpus, tokenizer, out = sys.argv[1:4]
 

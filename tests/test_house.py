@@ -26,7 +26,7 @@ def test_the_counter_leaves_the_docstring_out():
 
 
 def test_no_function_body_is_over_60_lines():
-    long = [f"{path.name}:{node.name} {body_lines(node)}" for path in sorted(PACKAGE.glob("*.py"))
+    long = [f"{path.name}:{node.name} {body_lines(node)}" for path in sorted(PACKAGE.rglob("*.py"))
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body_lines(node) > MOST_LINES]
     assert not long, long

@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from lowmem_aitextgen import huge_pages, native_int8
+from lowmem_aitextgen.generation import huge_pages
+from lowmem_aitextgen.native import native_int8
 
 here = pytest.mark.skipif(not huge_pages.available(), reason="Linux gives no transparent huge pages here")
 

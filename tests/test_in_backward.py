@@ -13,13 +13,14 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import CtrlC, snapshot, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, budget, in_backward
-from lowmem_aitextgen.budget import budgeted_bytes, fit_plan, stepping_in_backward
-from lowmem_aitextgen.estimate import estimate_plan
-from lowmem_aitextgen.in_backward import StepInBackward, adafactor_in_rows, round_stochastically
-from lowmem_aitextgen.optimizers import optimizer_over, parameter_groups
-from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
-from lowmem_aitextgen.report import RunRecorder
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.training import budget, in_backward
+from lowmem_aitextgen.training.budget import budgeted_bytes, fit_plan, stepping_in_backward
+from lowmem_aitextgen.training.estimate import estimate_plan
+from lowmem_aitextgen.training.in_backward import StepInBackward, adafactor_in_rows, round_stochastically
+from lowmem_aitextgen.training.optimizers import optimizer_over, parameter_groups
+from lowmem_aitextgen.training.plan import PlannerInputs, TrainPlan
+from lowmem_aitextgen.training.report import RunRecorder
 
 # wide enough that the blocks' gradients, not the embedding's alone, are what updating inside backward saves
 CONFIG = tiny_gpt2_config(n_layer=4, n_positions=64, n_embd=256)

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lowmem_aitextgen import hardware, int8_kernels, native, native_attention, native_int8, native_top_k
-from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear
+from lowmem_aitextgen import hardware
+from lowmem_aitextgen.generation import int8_kernels
+from lowmem_aitextgen.generation.int8_kernels import FbgemmProduct, NativeProduct, OneDNNProduct, TokenwiseInt8Linear
+from lowmem_aitextgen.native import native, native_attention, native_int8, native_top_k
 
 KERNELS = [FbgemmProduct, OneDNNProduct]
 SHAPES = [(96, 64), (64, 256), (300, 48)]  # (out, in): a projection, a wider input, a head-like output

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from lowmem_aitextgen import kv_cache
-from lowmem_aitextgen.kv_cache import refilled
+from lowmem_aitextgen.generation import kv_cache
+from lowmem_aitextgen.generation.kv_cache import refilled
 
 HEADS, SIZE = 2, 3
 

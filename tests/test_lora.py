@@ -8,7 +8,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, counting
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.training import counting
 
 pytestmark = pytest.mark.edges  # peft's LoRA, its merge and its loaders
 

@@ -180,7 +180,7 @@ def _(env):
 @difference("gradient-checkpointing-real")
 def _(env):
     from conftest import AtBatchStart
-    from lowmem_aitextgen.checkpointing import is_checkpointing
+    from lowmem_aitextgen.training.checkpointing import is_checkpointing
 
     seen = AtBatchStart(is_checkpointing)
     env.train(aitextgen(tokenizer_file=env.tokenizer_file, config=tiny_gpt2_config(), gradient_checkpointing=True),
@@ -205,7 +205,7 @@ def _(env):
 @difference("mixed-precision")
 def _(env):
     from lowmem_aitextgen import hardware
-    from lowmem_aitextgen.plan import resolve_precision
+    from lowmem_aitextgen.training.plan import resolve_precision
 
     with hardware.presenting(hardware.Hardware(hardware.CPUS["native bf16"])):
         assert resolve_precision(True, None, "cpu") == "bf16-mixed"  # fp16=True: no Apex, no loss scaling on CPU
@@ -222,8 +222,8 @@ def _(env):
 
 @difference("num-workers-zero")
 def _(env):
-    from lowmem_aitextgen.data import training_loader
-    from lowmem_aitextgen.estimate import memory_plan
+    from lowmem_aitextgen.training.data import training_loader
+    from lowmem_aitextgen.training.estimate import memory_plan
 
     data = TokenDataset(env.corpus, tokenizer_file=env.tokenizer_file, block_size=32)
     assert training_loader(data, memory_plan("32-true", False, None, 1, "adamw", True))[0].num_workers == 0
@@ -232,7 +232,7 @@ def _(env):
 
 @difference("weight-decay-matrices")
 def _(env):
-    from lowmem_aitextgen.optimizers import parameter_groups
+    from lowmem_aitextgen.training.optimizers import parameter_groups
 
     decayed, not_decayed = parameter_groups(env.ai().model, 0.05)
     assert all(p.ndim >= 2 for p in decayed["params"]) and all(p.ndim == 1 for p in not_decayed["params"])
@@ -241,7 +241,7 @@ def _(env):
 
 @difference("freeze-layers-block-0")
 def _(env):
-    from lowmem_aitextgen.techniques import layers_to_freeze
+    from lowmem_aitextgen.training.techniques import layers_to_freeze
 
     model = env.ai().model
     frozen = {id(p) for p in layers_to_freeze(model, 1)}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lowmem_aitextgen import native, native_attention
+from lowmem_aitextgen.native import native, native_attention
 
 pytestmark = pytest.mark.skipif(not native_attention.available(), reason="our attention kernel needs AVX512F and gcc")
 

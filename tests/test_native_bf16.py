@@ -4,7 +4,7 @@ rows and at any number of threads, and what it refuses."""
 import pytest
 import torch
 
-from lowmem_aitextgen import native_bf16
+from lowmem_aitextgen.native import native_bf16
 
 pytestmark = pytest.mark.skipif(not native_bf16.available(), reason="our bf16 kernel needs gcc and AVX512-BF16")
 

@@ -8,9 +8,10 @@ from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import decoding, int8_kernels, kv_cache, native, native_bf16, native_block, packed16, stepping
-from lowmem_aitextgen.int8_kernels import FbgemmProduct, NativeProduct, TokenwiseInt8Linear
-from lowmem_aitextgen.kv_cache import new_cache
+from lowmem_aitextgen.generation import decoding, int8_kernels, kv_cache, packed16, stepping
+from lowmem_aitextgen.generation.int8_kernels import FbgemmProduct, NativeProduct, TokenwiseInt8Linear
+from lowmem_aitextgen.generation.kv_cache import new_cache
+from lowmem_aitextgen.native import native, native_bf16, native_block
 
 pytestmark = [pytest.mark.skipif(not native_block.available() or NativeProduct is not int8_kernels.product_kernel(),
                                  reason="a block's step needs our kernels: gcc, AVX512F and AVX512-VNNI"),

@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from lowmem_aitextgen import native, native_attention, native_bf16, native_block, native_int8, native_top_k
+from lowmem_aitextgen.native import native, native_attention, native_bf16, native_block, native_int8, native_top_k
 
-PACKAGE = pathlib.Path(native.__file__).parent
-HEADER = PACKAGE / "lowmem_kernels.h"
+SOURCES = pathlib.Path(native.__file__).parent / "csrc"
+HEADER = SOURCES / "lowmem_kernels.h"
 WRAPPERS = (native_int8, native_attention, native_bf16, native_block, native_top_k)
 KINDS = {"int": native.INT, "long": native.LONG, "float": native.FLOAT, "double": native.DOUBLE}
 PROTOTYPE = re.compile(r"^(int|void)\s+(lowmem_\w+)\(([^)]*)\);", re.MULTILINE)
@@ -54,13 +54,13 @@ def test_each_wrappers_signatures_are_the_headers_and_every_export_has_one():
 def test_every_c_file_includes_the_header_defines_what_it_declares_and_declares_nothing_itself():
     declared = set(header_signatures())
     defined = set()
-    for source in sorted(PACKAGE.glob("*.c")):
+    for source in sorted(SOURCES.glob("*.c")):
         text = source.read_text()
         assert '#include "lowmem_kernels.h"' in text, source.name
         assert not PROTOTYPE.findall(text), f"{source.name} declares a prototype of its own"
         defined |= {name for name, _ in DEFINITION.findall(text)}
     assert defined == declared
-    assert native.SOURCES and set(native.SOURCES) == set(PACKAGE.glob("*.c")) and HEADER in native.HEADERS
+    assert native.SOURCES and set(native.SOURCES) == set(SOURCES.glob("*.c")) and HEADER in native.HEADERS
 
 
 @pytest.mark.skipif(native.built() is None, reason="our kernels need gcc on x86-64 Linux with AVX2")

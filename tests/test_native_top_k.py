@@ -5,8 +5,8 @@ draws."""
 import pytest
 import torch
 
-from lowmem_aitextgen import native, native_top_k
-from lowmem_aitextgen.sampling import Row, RowSettings, next_tokens
+from lowmem_aitextgen.generation.sampling import Row, RowSettings, next_tokens
+from lowmem_aitextgen.native import native, native_top_k
 
 built = pytest.mark.skipif(native.built() is None, reason="our kernels need gcc on x86-64 Linux with AVX2")
 
@@ -92,7 +92,7 @@ def test_a_rows_top_k_draw_picks_what_transformers_warpers_and_a_whole_vocabular
     the inverse CDF in the order of the ids; on our kernel (one call) and on torch's."""
     from transformers import TopKLogitsWarper
 
-    from lowmem_aitextgen.sampling import _draw
+    from lowmem_aitextgen.generation.sampling import _draw
 
     if kernel == "torch's":
         monkeypatch.setattr(native, "built", lambda: None)

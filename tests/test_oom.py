@@ -11,8 +11,8 @@ import torch
 
 from conftest import CtrlC, tiny_gpt2_config
 from lowmem_aitextgen import aitextgen, hardware
-from lowmem_aitextgen.estimate import estimate_plan, memory_plan
-from lowmem_aitextgen.oom import cheaper_plan, is_out_of_memory, rungs
+from lowmem_aitextgen.training.estimate import estimate_plan, memory_plan
+from lowmem_aitextgen.training.oom import cheaper_plan, is_out_of_memory, rungs
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("out-of-memory recovery is ours; Lightning's loop under it is test_run's")

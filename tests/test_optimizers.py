@@ -71,7 +71,7 @@ def test_adamw8bit_is_torchaos_update_with_its_wrapper_built_once(monkeypatch):
     between steps; its steps call torch.compile for every tensor, ours never (the wrapper is built once)."""
     from torchao.optim import AdamW8bit
 
-    from lowmem_aitextgen.optimizers import build_optimizer, parameter_groups
+    from lowmem_aitextgen.training.optimizers import build_optimizer, parameter_groups
 
     compile_calls = []
     compile_ = torch.compile
@@ -106,7 +106,7 @@ def test_adamw8bit_falls_back_to_torchaos_own_step_when_its_update_changes(monke
     import torchao.optim.adam
     from torchao.optim import AdamW8bit
 
-    from lowmem_aitextgen import optimizers
+    from lowmem_aitextgen.training import optimizers
 
     monkeypatch.setattr(torchao.optim.adam, "single_param_adam", lambda p, grad, state: None)
     optimizers._adamw8bit_compiled_once.cache_clear()
@@ -150,7 +150,7 @@ def test_bf16_weights_with_stochastic_rounding_follow_fp32_adamw_within_seed_noi
 def test_without_stochastic_rounding_small_updates_vanish_in_bf16():
     """Updates far under half a bf16 step: rounded to nearest, most weights never move; rounded
     stochastically (what build_optimizer sets), the weights move as far as the updates add up to."""
-    from lowmem_aitextgen.optimizers import build_optimizer
+    from lowmem_aitextgen.training.optimizers import build_optimizer
 
     learning_rate, steps = 1e-5, 20
     moved = {}

@@ -10,7 +10,7 @@ import torch
 
 from conftest import CtrlC
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.outputs import MANIFEST, RunManifest, read_manifest
+from lowmem_aitextgen.training.outputs import MANIFEST, RunManifest, read_manifest
 
 KINDS = ("full", "lora", "val_data", "interrupted", "resumed")
 USER_FILE = "my_notes.txt"

@@ -6,7 +6,7 @@ import configparser
 import pathlib
 import re
 
-from lowmem_aitextgen import native
+from lowmem_aitextgen.native import native
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -77,6 +77,9 @@ def test_every_file_beside_the_packages_modules_is_installed_with_it():
     sources (native.py builds them at first use)."""
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
-    declared = {name.strip() for name in config["options.package_data"]["lowmem_aitextgen"].split(",")}
-    beside = {p.name for p in (ROOT / "lowmem_aitextgen").iterdir() if p.is_file() and p.suffix not in (".py", ".pyc")}
-    assert beside == declared == {"page.html"} | {path.name for path in (*native.SOURCES, *native.HEADERS)}
+    declared = {f"{package.replace('.', '/')}/{name.strip()}"
+                for package, names in config["options.package_data"].items() for name in names.split(",")}
+    beside = {str(p.relative_to(ROOT)) for p in (ROOT / "lowmem_aitextgen").rglob("*")
+              if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts}
+    kernels = {str(path.relative_to(ROOT)) for path in (*native.SOURCES, *native.HEADERS)}
+    assert beside == declared == {"lowmem_aitextgen/serving/page.html"} | kernels

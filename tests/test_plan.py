@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from lowmem_aitextgen import hardware, plan
+from lowmem_aitextgen import hardware
+from lowmem_aitextgen.training import plan
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("plan decisions on presented hardware; the models they build are test_checkpointing's and test_run's")
@@ -87,7 +88,7 @@ def test_each_decision_is_made_from_the_arguments_in_one_place():
 
 
 def test_one_schedule_says_when_to_save_sample_and_evaluate():
-    from lowmem_aitextgen.plan import Schedule
+    from lowmem_aitextgen.training.plan import Schedule
 
     schedule = Schedule(num_steps=10, save_every=4, generate_every=3, eval_every=4)
     steps = range(1, 11)
@@ -156,9 +157,9 @@ def test_lora_is_one_adapter_setting_and_checkpoints_written_with_a_lora_entry_s
     from transformers import GPT2LMHeadModel
 
     from conftest import tiny_gpt2_config
-    from lowmem_aitextgen.adapter_settings import AdapterSettings
     from lowmem_aitextgen.cards import train_call
-    from lowmem_aitextgen.resume import base_parameters, check_resumable
+    from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+    from lowmem_aitextgen.training.resume import base_parameters, check_resumable
 
     model = GPT2LMHeadModel(tiny_gpt2_config())
     old = {"run_id": "r", "base_parameters": base_parameters(model), "adapter": None, "optimizer": "adamw",

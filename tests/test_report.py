@@ -15,7 +15,7 @@ from pytorch_lightning.loggers import CSVLogger
 
 from conftest import tiny_gpt2_config
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.report import PNG_DATA_KEY
+from lowmem_aitextgen.training.report import PNG_DATA_KEY
 
 pytestmark = pytest.mark.edges  # Lightning's loggers and callbacks
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lowmem_aitextgen import kv_cache, row_attention
-from lowmem_aitextgen.row_attention import RowOwn, each_row_alone
+from lowmem_aitextgen.generation import kv_cache, row_attention
+from lowmem_aitextgen.generation.row_attention import RowOwn, each_row_alone
 
 HEADS, SIZE = 16, 64
 

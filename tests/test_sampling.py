@@ -10,10 +10,11 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from conftest import realistic, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, decoding
-from lowmem_aitextgen.batching import Batcher, Job
-from lowmem_aitextgen.engine import Engine
-from lowmem_aitextgen.sampling import Row, RowSettings
+from lowmem_aitextgen import aitextgen
+from lowmem_aitextgen.generation import decoding
+from lowmem_aitextgen.generation.engine import Engine
+from lowmem_aitextgen.generation.sampling import Row, RowSettings
+from lowmem_aitextgen.serving.batching import Batcher, Job
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = "the rows' own sampling; what it calls of transformers' generate is test_generation's"
@@ -143,7 +144,7 @@ def test_a_request_whose_rows_the_engine_let_go_unfinished_is_answered_with_an_e
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_an_impossible_token():
-    from lowmem_aitextgen.sampling import _draw
+    from lowmem_aitextgen.generation.sampling import _draw
 
     probabilities = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.0, 0.4])
     generator = torch.Generator().manual_seed(1)
@@ -157,7 +158,7 @@ def test_rows_picked_together_pick_what_each_picks_alone():
     that only add top_k, of several k, greedy among them, one tied past its k-th logit at some steps) beside rows picked
     one by one (top-p) and a row done: each row's tokens are those Row.next_token picks for it alone, from the same
     scores and the same stream, step after step."""
-    from lowmem_aitextgen.sampling import next_tokens
+    from lowmem_aitextgen.generation.sampling import next_tokens
 
     settings = [RowSettings(max_new=50, temperature=t, seed=k, min_new=m, top_k=top_k, top_p=top_p)
                 for k, (t, m, top_k, top_p) in enumerate([(1.0, 0, 0, 1.0), (0.7, 5, 0, 1.0), (0.0, 3, 0, 1.0),
@@ -227,7 +228,7 @@ def test_top_k_and_top_p_keep_among_the_likeliest_what_transformers_warpers_keep
     """likeliest_kept against transformers' warpers over GPT-2's whole vocabulary, logits peaked and flatter:
     the same tokens, but for the one at top_p's edge where the two sums of probabilities round apart; None only
     where top_p needs more than the candidates (the row is cut whole then: cutoffs.py)."""
-    from lowmem_aitextgen.sampling import CANDIDATES, likeliest_kept
+    from lowmem_aitextgen.generation.sampling import CANDIDATES, likeliest_kept
 
     generator = torch.Generator().manual_seed(top_k)
     for scale in (3.0, 6.0, 12.0):
@@ -251,7 +252,7 @@ def test_a_rows_draw_picks_what_the_whole_vocabulary_draw_picks(top_k, top_p):
     """The same stream's uniform numbers pick the same tokens, among the likeliest kept (likeliest_kept) or over the
     row cut whole (a top_p the candidates do not hold, a top_k past the kernel's: cutoffs.py), as over the whole
     vocabulary with transformers' warpers (the inverse CDF in the order of the ids)."""
-    from lowmem_aitextgen.sampling import _draw
+    from lowmem_aitextgen.generation.sampling import _draw
 
     logits = torch.randn(50257, generator=torch.Generator().manual_seed(5)) * 4  # top_p 0.9: 358 tokens kept
     row, theirs = Row(torch.tensor([1]), RowSettings(max_new=10**6, top_k=top_k, top_p=top_p, seed=7)), \
@@ -276,7 +277,7 @@ def test_a_top_k_near_the_vocabularys_size_draws_what_transformers_warper_keeps(
     """Past our kernel's k (native_top_k.KERNEL_MAX_K: 1,024) the k-th largest is found by a cut: the draw is the one
     over the whole vocabulary with transformers' TopK warper, uniform number by uniform number, alone and beside a
     row of another k; a tie at the k-th keeps every tied token."""
-    from lowmem_aitextgen.sampling import _draw, next_tokens
+    from lowmem_aitextgen.generation.sampling import _draw, next_tokens
 
     logits = torch.randn(50257, generator=torch.Generator().manual_seed(top_k)) * 4
     probabilities = warped(logits, top_k, 1.0).softmax(-1)

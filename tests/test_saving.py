@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, outputs, saving
+from lowmem_aitextgen import aitextgen, saving
+from lowmem_aitextgen.training import outputs
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("our writers; transformers' and peft's loaders of what they write are test_adapters' marked tests")
@@ -70,9 +71,9 @@ def test_safetensors_save_replaces_legacy_bin(tmp_path):
 
 def lora_model_as_trained():
     """A LoRA model as training leaves it: adapters that changed, the frozen base held in bf16."""
-    from lowmem_aitextgen.adapter_settings import AdapterSettings
-    from lowmem_aitextgen.adapters import add_adapter
-    from lowmem_aitextgen.storage16 import cast_frozen_weights
+    from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+    from lowmem_aitextgen.training.adapters import add_adapter
+    from lowmem_aitextgen.training.storage16 import cast_frozen_weights
 
     torch.manual_seed(0)
     model = add_adapter(GPT2LMHeadModel(tiny_gpt2_config(vocab_size=50257)), AdapterSettings.lora(r=4))

@@ -16,7 +16,7 @@ import torch
 from test_serving import model_folder, start_server, stop_server
 
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.forms import FORM_RECORDS
+from lowmem_aitextgen.generation.forms import FORM_RECORDS
 
 NOT_AT_THE_EDGES = "the server's protocol; the model's scores are test_engine's"
 ORIGIN = "https://example.org"
@@ -429,7 +429,7 @@ def test_a_failure_no_route_answers_is_a_json_500_logged_and_the_app_goes_on(sco
     expects): OpenAI's JSON error with status 500, the traceback in the log, the next request answered."""
     from starlette.testclient import TestClient
 
-    from lowmem_aitextgen.serving import Server, ServeSettings, make_app
+    from lowmem_aitextgen.serving.serving import Server, ServeSettings, make_app
 
     server = Server(aitextgen(model_folder=scored.folder, tokenizer_file=tokenizer_file), "m", ServeSettings())
     server.encode = lambda prompt, bos: (_ for _ in ()).throw(RuntimeError("a bug of ours"))

@@ -420,7 +420,7 @@ def test_serve_refuses_bad_flags_before_reading_the_model(flag, says, tmp_path):
 
 def test_threads_are_the_ones_this_process_decodes_with():
     """--threads (replicas sharing a machine's cores) set torch's threads; left out, torch's own stay."""
-    from lowmem_aitextgen.serving import ServeSettings
+    from lowmem_aitextgen.serving.serving import ServeSettings
 
     before = torch.get_num_threads()
     try:
@@ -434,7 +434,7 @@ def test_threads_are_the_ones_this_process_decodes_with():
 
 def test_serve_without_its_extra_names_the_install_line(monkeypatch):
     from lowmem_aitextgen import _compat
-    from lowmem_aitextgen.serving import INSTALL_SERVE, ServeSettings
+    from lowmem_aitextgen.serving.serving import INSTALL_SERVE, ServeSettings
 
     monkeypatch.setattr(_compat, "importable", lambda module: module != "uvicorn")  # as where it is missing
     with pytest.raises(ValueError, match="serve needs uvicorn, which is not installed") as refused:
@@ -449,7 +449,7 @@ def test_a_request_whose_text_must_repeat_is_decoded_alone(fields, repeatable):
     an unseeded sampled one's the batch's (cheaper: nothing asks it to repeat)."""
     import json
 
-    from lowmem_aitextgen import completions
+    from lowmem_aitextgen.serving import completions
 
     request = completions.parse(json.dumps({"model": "m", "prompt": "x", **fields}).encode(),
                                 completions.Limits("m", 1024))

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 from conftest import snapshot, tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, cards, estimate_memory, hardware, oom
+from lowmem_aitextgen import aitextgen, cards, estimate_memory, hardware
+from lowmem_aitextgen.training import oom
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
@@ -65,8 +66,8 @@ def assert_same_weights(sharded: dict, replicated: dict, learning_rate: float = 
 def max_memory_for(base_folder: str, gathered_for: str, precision: str) -> int:
     """A max_memory under which sharded_train.py's fsdp plan can gather no more than `gathered_for` says:
     what that plan needs (with glibc's heap held, its least), by the planner's own estimate."""
-    from lowmem_aitextgen.budget import budgeted_bytes
-    from lowmem_aitextgen.estimate import estimate_plan
+    from lowmem_aitextgen.training.budget import budgeted_bytes
+    from lowmem_aitextgen.training.estimate import estimate_plan
 
     model = AutoModelForCausalLM.from_pretrained(base_folder)
     plan = cards.plan_of_call(model, n_gpu=0, devices=2, strategy="fsdp", batch_size=2, gradient_accumulation_steps=2,
@@ -287,8 +288,8 @@ def test_a_deferred_reduction_holds_a_steps_gradients_whole_until_its_last_micro
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lowmem_aitextgen import sharding
-    from lowmem_aitextgen.plan import TrainPlan
+    from lowmem_aitextgen.training import sharding
+    from lowmem_aitextgen.training.plan import TrainPlan
 
     reference = GPT2LMHeadModel(tiny_gpt2_config())
     model = GPT2LMHeadModel(tiny_gpt2_config())
@@ -316,8 +317,8 @@ def test_a_deferred_reduction_holds_a_steps_gradients_whole_until_its_last_micro
 
 
 def test_a_sharded_process_holds_gathered_weights_only_where_its_memory_allows():
-    from lowmem_aitextgen.budget import budgeted_bytes
-    from lowmem_aitextgen.estimate import estimate_plan
+    from lowmem_aitextgen.training.budget import budgeted_bytes
+    from lowmem_aitextgen.training.estimate import estimate_plan
 
     call = dict(n_gpu=0, devices=2, strategy="fsdp", batch_size=1, gradient_accumulation_steps=4, pin_micro_batch=True,
                 gradient_checkpointing=True, precision="32-true")

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 from transformers import GPT2Config
 
-from lowmem_aitextgen.adapter_settings import AdapterSettings
-from lowmem_aitextgen.estimate import memory_plan
-from lowmem_aitextgen.step_time import step_seconds
+from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+from lowmem_aitextgen.training.estimate import memory_plan
+from lowmem_aitextgen.training.step_time import step_seconds
 
 # tests/test_packaging.py: why .ci/run's oldest-versions pass leaves this file out
 NOT_AT_THE_EDGES = ("our cost model")

@@ -12,13 +12,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.pytorch_utils import Conv1D
 
 from conftest import tiny_gpt2_config
-from lowmem_aitextgen import aitextgen, budget, hardware, storage16
-from lowmem_aitextgen.adapter_settings import AdapterSettings
-from lowmem_aitextgen.budget import budgeted_bytes, fit_plan
-from lowmem_aitextgen.chunked_loss import causal_lm_loss
-from lowmem_aitextgen.estimate import estimate_plan, memory_plan
-from lowmem_aitextgen.plan import PlannerInputs, TrainPlan
-from lowmem_aitextgen.techniques import apply_memory_plan
+from lowmem_aitextgen import aitextgen, hardware
+from lowmem_aitextgen.training import budget, storage16
+from lowmem_aitextgen.training.adapter_settings import AdapterSettings
+from lowmem_aitextgen.training.budget import budgeted_bytes, fit_plan
+from lowmem_aitextgen.training.chunked_loss import causal_lm_loss
+from lowmem_aitextgen.training.estimate import estimate_plan, memory_plan
+from lowmem_aitextgen.training.plan import PlannerInputs, TrainPlan
+from lowmem_aitextgen.training.techniques import apply_memory_plan
 
 pytestmark = pytest.mark.edges  # forwards of transformers' Conv1D, Linear, LayerNorm and Embedding
 

@@ -7,7 +7,7 @@ import sys
 import time
 
 from lowmem_aitextgen import cli
-from lowmem_aitextgen.engine import Engine
+from lowmem_aitextgen.generation.engine import Engine
 
 SECONDS = float(sys.argv[1])
 step = Engine.step

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from lowmem_aitextgen import aitextgen
-from lowmem_aitextgen.callbacks import TrainingDiverged
+from lowmem_aitextgen.training.callbacks import TrainingDiverged
 
 COMMON = dict(n_gpu=0, devices=2, strategy="fsdp", batch_size=2, learning_rate=1e-2, generate_every=0, seed=1)
 

@@ -1,0 +1,1 @@
+"""Our own C kernels (csrc/), built at first use, and their ctypes wrappers."""

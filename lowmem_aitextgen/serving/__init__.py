@@ -1,0 +1,1 @@
+"""`lowmem_aitextgen serve`: OpenAI's API over the batch engine."""
