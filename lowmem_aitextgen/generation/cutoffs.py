@@ -58,18 +58,6 @@ def kth_and_next(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return kth_largest(logits, k), kth_largest(logits, k + 1)
 
 
-def kept_probabilities(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The softmax of `logits` (rows, n; divided by the temperature) after transformers' TopK and then TopP
-    warpers, bit for bit theirs but for TopP's edge (the module's table): what a draw over the whole vocabulary
-    with their warpers draws from.  Where our kernels do not take the rows: their own warpers."""
-    if top_k and top_k < logits.shape[-1]:
-        logits = logits.masked_fill(logits < kth_largest(logits, top_k), -torch.inf)
-    if top_p < 1.0:  # (after top_k, top_p of what it keeps)
-        removed = _removed_by_mass(logits, logits.softmax(-1), [top_p] * len(logits), descending=True)
-        logits = TopP(top_p)(None, logits) if removed is None else logits.masked_fill(removed, -torch.inf)
-    return logits.softmax(-1)
-
-
 def _removed_by_mass(keys: torch.Tensor, probabilities: torch.Tensor, masses: list[float], descending: bool
                      ) -> torch.Tensor | None:
     """Where each row's items, in the order of `keys`, come after the first whose cumulative probability reaches

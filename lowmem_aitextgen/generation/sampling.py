@@ -48,7 +48,7 @@ from . import cutoffs
 from .detokenizer import Detokenizer
 
 # how many of the likeliest tokens a top-p pick without top-k looks among before it cuts the whole vocabulary
-# (cutoffs.kept_probabilities): our kernel's 64 largest of 50,257 ~0.02 ms here, a cut and a draw over the row ~0.35
+# (cutoffs.TopP): our kernel's 64 largest of 50,257 ~0.02 ms here, a cut and a draw over the row ~0.35
 CANDIDATES = 64
 SEED_BITS = 63  # a row's seed: derived by row_seed, or (unseeded) drawn from the OS, never from torch's global
 # A temperature below this decodes as 0 (the most likely token), the limit of sampling as it goes to zero: divided by a
@@ -183,12 +183,10 @@ class Row:
         if s.temperature == 0:
             return int(logits.argmax())
         logits = _scaled([self], logits)
-        if not s.warpers:
-            kept = likeliest_kept(logits[0], s.top_k, s.top_p)
-            if kept is not None:
-                return _draw_among(*kept, self.generator)
-            return _draw(cutoffs.kept_probabilities(logits, s.top_k, s.top_p)[0], self.generator)
-        if s.top_k:
+        kept = None if s.warpers else likeliest_kept(logits[0], s.top_k, s.top_p)
+        if kept is not None:
+            return _draw_among(*kept, self.generator)
+        if s.top_k:  # (the whole row cut: cutoffs.py's warpers find what transformers' keep without their sort)
             logits = cutoffs.TopK(s.top_k)(None, logits)
         if s.top_p < 1.0:
             logits = cutoffs.TopP(s.top_p)(None, logits)
